@@ -1,1 +1,57 @@
+//! `cachealloc-core`: the caching algorithm of cachealloc, generic over a device.
+//!
+//! A [`CachingAllocator`] answers device-memory requests from a cache of
+//! blocks carved out of a few large device segments, so that almost no
+//! request reaches the driver. It rounds requests to 512 bytes, keeps free
+//! blocks in two-level segregated-fit bins per stream and pool (exact best
+//! fit in O(1) class lookups), splits and merges blocks inside segments,
+//! defers reuse of blocks other streams used until their events complete,
+//! returns free segments on [`CachingAllocator::empty_cache`], and flushes
+//! and retries before it reports out-of-memory with an explanation.
+//!
+//! The crate has no `unsafe` and no CUDA: the [`Device`] trait is the only
+//! way to the hardware, and [`SimulatedDevice`] implements it for tests and
+//! trace replay.
+//!
+//! ```
+//! use cachealloc_core::{CachingAllocator, Config, SimulatedDevice, StreamId};
+//! let device = SimulatedDevice::new(1 << 30);
+//! let alloc = CachingAllocator::new(device.clone(), Config::default());
+//! let p = alloc.malloc(1000, StreamId(0)).unwrap();
+//! alloc.free(p).unwrap();
+//! let q = alloc.malloc(1000, StreamId(0)).unwrap();
+//! assert_eq!(p, q, "served from the cache");
+//! assert_eq!(device.counters().allocs, 1);
+//! alloc.free(q).unwrap();
+//! assert_eq!(alloc.empty_cache().unwrap().segments, 1);
+//! assert_eq!(device.outstanding(), 0);
+//! ```
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
+mod allocator;
+mod bins;
+mod block;
+pub mod config;
+pub mod device;
+pub mod error;
+mod fasthash;
+pub mod replay;
+pub mod report;
+pub mod rounding;
+pub mod simulated;
+pub mod stats;
+pub mod trace;
+
+pub use allocator::{CachingAllocator, Released, TraceSink, Usage};
+pub use block::{BlockState, PoolKind};
+pub use config::{parse_size, Config, ConfigError, MemoryCap};
+pub use device::{Device, DeviceError, DevicePtr, MemInfo, StreamId};
+pub use error::{AllocError, OomReport};
+pub use report::{
+    human_bytes, BlockSnapshot, FragmentationReport, SegmentSnapshot, SegmentUse, Snapshot,
+};
+pub use rounding::{round_size, MAX_REQUEST, MIN_BLOCK};
+pub use simulated::{SimCounters, SimulatedDevice};
+pub use stats::{MemoryStats, Stat, StatArray};
+pub use trace::{TraceError, TraceEvent, TraceReader, TraceWriter};

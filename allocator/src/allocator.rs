@@ -1,0 +1,1209 @@
+//! The caching allocator: size classes, pools per stream, splitting and
+//! merging, stream events, `empty_cache` and the out-of-memory ladder.
+//!
+//! All state sits behind one `parking_lot` mutex per allocator (per device),
+//! as in PyTorch. The state is split into plain records (blocks, segments,
+//! bins) so that a later per-thread front cache can sit in front of
+//! [`CachingAllocator::malloc`] without touching the algorithm, and so that
+//! page-backed growable segments can reuse the same block lists.
+
+use crate::bins::Bins;
+use crate::block::{Block, BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId, Slab};
+use crate::config::{Config, MemoryCap};
+use crate::device::{Device, DeviceError, DevicePtr, StreamId};
+use crate::error::{AllocError, OomReport};
+use crate::fasthash::FastMap;
+use crate::report::{BlockSnapshot, FragmentationReport, SegmentSnapshot, SegmentUse, Snapshot};
+use crate::rounding::round_size;
+use crate::stats::MemoryStats;
+use crate::trace::TraceEvent;
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, VecDeque};
+
+/// What `empty_cache` (or a flush) gave back to the device.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    /// Bytes released.
+    pub bytes: u64,
+    /// Segments released.
+    pub segments: u64,
+}
+
+/// Cheap counters for replay loops: current bytes without cloning the stats.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Bytes allocated to callers (rounded).
+    pub allocated: u64,
+    /// Bytes held from the device.
+    pub reserved: u64,
+    /// Bytes callers asked for.
+    pub requested: u64,
+}
+
+/// A sink for recorded trace events (see [`CachingAllocator::start_recording`]).
+pub type TraceSink = Box<dyn FnMut(&TraceEvent) + Send>;
+
+/// A caching device allocator over a [`Device`]. `Send + Sync`: share it by reference or `Arc`.
+pub struct CachingAllocator<D: Device> {
+    device: D,
+    state: Mutex<State<D::Event>>,
+}
+
+struct Recorder {
+    sink: TraceSink,
+    ids: FastMap<u64, u64>,
+    next_id: u64,
+}
+
+struct State<E> {
+    config: Config,
+    cap: Option<u64>,
+    blocks: Slab<Block>,
+    segments: Slab<Segment>,
+    segment_by_addr: BTreeMap<u64, SegmentId>,
+    /// Bins per pool, indexed by [`PoolId::index`]; created on first use.
+    bins: Vec<Option<Box<Bins>>>,
+    /// Per pool: lookups so far (the clock of garbage-collection ages).
+    lookups: Vec<u64>,
+    streams: FastMap<StreamId, u32>,
+    stream_list: Vec<StreamId>,
+    /// Allocated blocks by address: the O(1) address → block map.
+    live: FastMap<u64, BlockId>,
+    /// Events guarding freed blocks, one FIFO per stream that used them.
+    pending: Vec<(StreamId, VecDeque<(E, BlockId)>)>,
+    pending_blocks: usize,
+    stats: MemoryStats,
+    /// Highest reserved bytes ever (not reset by `reset_peak_stats`).
+    high_water: u64,
+    recorder: Option<Recorder>,
+}
+
+impl<D: Device> CachingAllocator<D> {
+    /// An allocator over `device` with `config`. A memory cap in the config is
+    /// resolved against the device's total memory now.
+    pub fn new(device: D, config: Config) -> Self {
+        let total = device.mem_info().map(|m| m.total).unwrap_or(u64::MAX);
+        let cap = config.memory_cap.map(|c| c.bytes(total));
+        let stats = MemoryStats {
+            max_split_size: config.max_split_size,
+            ..Default::default()
+        };
+        CachingAllocator {
+            device,
+            state: Mutex::new(State {
+                config,
+                cap,
+                blocks: Slab::default(),
+                segments: Slab::default(),
+                segment_by_addr: BTreeMap::new(),
+                bins: Vec::new(),
+                lookups: Vec::new(),
+                streams: FastMap::default(),
+                stream_list: Vec::new(),
+                live: FastMap::default(),
+                pending: Vec::new(),
+                pending_blocks: 0,
+                stats,
+                high_water: 0,
+                recorder: None,
+            }),
+        }
+    }
+
+    /// The device this allocator draws from.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> Config {
+        self.state.lock().config.clone()
+    }
+
+    /// Allocates `size` bytes for use on `stream`.
+    ///
+    /// Size 0 is [`AllocError::ZeroSize`]; sizes above 1 PiB are
+    /// [`AllocError::SizeTooLarge`]. When nothing cached fits and the device
+    /// cannot give a new segment, the cache is flushed and the request
+    /// retried; only then is [`AllocError::OutOfMemory`] returned, with a
+    /// report of the memory state.
+    pub fn malloc(&self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
+        if size == 0 {
+            return Err(AllocError::ZeroSize);
+        }
+        self.state.lock().malloc(&self.device, size, stream)
+    }
+
+    /// Returns an allocation to the cache. If other streams used it
+    /// ([`CachingAllocator::record_stream`]), it is reused only after events
+    /// recorded on them now have completed.
+    pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        self.state.lock().free(&self.device, ptr)
+    }
+
+    /// Marks the allocation at `ptr` as used by `stream` as well as its own.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
+        self.state.lock().record_stream(ptr, stream)
+    }
+
+    /// Polls pending events and recycles the blocks whose events completed.
+    /// (Every `malloc` does this first.)
+    pub fn process_events(&self) -> Result<(), AllocError> {
+        self.state.lock().process_events(&self.device)
+    }
+
+    /// Waits for pending events, then releases every entirely free segment to
+    /// the device. Partly used segments stay; [`CachingAllocator::fragmentation`]
+    /// reports their free bytes.
+    pub fn empty_cache(&self) -> Result<Released, AllocError> {
+        let mut st = self.state.lock();
+        if let Some(r) = st.recorder.as_mut() {
+            (r.sink)(&TraceEvent::EmptyCache);
+        }
+        st.release_cached(&self.device)
+    }
+
+    /// Sets (or lifts, with `None`) the cap on reserved memory. If reserved
+    /// memory is above the new cap, entirely free segments are released now.
+    pub fn set_memory_cap(&self, cap: Option<MemoryCap>) -> Result<(), AllocError> {
+        let total = self.device.mem_info()?.total;
+        let mut st = self.state.lock();
+        st.config.memory_cap = cap;
+        st.cap = cap.map(|c| c.bytes(total));
+        if st.cap.is_some_and(|c| st.reserved() > c) {
+            st.release_cached(&self.device)?;
+        }
+        Ok(())
+    }
+
+    /// The cap on reserved memory in bytes, if any.
+    pub fn memory_cap(&self) -> Option<u64> {
+        self.state.lock().cap
+    }
+
+    /// A copy of the statistics (PyTorch's `memory_stats()`).
+    pub fn stats(&self) -> MemoryStats {
+        self.state.lock().stats.clone()
+    }
+
+    /// Current allocated / reserved / requested bytes, cheaply.
+    pub fn usage(&self) -> Usage {
+        let st = self.state.lock();
+        Usage {
+            allocated: st.stats.allocated_bytes.all().current,
+            reserved: st.reserved(),
+            requested: st.stats.requested_bytes.all().current,
+        }
+    }
+
+    /// Resets every peak statistic to its current value.
+    pub fn reset_peak_stats(&self) {
+        self.state.lock().stats.reset_peak();
+    }
+
+    /// How fragmented the cache is now.
+    pub fn fragmentation(&self) -> FragmentationReport {
+        self.state.lock().fragmentation()
+    }
+
+    /// Every segment and block.
+    pub fn snapshot(&self) -> Snapshot {
+        self.state.lock().snapshot()
+    }
+
+    /// Starts sending every malloc / free / empty_cache to `sink` as trace
+    /// events (ids are assigned in allocation order). Replaces any earlier sink.
+    pub fn start_recording(&self, sink: TraceSink) {
+        let mut st = self.state.lock();
+        let mut ids = FastMap::default();
+        let mut next_id = 0;
+        // Allocations already live get ids too, so that their frees are valid
+        // in the trace; their allocation lines are emitted first.
+        let mut sink = sink;
+        let mut live: Vec<(u64, BlockId)> = st.live.iter().map(|(&a, &b)| (a, b)).collect();
+        live.sort_unstable();
+        for (addr, id) in live {
+            let b = st.blocks.get(id.0);
+            let stream = st.segments.get(b.segment.0).stream;
+            sink(&TraceEvent::Alloc {
+                id: next_id,
+                bytes: b.requested,
+                stream: stream.0,
+            });
+            ids.insert(addr, next_id);
+            next_id += 1;
+        }
+        st.recorder = Some(Recorder { sink, ids, next_id });
+    }
+
+    /// Stops recording; returns whether a recording was running.
+    pub fn stop_recording(&self) -> bool {
+        self.state.lock().recorder.take().is_some()
+    }
+
+    /// Checks every internal invariant; the first violation is returned as text.
+    ///
+    /// Segments tile exactly into address-ordered blocks, no two free
+    /// neighbours are left unmerged, every free block is in its bins and only
+    /// there, the address map holds exactly the allocated blocks, pending
+    /// events match the blocks awaiting them, and every statistic equals what
+    /// the blocks recompute. Used by the property tests and the fuzzers.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.state.lock().check_invariants()
+    }
+}
+
+impl<E> State<E> {
+    fn reserved(&self) -> u64 {
+        self.stats.reserved_bytes.all().current
+    }
+
+    fn stream_slot(&mut self, stream: StreamId) -> u32 {
+        if let Some(&s) = self.streams.get(&stream) {
+            return s;
+        }
+        let slot = self.stream_list.len() as u32;
+        self.stream_list.push(stream);
+        self.streams.insert(stream, slot);
+        let pools = 2 * self.stream_list.len();
+        self.bins.resize_with(pools, || None);
+        self.lookups.resize(pools, 0);
+        slot
+    }
+
+    fn bins_mut(&mut self, pool: PoolId) -> &mut Bins {
+        self.bins[pool.index()].get_or_insert_with(Box::default)
+    }
+
+    /// The segment size for a request of `rounded` bytes.
+    fn segment_size(&self, rounded: u64) -> u64 {
+        let c = &self.config;
+        if !c.caching {
+            rounded
+        } else if rounded <= c.small_size {
+            c.small_segment
+        } else if rounded < c.large_threshold {
+            c.medium_segment
+        } else {
+            rounded.div_ceil(c.segment_round) * c.segment_round
+        }
+    }
+
+    fn malloc<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        size: u64,
+        stream: StreamId,
+    ) -> Result<DevicePtr, AllocError> {
+        if self.pending_blocks > 0 {
+            self.process_events(dev)?;
+        }
+        let rounded = round_size(size, &self.config.roundup_power2_divisions)
+            .ok_or(AllocError::SizeTooLarge(size))?;
+        let kind = if rounded <= self.config.small_size {
+            PoolKind::Small
+        } else {
+            PoolKind::Large
+        };
+        let pool = PoolId::new(self.stream_slot(stream), kind);
+        let found = if self.config.caching {
+            self.get_free_block(pool, rounded)
+        } else {
+            None
+        };
+        let id = match found {
+            Some(id) => id,
+            None => self.grow(dev, pool, stream, size, rounded)?,
+        };
+        Ok(self.alloc_found_block(id, rounded, size))
+    }
+
+    /// PyTorch's `get_free_block`: the best fit of the pool, unless it is oversize.
+    fn get_free_block(&mut self, pool: PoolId, size: u64) -> Option<BlockId> {
+        if self.config.garbage_collection_threshold.is_some() && self.cap.is_some() {
+            self.lookups[pool.index()] += 1;
+        }
+        let max_split = self.config.max_split_size;
+        let slack = self.config.oversize_slack;
+        let bins = self.bins[pool.index()].as_mut()?;
+        let (bsize, addr, id) = bins.best_fit(size)?;
+        if size < max_split && bsize >= max_split {
+            return None;
+        }
+        if size >= max_split && bsize >= size.saturating_add(slack) {
+            return None;
+        }
+        bins.remove(bsize, addr, id);
+        Some(id)
+    }
+
+    /// The ladder after a cache miss: new segment → release what suffices →
+    /// full flush → out of memory.
+    fn grow<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        pool: PoolId,
+        stream: StreamId,
+        size: u64,
+        rounded: u64,
+    ) -> Result<BlockId, AllocError> {
+        let seg_size = self.segment_size(rounded);
+        if self.config.garbage_collection_threshold.is_some() && self.cap.is_some() {
+            self.garbage_collect(dev)?;
+        }
+        if self.config.release_before_grow && self.reserved() + seg_size > self.high_water {
+            let need = self.reserved() + seg_size - self.high_water;
+            self.release_free_segments(dev, need)?;
+        }
+        if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
+            return Ok(id);
+        }
+        if self.release_available(dev, pool, rounded, seg_size)? {
+            if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
+                return Ok(id);
+            }
+        }
+        // Full flush: wait for every pending event, release every free segment, retry.
+        self.release_cached(dev)?;
+        self.stats.num_alloc_retries += 1;
+        if self.config.caching {
+            if let Some(id) = self.get_free_block(pool, rounded) {
+                return Ok(id);
+            }
+        }
+        if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
+            return Ok(id);
+        }
+        self.stats.num_ooms += 1;
+        Err(AllocError::OutOfMemory(Box::new(
+            self.oom_report(dev, size, seg_size),
+        )))
+    }
+
+    fn oom_report<D: Device<Event = E>>(&self, dev: &D, size: u64, seg_size: u64) -> OomReport {
+        let info = dev.mem_info().unwrap_or_default();
+        let frag = self.fragmentation_totals();
+        OomReport {
+            requested: size,
+            segment_size: seg_size,
+            device_free: info.free,
+            device_total: info.total,
+            cap: self.cap,
+            allocated: self.stats.allocated_bytes.all().current,
+            reserved: self.reserved(),
+            largest_free_block: frag.1,
+            external_fragmentation: if frag.0 == 0 {
+                0.0
+            } else {
+                (frag.0 - frag.1) as f64 / frag.0 as f64
+            },
+        }
+    }
+
+    /// Asks the device for a segment; `Ok(None)` when the cap or the device says no.
+    fn alloc_segment<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        pool: PoolId,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
+        if self
+            .cap
+            .is_some_and(|cap| self.reserved().saturating_add(size) > cap)
+        {
+            return Ok(None);
+        }
+        let ptr = match dev.allocate(size) {
+            Ok(p) => p,
+            Err(DeviceError::OutOfMemory) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let seg = SegmentId(self.segments.len() as u32); // placeholder, fixed below
+        let id = BlockId(self.blocks.insert(Block {
+            addr: ptr.0,
+            size,
+            requested: 0,
+            prev: None,
+            next: None,
+            segment: seg,
+            pool,
+            state: BlockState::Free,
+            stream_uses: Vec::new(),
+            pending_events: 0,
+            gc_base: 0,
+        }));
+        let seg = SegmentId(self.segments.insert(Segment {
+            addr: ptr.0,
+            size,
+            stream,
+            pool,
+            head: id,
+        }));
+        self.blocks.get_mut(id.0).segment = seg;
+        self.segment_by_addr.insert(ptr.0, seg);
+        let kind = pool.kind();
+        self.stats.segment.increase(kind, 1);
+        self.stats.reserved_bytes.increase(kind, size);
+        self.stats.num_device_alloc += 1;
+        if size >= self.config.max_split_size {
+            self.stats.oversize_segments.increase(1);
+        }
+        self.high_water = self.high_water.max(self.reserved());
+        Ok(Some(id))
+    }
+
+    fn should_split(&self, kind: PoolKind, rounded: u64, remaining: u64) -> bool {
+        match kind {
+            PoolKind::Small => remaining >= crate::rounding::MIN_BLOCK,
+            PoolKind::Large => {
+                rounded < self.config.max_split_size
+                    && remaining > self.config.large_split_remainder
+            }
+        }
+    }
+
+    /// Hands out block `id` (already out of the bins), splitting off the remainder if worth it.
+    fn alloc_found_block(&mut self, id: BlockId, rounded: u64, requested: u64) -> DevicePtr {
+        let (addr, size, pool, already_split, next, segment) = {
+            let b = self.blocks.get(id.0);
+            (b.addr, b.size, b.pool, b.is_split(), b.next, b.segment)
+        };
+        let kind = pool.kind();
+        let remaining = size - rounded;
+        let final_size = if self.should_split(kind, rounded, remaining) {
+            let gc_base = self.lookups[pool.index()];
+            let rest = BlockId(self.blocks.insert(Block {
+                addr: addr + rounded,
+                size: remaining,
+                requested: 0,
+                prev: Some(id),
+                next,
+                segment,
+                pool,
+                state: BlockState::Free,
+                stream_uses: Vec::new(),
+                pending_events: 0,
+                gc_base,
+            }));
+            if let Some(n) = next {
+                self.blocks.get_mut(n.0).prev = Some(rest);
+            }
+            let b = self.blocks.get_mut(id.0);
+            b.next = Some(rest);
+            b.size = rounded;
+            self.bins_mut(pool).insert(remaining, addr + rounded, rest);
+            if already_split {
+                self.stats.inactive_split_bytes.decrease(kind, rounded);
+            } else {
+                self.stats.inactive_split_bytes.increase(kind, remaining);
+                self.stats.inactive_split.increase(kind, 1);
+            }
+            rounded
+        } else {
+            if already_split {
+                self.stats.inactive_split_bytes.decrease(kind, size);
+                self.stats.inactive_split.decrease(kind, 1);
+            }
+            size
+        };
+        let b = self.blocks.get_mut(id.0);
+        b.state = BlockState::Allocated;
+        b.requested = requested;
+        self.live.insert(addr, id);
+        let s = &mut self.stats;
+        s.allocation.increase(kind, 1);
+        s.allocated_bytes.increase(kind, final_size);
+        s.active.increase(kind, 1);
+        s.active_bytes.increase(kind, final_size);
+        s.requested_bytes.increase(kind, requested);
+        if final_size >= self.config.max_split_size {
+            s.oversize_allocations.increase(1);
+        }
+        if let Some(r) = self.recorder.as_mut() {
+            let stream = self.stream_list[(pool.0 / 2) as usize];
+            r.ids.insert(addr, r.next_id);
+            (r.sink)(&TraceEvent::Alloc {
+                id: r.next_id,
+                bytes: requested,
+                stream: stream.0,
+            });
+            r.next_id += 1;
+        }
+        DevicePtr(addr)
+    }
+
+    /// Tells apart a double free, an interior pointer and a foreign pointer.
+    fn classify_bad_pointer(&self, ptr: DevicePtr) -> AllocError {
+        let Some((_, &seg)) = self.segment_by_addr.range(..=ptr.0).next_back() else {
+            return AllocError::UnknownPointer(ptr);
+        };
+        let s = self.segments.get(seg.0);
+        if ptr.0 >= s.addr + s.size {
+            return AllocError::UnknownPointer(ptr);
+        }
+        let mut cur = Some(s.head);
+        while let Some(id) = cur {
+            let b = self.blocks.get(id.0);
+            if ptr.0 >= b.addr && ptr.0 < b.addr + b.size {
+                return match (b.state, ptr.0 == b.addr) {
+                    (BlockState::Allocated, false) => AllocError::InteriorPointer {
+                        ptr,
+                        block: DevicePtr(b.addr),
+                    },
+                    (_, true) => AllocError::DoubleFree(ptr),
+                    _ => AllocError::UnknownPointer(ptr),
+                };
+            }
+            cur = b.next;
+        }
+        AllocError::UnknownPointer(ptr)
+    }
+
+    fn free<D: Device<Event = E>>(&mut self, dev: &D, ptr: DevicePtr) -> Result<(), AllocError> {
+        let Some(id) = self.live.remove(&ptr.0) else {
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        let (size, pool) = {
+            let b = self.blocks.get(id.0);
+            (b.size, b.pool)
+        };
+        let kind = pool.kind();
+        self.stats.allocation.decrease(kind, 1);
+        self.stats.allocated_bytes.decrease(kind, size);
+        if size >= self.config.max_split_size {
+            self.stats.oversize_allocations.decrease(1);
+        }
+        if let Some(r) = self.recorder.as_mut() {
+            if let Some(tid) = r.ids.remove(&ptr.0) {
+                (r.sink)(&TraceEvent::Free { id: tid });
+            }
+        }
+        let uses = std::mem::take(&mut self.blocks.get_mut(id.0).stream_uses);
+        if uses.is_empty() {
+            self.free_block(id);
+            if !self.config.caching {
+                let seg = self.blocks.get(id.0).segment;
+                self.release_segment(dev, seg)?;
+            }
+            return Ok(());
+        }
+        self.blocks.get_mut(id.0).state = BlockState::AwaitingEvents;
+        let mut recorded = 0u32;
+        for s in uses {
+            match dev.record_event(s) {
+                Ok(ev) => {
+                    recorded += 1;
+                    match self.pending.iter_mut().find(|(st, _)| *st == s) {
+                        Some((_, q)) => q.push_back((ev, id)),
+                        None => self.pending.push((s, VecDeque::from([(ev, id)]))),
+                    }
+                }
+                Err(_) => {
+                    // Cannot guard the block with an event: make it safe the slow way.
+                    dev.synchronize()?;
+                }
+            }
+        }
+        if recorded == 0 {
+            self.free_block(id);
+        } else {
+            self.blocks.get_mut(id.0).pending_events = recorded;
+            self.pending_blocks += 1;
+        }
+        Ok(())
+    }
+
+    /// Returns a block to its pool, merging it with free neighbours.
+    fn free_block(&mut self, id: BlockId) {
+        let (orig_size, requested, pool) = {
+            let b = self.blocks.get_mut(id.0);
+            b.state = BlockState::Free;
+            (b.size, std::mem::take(&mut b.requested), b.pool)
+        };
+        let kind = pool.kind();
+        let mut net_blocks: i64 = 0;
+        let mut net_bytes: i64 = 0;
+        for before in [true, false] {
+            let b = self.blocks.get(id.0);
+            let Some(c) = (if before { b.prev } else { b.next }) else {
+                continue;
+            };
+            let cand = self.blocks.get(c.0);
+            if cand.state != BlockState::Free {
+                continue;
+            }
+            let (csize, caddr, cprev, cnext) = (cand.size, cand.addr, cand.prev, cand.next);
+            self.bins_mut(pool).remove(csize, caddr, c);
+            let b = self.blocks.get_mut(id.0);
+            b.size += csize;
+            if before {
+                b.addr = caddr;
+                b.prev = cprev;
+                let seg = b.segment;
+                match cprev {
+                    Some(p) => self.blocks.get_mut(p.0).next = Some(id),
+                    None => self.segments.get_mut(seg.0).head = id,
+                }
+            } else {
+                b.next = cnext;
+                if let Some(n) = cnext {
+                    self.blocks.get_mut(n.0).prev = Some(id);
+                }
+            }
+            self.blocks.remove(c.0);
+            net_blocks -= 1;
+            net_bytes -= csize as i64;
+        }
+        let gc_base = self.lookups[pool.index()];
+        let b = self.blocks.get_mut(id.0);
+        b.gc_base = gc_base;
+        let (size, addr, split) = (b.size, b.addr, b.is_split());
+        self.bins_mut(pool).insert(size, addr, id);
+        if split {
+            net_blocks += 1;
+            net_bytes += size as i64;
+        }
+        let s = &mut self.stats;
+        match net_blocks.signum() {
+            1 => s.inactive_split.increase(kind, net_blocks as u64),
+            -1 => s.inactive_split.decrease(kind, net_blocks.unsigned_abs()),
+            _ => {}
+        }
+        match net_bytes.signum() {
+            1 => s.inactive_split_bytes.increase(kind, net_bytes as u64),
+            -1 => s
+                .inactive_split_bytes
+                .decrease(kind, net_bytes.unsigned_abs()),
+            _ => {}
+        }
+        s.active.decrease(kind, 1);
+        s.active_bytes.decrease(kind, orig_size);
+        s.requested_bytes.decrease(kind, requested);
+    }
+
+    fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
+        let Some(&id) = self.live.get(&ptr.0) else {
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        let owner = self.segments.get(self.blocks.get(id.0).segment.0).stream;
+        let b = self.blocks.get_mut(id.0);
+        if stream != owner && !b.stream_uses.contains(&stream) {
+            b.stream_uses.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Events of these blocks completed: recycle each block whose last event it was.
+    fn events_done<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        done: Vec<BlockId>,
+    ) -> Result<(), AllocError> {
+        for id in done {
+            let b = self.blocks.get_mut(id.0);
+            b.pending_events -= 1;
+            if b.pending_events == 0 {
+                self.pending_blocks -= 1;
+                self.free_block(id);
+                if !self.config.caching {
+                    let seg = self.blocks.get(id.0).segment;
+                    self.release_segment(dev, seg)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn process_events<D: Device<Event = E>>(&mut self, dev: &D) -> Result<(), AllocError> {
+        let mut done = Vec::new();
+        for (_, queue) in &mut self.pending {
+            while let Some((ev, _)) = queue.front() {
+                if !dev.event_completed(ev)? {
+                    break;
+                }
+                let (ev, id) = queue.pop_front().expect("front exists");
+                dev.release_event(ev);
+                done.push(id);
+            }
+        }
+        self.pending.retain(|(_, q)| !q.is_empty());
+        self.events_done(dev, done)
+    }
+
+    /// Waits for every pending event (PyTorch's `synchronize_and_free_events`).
+    fn wait_all_events<D: Device<Event = E>>(&mut self, dev: &D) -> Result<(), AllocError> {
+        self.stats.num_sync_all_streams += 1;
+        let mut done = Vec::new();
+        let mut result = Ok(());
+        for (stream, mut queue) in std::mem::take(&mut self.pending) {
+            while result.is_ok() {
+                let Some((ev, id)) = queue.pop_front() else {
+                    break;
+                };
+                match dev.wait_event(&ev) {
+                    Ok(()) => {
+                        dev.release_event(ev);
+                        done.push(id);
+                    }
+                    Err(e) => {
+                        // Keep it pending, so that nothing is reused unsafely.
+                        queue.push_front((ev, id));
+                        result = Err(e.into());
+                    }
+                }
+            }
+            if !queue.is_empty() {
+                self.pending.push((stream, queue));
+            }
+        }
+        self.events_done(dev, done)?;
+        result
+    }
+
+    /// Whether a segment is a single free block (releasable).
+    fn segment_is_free(&self, seg: SegmentId) -> bool {
+        let b = self.blocks.get(self.segments.get(seg.0).head.0);
+        b.state == BlockState::Free && b.next.is_none()
+    }
+
+    /// Frees an entirely free segment to the device.
+    fn release_segment<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        seg: SegmentId,
+    ) -> Result<u64, AllocError> {
+        debug_assert!(self.segment_is_free(seg));
+        let s = self.segments.get(seg.0);
+        let (addr, size, pool, head) = (s.addr, s.size, s.pool, s.head);
+        dev.free(DevicePtr(addr), size)?;
+        self.bins_mut(pool).remove(size, addr, head);
+        self.blocks.remove(head.0);
+        self.segments.remove(seg.0);
+        self.segment_by_addr.remove(&addr);
+        let kind = pool.kind();
+        self.stats.segment.decrease(kind, 1);
+        self.stats.reserved_bytes.decrease(kind, size);
+        self.stats.num_device_free += 1;
+        if size >= self.config.max_split_size {
+            self.stats.oversize_segments.decrease(1);
+        }
+        Ok(size)
+    }
+
+    /// Entirely free segments (any pool, any stream), lowest address first.
+    fn free_segments(&self) -> Vec<(u64, SegmentId)> {
+        self.segment_by_addr
+            .values()
+            .filter(|&&s| self.segment_is_free(s))
+            .map(|&s| (self.segments.get(s.0).size, s))
+            .collect()
+    }
+
+    /// Waits for events and releases every entirely free segment.
+    fn release_cached<D: Device<Event = E>>(&mut self, dev: &D) -> Result<Released, AllocError> {
+        self.wait_all_events(dev)?;
+        let mut released = Released::default();
+        for (_, seg) in self.free_segments() {
+            released.bytes += self.release_segment(dev, seg)?;
+            released.segments += 1;
+        }
+        Ok(released)
+    }
+
+    /// Releases entirely free segments totalling at least `need` bytes: the
+    /// smallest single one that suffices, else the largest ones first.
+    /// Returns the bytes released (possibly less than `need`).
+    fn release_free_segments<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        need: u64,
+    ) -> Result<u64, AllocError> {
+        let mut free = self.free_segments();
+        if free.is_empty() {
+            return Ok(0);
+        }
+        free.sort_unstable();
+        if let Some(&(_, seg)) = free.iter().find(|(size, _)| *size >= need) {
+            return self.release_segment(dev, seg);
+        }
+        let mut total = 0;
+        for &(_, seg) in free.iter().rev() {
+            if total >= need {
+                break;
+            }
+            total += self.release_segment(dev, seg)?;
+        }
+        Ok(total)
+    }
+
+    /// The ladder's middle step: release cached segments that make room.
+    fn release_available<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        pool: PoolId,
+        rounded: u64,
+        seg_size: u64,
+    ) -> Result<bool, AllocError> {
+        let max_split = self.config.max_split_size;
+        if max_split != u64::MAX {
+            return self.release_oversize(dev, pool, rounded);
+        }
+        if !self.config.release_before_grow {
+            return Ok(false);
+        }
+        let headroom = match self.cap {
+            Some(cap) => cap.saturating_sub(self.reserved()),
+            None => dev.mem_info()?.free,
+        };
+        let need = seg_size.saturating_sub(headroom).max(1);
+        Ok(self.release_free_segments(dev, need)? > 0)
+    }
+
+    /// PyTorch's `release_available_cached_blocks` (only with `max_split_size`):
+    /// free one oversize block of the pool that fits, else the largest ones.
+    fn release_oversize<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        pool: PoolId,
+        rounded: u64,
+    ) -> Result<bool, AllocError> {
+        let max_split = self.config.max_split_size;
+        let key = rounded.max(max_split);
+        let Some(bins) = self.bins[pool.index()].as_ref() else {
+            return Ok(false);
+        };
+        let candidates: Vec<BlockId> = match bins.best_fit(key) {
+            Some((_, _, id)) => vec![id],
+            None => {
+                let mut total = 0;
+                let mut v = Vec::new();
+                for &(size, _, id) in bins.iter().rev() {
+                    if total >= key || size < max_split {
+                        break;
+                    }
+                    total += size;
+                    v.push(id);
+                }
+                if total < key {
+                    return Ok(false);
+                }
+                v
+            }
+        };
+        let mut any = false;
+        for id in candidates {
+            let b = self.blocks.get(id.0);
+            if !b.is_split() {
+                let seg = b.segment;
+                self.release_segment(dev, seg)?;
+                any = true;
+            }
+        }
+        Ok(any)
+    }
+
+    /// PyTorch's `garbage_collect_cached_blocks`: with a cap and a threshold,
+    /// release unsplit large cached blocks that have gone unused longest.
+    fn garbage_collect<D: Device<Event = E>>(&mut self, dev: &D) -> Result<(), AllocError> {
+        let (Some(t), Some(cap)) = (self.config.garbage_collection_threshold, self.cap) else {
+            return Ok(());
+        };
+        let threshold = (t * cap as f64) as u64;
+        if self.reserved() <= threshold {
+            return Ok(());
+        }
+        let target = self.reserved() - threshold;
+        let age = |st: &Self, id: BlockId| {
+            let b = st.blocks.get(id.0);
+            st.lookups[b.pool.index()] - b.gc_base
+        };
+        let mut candidates: Vec<BlockId> = Vec::new();
+        for (i, bins) in self.bins.iter().enumerate() {
+            if let (Some(bins), PoolKind::Large) = (bins, PoolId(i as u32).kind()) {
+                candidates.extend(
+                    bins.iter()
+                        .map(|e| e.2)
+                        .filter(|id| !self.blocks.get(id.0).is_split()),
+                );
+            }
+        }
+        let mut total_age: u64 = candidates.iter().map(|&id| age(self, id)).sum();
+        let mut reclaimed = 0;
+        while reclaimed < target && !candidates.is_empty() {
+            let threshold_age = total_age as f64 / candidates.len() as f64;
+            let (old, keep): (Vec<BlockId>, Vec<BlockId>) = candidates
+                .iter()
+                .partition(|&&id| age(self, id) as f64 >= threshold_age);
+            if old.is_empty() {
+                break;
+            }
+            for id in old {
+                total_age -= age(self, id);
+                let seg = self.blocks.get(id.0).segment;
+                reclaimed += self.release_segment(dev, seg)?;
+            }
+            candidates = keep;
+        }
+        Ok(())
+    }
+
+    /// Free bytes in free blocks and the largest free block, over all pools.
+    fn fragmentation_totals(&self) -> (u64, u64) {
+        let mut free = 0;
+        let mut largest = 0;
+        for bins in self.bins.iter().flatten() {
+            free += bins.bytes();
+            largest = largest.max(bins.largest().map_or(0, |e| e.0));
+        }
+        (free, largest)
+    }
+
+    fn fragmentation(&self) -> FragmentationReport {
+        let (free, largest) = self.fragmentation_totals();
+        let mut segments = Vec::with_capacity(self.segments.len());
+        let mut releasable = 0;
+        for &seg in self.segment_by_addr.values() {
+            let s = self.segments.get(seg.0);
+            let (mut used, mut largest_free, mut blocks) = (0, 0, 0);
+            let mut cur = Some(s.head);
+            while let Some(id) = cur {
+                let b = self.blocks.get(id.0);
+                if b.state == BlockState::Free {
+                    largest_free = largest_free.max(b.size);
+                } else {
+                    used += b.size;
+                }
+                blocks += 1;
+                cur = b.next;
+            }
+            if used == 0 && blocks == 1 {
+                releasable += s.size;
+            }
+            segments.push(SegmentUse {
+                addr: DevicePtr(s.addr),
+                size: s.size,
+                used,
+                largest_free,
+                blocks,
+                pool: s.pool.kind(),
+            });
+        }
+        FragmentationReport {
+            allocated: self.stats.allocated_bytes.all().current,
+            reserved: self.reserved(),
+            free,
+            inactive_split: self.stats.inactive_split_bytes.all().current,
+            releasable,
+            largest_free_block: largest,
+            segments,
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let mut segments = Vec::with_capacity(self.segments.len());
+        for &seg in self.segment_by_addr.values() {
+            let s = self.segments.get(seg.0);
+            let mut blocks = Vec::new();
+            let (mut allocated, mut requested) = (0, 0);
+            let mut cur = Some(s.head);
+            while let Some(id) = cur {
+                let b = self.blocks.get(id.0);
+                if b.state == BlockState::Allocated {
+                    allocated += b.size;
+                    requested += b.requested;
+                }
+                blocks.push(BlockSnapshot {
+                    address: DevicePtr(b.addr),
+                    size: b.size,
+                    requested_size: b.requested,
+                    state: b.state,
+                    stream_uses: b.stream_uses.clone(),
+                });
+                cur = b.next;
+            }
+            segments.push(SegmentSnapshot {
+                address: DevicePtr(s.addr),
+                total_size: s.size,
+                allocated_size: allocated,
+                requested_size: requested,
+                stream: s.stream,
+                pool: s.pool.kind(),
+                blocks,
+            });
+        }
+        Snapshot { segments }
+    }
+
+    fn check_invariants(&self) -> Result<(), String> {
+        let mut expect = MemoryStats::default();
+        let mut seen_blocks = 0;
+        let mut free_blocks = vec![0usize; self.bins.len()];
+        let mut awaiting = 0usize;
+        let mut pending_events = 0u64;
+        let mut last_end = 0u64;
+        if self.segment_by_addr.len() != self.segments.len() {
+            return Err(format!(
+                "{} segments but {} in the address map",
+                self.segments.len(),
+                self.segment_by_addr.len()
+            ));
+        }
+        for (&saddr, &seg) in &self.segment_by_addr {
+            let s = self.segments.get(seg.0);
+            if s.addr != saddr {
+                return Err(format!(
+                    "segment {seg:?} filed under {saddr:#x} but starts at {:#x}",
+                    s.addr
+                ));
+            }
+            if s.addr < last_end {
+                return Err(format!(
+                    "segment at {:#x} overlaps the previous one",
+                    s.addr
+                ));
+            }
+            last_end = s.addr + s.size;
+            let kind = s.pool.kind();
+            expect.segment.increase(kind, 1);
+            expect.reserved_bytes.increase(kind, s.size);
+            let mut cur = Some(s.head);
+            let mut prev: Option<BlockId> = None;
+            let mut at = s.addr;
+            let mut prev_free = false;
+            let split = self.blocks.get(s.head.0).next.is_some();
+            while let Some(id) = cur {
+                let b = self.blocks.get(id.0);
+                seen_blocks += 1;
+                if b.prev != prev || b.segment != seg || b.pool != s.pool {
+                    return Err(format!("block {id:?} at {:#x} has broken links", b.addr));
+                }
+                if b.addr != at || b.size == 0 || b.addr % 512 != 0 || b.size % 512 != 0 {
+                    return Err(format!(
+                        "block {id:?} at {:#x}+{} does not tile its segment (expected {at:#x})",
+                        b.addr, b.size
+                    ));
+                }
+                let free = b.state == BlockState::Free;
+                if free && prev_free {
+                    return Err(format!("free neighbours left unmerged at {:#x}", b.addr));
+                }
+                prev_free = free;
+                match b.state {
+                    BlockState::Free => {
+                        let in_bins = self.bins[b.pool.index()]
+                            .as_ref()
+                            .is_some_and(|bins| bins.iter().any(|e| *e == (b.size, b.addr, id)));
+                        if !in_bins {
+                            return Err(format!(
+                                "free block at {:#x} missing from its bins",
+                                b.addr
+                            ));
+                        }
+                        free_blocks[b.pool.index()] += 1;
+                        if split {
+                            expect.inactive_split.increase(kind, 1);
+                            expect.inactive_split_bytes.increase(kind, b.size);
+                        }
+                        if self.live.contains_key(&b.addr) {
+                            return Err(format!("free block at {:#x} is in the live map", b.addr));
+                        }
+                    }
+                    BlockState::Allocated => {
+                        if self.live.get(&b.addr) != Some(&id) {
+                            return Err(format!(
+                                "allocated block at {:#x} is not in the live map",
+                                b.addr
+                            ));
+                        }
+                        expect.allocation.increase(kind, 1);
+                        expect.allocated_bytes.increase(kind, b.size);
+                        expect.active.increase(kind, 1);
+                        expect.active_bytes.increase(kind, b.size);
+                        expect.requested_bytes.increase(kind, b.requested);
+                    }
+                    BlockState::AwaitingEvents => {
+                        if b.pending_events == 0 {
+                            return Err(format!("block at {:#x} awaits no events", b.addr));
+                        }
+                        awaiting += 1;
+                        pending_events += u64::from(b.pending_events);
+                        expect.active.increase(kind, 1);
+                        expect.active_bytes.increase(kind, b.size);
+                        expect.requested_bytes.increase(kind, b.requested);
+                    }
+                }
+                at += b.size;
+                prev = Some(id);
+                cur = b.next;
+            }
+            if at != s.addr + s.size {
+                return Err(format!(
+                    "blocks of segment {:#x} cover {} of {} bytes",
+                    s.addr,
+                    at - s.addr,
+                    s.size
+                ));
+            }
+        }
+        if seen_blocks != self.blocks.len() {
+            return Err(format!(
+                "{} block records but {} reachable from segments",
+                self.blocks.len(),
+                seen_blocks
+            ));
+        }
+        for (i, bins) in self.bins.iter().enumerate() {
+            let n = bins.as_ref().map_or(0, |b| b.len());
+            if n != free_blocks[i] {
+                return Err(format!(
+                    "pool {i} bins hold {n} blocks but {} free blocks belong to it",
+                    free_blocks[i]
+                ));
+            }
+        }
+        if self.live.len() != expect.allocation.all().current as usize {
+            return Err(format!(
+                "live map has {} entries for {} allocations",
+                self.live.len(),
+                expect.allocation.all().current
+            ));
+        }
+        if awaiting != self.pending_blocks {
+            return Err(format!(
+                "{awaiting} blocks await events but {} are counted",
+                self.pending_blocks
+            ));
+        }
+        let queued: usize = self.pending.iter().map(|(_, q)| q.len()).sum();
+        if queued as u64 != pending_events {
+            return Err(format!(
+                "{queued} events queued but blocks await {pending_events}"
+            ));
+        }
+        let currents = |m: &MemoryStats| -> Vec<(&'static str, [u64; 3])> {
+            m.arrays()
+                .iter()
+                .map(|(n, a)| (*n, [a.0[0].current, a.0[1].current, a.0[2].current]))
+                .collect()
+        };
+        if currents(&expect) != currents(&self.stats) {
+            return Err(format!(
+                "stats differ from what the blocks recompute: stats {:?}, blocks {:?}",
+                currents(&self.stats),
+                currents(&expect)
+            ));
+        }
+        for (name, arr) in self.stats.arrays() {
+            for s in &arr.0 {
+                if s.peak < s.current || s.allocated - s.freed != s.current {
+                    return Err(format!("stat {name} is inconsistent: {s:?}"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

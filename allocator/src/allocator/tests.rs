@@ -1,0 +1,443 @@
+use super::*;
+use crate::simulated::SimulatedDevice;
+
+const MIB: u64 = 1 << 20;
+const S0: StreamId = StreamId(0);
+const S1: StreamId = StreamId(1);
+
+fn new(config: Config) -> (SimulatedDevice, CachingAllocator<SimulatedDevice>) {
+    with_capacity(config, 1 << 40)
+}
+
+fn with_capacity(
+    config: Config,
+    capacity: u64,
+) -> (SimulatedDevice, CachingAllocator<SimulatedDevice>) {
+    let dev = SimulatedDevice::new(capacity);
+    (dev.clone(), CachingAllocator::new(dev, config))
+}
+
+fn ok(a: &CachingAllocator<SimulatedDevice>) {
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn freed_block_is_reused_from_the_cache() {
+    let (dev, a) = new(Config::pytorch());
+    let p = a.malloc(1000, S0).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(900, S0).unwrap();
+    assert_eq!(p, q);
+    assert_eq!(dev.counters().allocs, 1);
+    ok(&a);
+}
+
+#[test]
+fn segment_sizes_follow_pytorch() {
+    let segment_for = |size: u64| {
+        let (dev, a) = new(Config::pytorch());
+        a.malloc(size, S0).unwrap();
+        dev.segments()[0].1
+    };
+    assert_eq!(segment_for(512), 2 * MIB, "small: 2 MiB segment");
+    assert_eq!(segment_for(MIB), 2 * MIB, "≤ 1 MiB is small");
+    assert_eq!(segment_for(MIB + 1), 20 * MIB, "1–10 MiB: 20 MiB segment");
+    assert_eq!(segment_for(10 * MIB - 512), 20 * MIB);
+    assert_eq!(
+        segment_for(10 * MIB - 1),
+        10 * MIB,
+        "the rounded size decides"
+    );
+    assert_eq!(segment_for(10 * MIB), 10 * MIB, "≥ 10 MiB: own size");
+    assert_eq!(segment_for(11 * MIB + 1), 12 * MIB, "rounded up to 2 MiB");
+    // Small requests share a segment; a 1 MiB + 512 B request then takes the
+    // 20 MiB segment whose remainder serves a 10 MiB request.
+    let (dev, a) = new(Config::pytorch());
+    a.malloc(512, S0).unwrap();
+    a.malloc(MIB, S0).unwrap();
+    a.malloc(MIB + 1, S0).unwrap();
+    a.malloc(10 * MIB, S0).unwrap();
+    assert_eq!(dev.segments().len(), 2);
+    ok(&a);
+}
+
+#[test]
+fn split_and_merge_in_a_segment() {
+    let (_, a) = new(Config::pytorch());
+    let p: Vec<DevicePtr> = (0..3).map(|_| a.malloc(512, S0).unwrap()).collect();
+    assert_eq!(
+        p[1].0,
+        p[0].0 + 512,
+        "blocks are carved from the front of the segment"
+    );
+    assert_eq!(p[2].0, p[1].0 + 512);
+    let snap = a.snapshot();
+    assert_eq!(snap.segments.len(), 1);
+    assert_eq!(snap.segments[0].blocks.len(), 4);
+    a.free(p[1]).unwrap();
+    ok(&a);
+    let st = a.stats();
+    assert_eq!(st.inactive_split.all().current, 2);
+    assert_eq!(st.inactive_split_bytes.all().current, 512 + 2 * MIB - 1536);
+    a.free(p[0]).unwrap();
+    ok(&a);
+    assert_eq!(
+        a.snapshot().segments[0].blocks.len(),
+        3,
+        "freed neighbours merged"
+    );
+    a.free(p[2]).unwrap();
+    ok(&a);
+    let snap = a.snapshot();
+    assert_eq!(snap.segments[0].blocks.len(), 1, "whole segment free again");
+    assert_eq!(a.stats().inactive_split_bytes.all().current, 0);
+}
+
+#[test]
+fn large_blocks_split_only_with_a_remainder_over_1mib() {
+    let (_, a) = new(Config::pytorch());
+    // 19.5 MiB request → 20 MiB segment, remainder 0.5 MiB: not split.
+    let p = a.malloc(19 * MIB + MIB / 2, S0).unwrap();
+    assert_eq!(a.stats().allocated_bytes.all().current, 20 * MIB);
+    a.free(p).unwrap();
+    // 2 MiB from the cached 20 MiB segment: split, remainder 18 MiB.
+    let q = a.malloc(2 * MIB, S0).unwrap();
+    assert_eq!(q, p);
+    assert_eq!(a.stats().allocated_bytes.all().current, 2 * MIB);
+    assert_eq!(a.stats().inactive_split_bytes.all().current, 18 * MIB);
+    ok(&a);
+}
+
+#[test]
+fn best_fit_takes_smallest_then_lowest_address() {
+    let (_, a) = new(Config::pytorch());
+    let big = a.malloc(40 * MIB, S0).unwrap();
+    let x = a.malloc(30 * MIB, S0).unwrap();
+    let y = a.malloc(30 * MIB, S0).unwrap();
+    a.free(big).unwrap();
+    a.free(x).unwrap();
+    a.free(y).unwrap();
+    let lowest = x.min(y);
+    assert_eq!(
+        a.malloc(25 * MIB, S0).unwrap(),
+        lowest,
+        "two 30 MiB blocks: the lower one"
+    );
+    assert_eq!(a.malloc(25 * MIB, S0).unwrap(), x.max(y));
+    assert_eq!(a.malloc(25 * MIB, S0).unwrap(), big);
+    ok(&a);
+}
+
+#[test]
+fn max_split_size_rules() {
+    let (dev, a) = new(Config::parse("pytorch,max_split_size_mb:64").unwrap());
+    let big = a.malloc(100 * MIB, S0).unwrap();
+    a.free(big).unwrap();
+    // A small request never takes the oversize block.
+    let s = a.malloc(30 * MIB, S0).unwrap();
+    assert_ne!(s, big);
+    // An oversize request takes it only within 20 MiB.
+    let o = a.malloc(70 * MIB, S0).unwrap();
+    assert_ne!(o, big, "100 MiB is ≥ 20 MiB more than 70 MiB");
+    let o2 = a.malloc(90 * MIB, S0).unwrap();
+    assert_eq!(o2, big);
+    assert_eq!(a.stats().oversize_allocations.current, 2);
+    assert!(a.stats().oversize_segments.current >= 2);
+    assert_eq!(dev.counters().allocs, 3);
+    ok(&a);
+}
+
+#[test]
+fn streams_have_their_own_pools() {
+    let (dev, a) = new(Config::pytorch());
+    let p = a.malloc(4096, S0).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(4096, S1).unwrap();
+    assert_ne!(p, q);
+    assert_eq!(dev.counters().allocs, 2);
+    ok(&a);
+}
+
+#[test]
+fn record_stream_defers_reuse_until_the_event_completes() {
+    let (dev, a) = new(Config::pytorch());
+    let p = a.malloc(4096, S0).unwrap();
+    a.record_stream(p, S1).unwrap();
+    a.record_stream(p, S0).unwrap(); // own stream: no event needed
+    a.free(p).unwrap();
+    ok(&a);
+    let events = dev.pending_events();
+    assert_eq!(events.len(), 1);
+    assert_eq!(
+        a.stats().active.all().current,
+        1,
+        "still active while awaiting"
+    );
+    let q = a.malloc(4096, S0).unwrap();
+    assert_ne!(p, q, "must not hand out a block stream 1 may still use");
+    dev.complete_event(events[0]);
+    let r = a.malloc(4096, S0).unwrap();
+    assert_eq!(r, p, "reused once the event completed");
+    ok(&a);
+}
+
+#[test]
+fn empty_cache_waits_and_releases_free_segments_only() {
+    let (dev, a) = new(Config::pytorch());
+    let keep = a.malloc(4096, S0).unwrap(); // small segment stays partly used
+    let big = a.malloc(50 * MIB, S0).unwrap();
+    let other = a.malloc(30 * MIB, S0).unwrap();
+    a.record_stream(other, S1).unwrap();
+    a.free(big).unwrap();
+    a.free(other).unwrap();
+    let r = a.empty_cache().unwrap();
+    assert_eq!(
+        r,
+        Released {
+            bytes: 80 * MIB,
+            segments: 2
+        }
+    );
+    assert!(
+        dev.pending_events().is_empty(),
+        "empty_cache waited for the event"
+    );
+    assert_eq!(dev.segments().len(), 1);
+    let f = a.fragmentation();
+    assert_eq!(f.reserved, 2 * MIB);
+    assert_eq!(f.free, 2 * MIB - 4096);
+    ok(&a);
+    a.free(keep).unwrap();
+    assert_eq!(a.empty_cache().unwrap().segments, 1);
+    assert_eq!(dev.outstanding(), 0);
+    assert_eq!(a.usage(), Usage::default());
+}
+
+#[test]
+fn oom_flushes_the_cache_and_retries() {
+    let (dev, a) = with_capacity(Config::pytorch(), 100 * MIB);
+    let p = a.malloc(60 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    // 70 MiB does not fit beside the cached 60 MiB segment: flush and retry.
+    let q = a.malloc(70 * MIB, S0).unwrap();
+    let st = a.stats();
+    assert_eq!(st.num_alloc_retries, 1);
+    assert_eq!(st.num_ooms, 0);
+    assert_eq!(st.num_device_free, 1);
+    assert_eq!(dev.segments().len(), 1);
+    ok(&a);
+    // 40 MiB can never fit beside the live 70 MiB.
+    let e = a.malloc(40 * MIB, S0).unwrap_err();
+    let AllocError::OutOfMemory(report) = &e else {
+        panic!("{e}")
+    };
+    assert_eq!(report.requested, 40 * MIB);
+    assert_eq!(report.device_total, 100 * MIB);
+    assert_eq!(report.device_free, 30 * MIB);
+    assert_eq!(report.allocated, 70 * MIB);
+    assert_eq!(report.reserved, 70 * MIB);
+    let msg = e.to_string();
+    for needle in [
+        "40.00 MiB",
+        "100.00 MiB total",
+        "30.00 MiB free",
+        "reserved but unallocated",
+        "largest free block",
+        "fragmentation",
+    ] {
+        assert!(msg.contains(needle), "{needle:?} missing from: {msg}");
+    }
+    assert_eq!(a.stats().num_ooms, 1);
+    ok(&a);
+    // Still works afterwards.
+    a.free(q).unwrap();
+    assert!(a.malloc(40 * MIB, S0).is_ok());
+    ok(&a);
+}
+
+#[test]
+fn injected_device_failures_go_through_the_ladder() {
+    let (dev, a) = new(Config::pytorch());
+    dev.fail_next_allocations(1);
+    assert!(
+        a.malloc(4096, S0).is_ok(),
+        "second try after the flush succeeds"
+    );
+    assert_eq!(a.stats().num_alloc_retries, 1);
+    dev.fail_allocations_above(Some(8 * MIB));
+    assert!(matches!(
+        a.malloc(64 * MIB, S0),
+        Err(AllocError::OutOfMemory(_))
+    ));
+    ok(&a);
+}
+
+#[test]
+fn memory_cap_bounds_reserved_memory() {
+    let (_, a) = new(Config::pytorch());
+    a.set_memory_cap(Some(MemoryCap::Bytes(64 * MIB))).unwrap();
+    let p = a.malloc(40 * MIB, S0).unwrap();
+    assert!(matches!(
+        a.malloc(30 * MIB, S0),
+        Err(AllocError::OutOfMemory(_))
+    ));
+    assert!(a.usage().reserved <= 64 * MIB);
+    a.free(p).unwrap();
+    let q = a.malloc(50 * MIB, S0).unwrap();
+    assert!(a.usage().reserved <= 64 * MIB);
+    assert_eq!(a.stats().num_alloc_retries, 2);
+    a.free(q).unwrap();
+    // A fractional cap resolves against the device total (1 TiB here).
+    a.set_memory_cap(Some(MemoryCap::Fraction(0.5))).unwrap();
+    assert_eq!(a.memory_cap(), Some(1 << 39));
+    a.set_memory_cap(None).unwrap();
+    assert_eq!(a.memory_cap(), None);
+    ok(&a);
+}
+
+#[test]
+fn lowering_the_cap_releases_free_segments() {
+    let (dev, a) = new(Config::pytorch());
+    let p = a.malloc(40 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    a.set_memory_cap(Some(MemoryCap::Bytes(20 * MIB))).unwrap();
+    assert_eq!(dev.segments().len(), 0);
+    ok(&a);
+}
+
+#[test]
+fn misuse_is_an_error_not_corruption() {
+    let (_, a) = new(Config::pytorch());
+    assert_eq!(a.malloc(0, S0), Err(AllocError::ZeroSize));
+    assert_eq!(
+        a.malloc(u64::MAX, S0),
+        Err(AllocError::SizeTooLarge(u64::MAX))
+    );
+    assert_eq!(
+        a.malloc(crate::MAX_REQUEST + 1, S0),
+        Err(AllocError::SizeTooLarge(crate::MAX_REQUEST + 1))
+    );
+    let p = a.malloc(4096, S0).unwrap();
+    let q = a.malloc(4096, S0).unwrap();
+    assert_eq!(
+        a.free(DevicePtr(p.0 + 512)),
+        Err(AllocError::InteriorPointer {
+            ptr: DevicePtr(p.0 + 512),
+            block: p
+        })
+    );
+    assert_eq!(
+        a.free(DevicePtr(12345)),
+        Err(AllocError::UnknownPointer(DevicePtr(12345)))
+    );
+    a.free(q).unwrap();
+    assert_eq!(a.free(q), Err(AllocError::DoubleFree(q)));
+    assert_eq!(a.record_stream(q, S1), Err(AllocError::DoubleFree(q)));
+    assert!(a.record_stream(DevicePtr(7), S1).is_err());
+    ok(&a);
+    a.free(p).unwrap();
+    assert!(a.free(p).is_err());
+    ok(&a);
+    assert_eq!(a.stats().allocation.all().current, 0);
+}
+
+#[test]
+fn stats_peaks_and_reset() {
+    let (_, a) = new(Config::pytorch());
+    let p = a.malloc(30 * MIB, S0).unwrap();
+    let q = a.malloc(1000, S0).unwrap();
+    a.free(p).unwrap();
+    let st = a.stats();
+    assert_eq!(st.allocated_bytes.all().peak, 30 * MIB + 1024);
+    assert_eq!(st.allocated_bytes.all().current, 1024);
+    assert_eq!(st.requested_bytes.all().current, 1000);
+    assert_eq!(st.allocated_bytes.pool(PoolKind::Large).peak, 30 * MIB);
+    assert_eq!(st.segment.all().current, 2);
+    a.reset_peak_stats();
+    assert_eq!(a.stats().allocated_bytes.all().peak, 1024);
+    a.free(q).unwrap();
+    assert_eq!(a.stats().allocation.all().allocated, 2);
+    assert_eq!(a.stats().allocation.all().freed, 2);
+}
+
+#[test]
+fn no_caching_returns_every_block_at_once() {
+    let (dev, a) = new(Config::no_caching());
+    let p = a.malloc(1000, S0).unwrap();
+    assert_eq!(dev.segments(), vec![(p, 1024)]);
+    a.free(p).unwrap();
+    assert_eq!(dev.outstanding(), 0);
+    let q = a.malloc(1000, S0).unwrap();
+    a.record_stream(q, S1).unwrap();
+    a.free(q).unwrap();
+    assert_eq!(dev.outstanding(), 1, "held until stream 1 is done");
+    dev.complete_all_events();
+    a.process_events().unwrap();
+    assert_eq!(dev.outstanding(), 0);
+    assert_eq!(dev.counters().allocs, 2);
+    ok(&a);
+}
+
+#[test]
+fn release_before_grow_reuses_the_previous_peak() {
+    // Our default: a request no cached block fits, after the peak is reached,
+    // first returns entirely free segments instead of growing past the peak.
+    let (_, a) = new(Config::default());
+    let p = a.malloc(100 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(120 * MIB, S0).unwrap();
+    assert_eq!(a.stats().reserved_bytes.all().peak, 120 * MIB);
+    a.free(q).unwrap();
+    let (_, b) = new(Config::pytorch());
+    let p = b.malloc(100 * MIB, S0).unwrap();
+    b.free(p).unwrap();
+    b.malloc(120 * MIB, S0).unwrap();
+    assert_eq!(
+        b.stats().reserved_bytes.all().peak,
+        220 * MIB,
+        "PyTorch's policy grows"
+    );
+    ok(&a);
+}
+
+#[test]
+fn garbage_collection_frees_old_unsplit_blocks() {
+    let (dev, a) = new(Config::parse("pytorch,garbage_collection_threshold:0.5").unwrap());
+    a.set_memory_cap(Some(MemoryCap::Bytes(100 * MIB))).unwrap();
+    let p = a.malloc(30 * MIB, S0).unwrap();
+    let q = a.malloc(30 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    // Reserved 60 MiB > 50 MiB threshold: the next miss collects the free 30 MiB segment.
+    let _r = a.malloc(32 * MIB, S0).unwrap();
+    assert_eq!(a.stats().num_device_free, 1);
+    assert_eq!(a.stats().num_alloc_retries, 0);
+    assert_eq!(dev.segments().len(), 2);
+    a.free(q).unwrap();
+    ok(&a);
+}
+
+#[test]
+fn recording_writes_the_trace_format() {
+    use std::sync::{Arc, Mutex};
+    let (_, a) = new(Config::pytorch());
+    let before = a.malloc(100, S0).unwrap();
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let sink = lines.clone();
+    a.start_recording(Box::new(move |e| sink.lock().unwrap().push(e.to_string())));
+    let p = a.malloc(5000, S1).unwrap();
+    a.free(before).unwrap();
+    a.free(p).unwrap();
+    a.empty_cache().unwrap();
+    assert!(a.stop_recording());
+    assert!(!a.stop_recording());
+    assert_eq!(
+        *lines.lock().unwrap(),
+        vec!["a 0 100 0", "a 1 5000 1", "f 0", "f 1", "e"]
+    );
+}
+
+#[test]
+fn allocator_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<CachingAllocator<SimulatedDevice>>();
+}

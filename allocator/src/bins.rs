@@ -1,0 +1,201 @@
+//! Free-block bins: a two-level segregated fit (TLSF) index with exact best fit.
+//!
+//! The first level is ⌊log2⌋ of the size in 512-byte granules, the second
+//! splits each power-of-two range into 32 linear classes; one bitmap per
+//! level finds the first non-empty class at or above a size in O(1). Inside a
+//! class, blocks are ordered by (size, address), so the answer is exactly
+//! PyTorch's best fit: the smallest block that fits, lowest address on ties.
+//! Classes are narrow (1/32 of a power of two), so the ordered set of a class
+//! stays small and its lookup is cheap.
+
+use crate::block::BlockId;
+use crate::rounding::MIN_BLOCK;
+use std::collections::BTreeSet;
+
+const SL_BITS: u32 = 5;
+const SL_COUNT: usize = 1 << SL_BITS;
+/// First-level classes: granule counts up to 2^48 (far above any device).
+const FL_COUNT: usize = 48;
+
+/// A free block as the bins store it.
+pub(crate) type Entry = (u64, u64, BlockId);
+
+/// The bins of one pool.
+#[derive(Debug)]
+pub(crate) struct Bins {
+    fl_bitmap: u64,
+    sl_bitmap: [u32; FL_COUNT],
+    classes: Box<[BTreeSet<Entry>]>,
+    len: usize,
+    bytes: u64,
+}
+
+impl Default for Bins {
+    fn default() -> Self {
+        Bins {
+            fl_bitmap: 0,
+            sl_bitmap: [0; FL_COUNT],
+            classes: (0..FL_COUNT * SL_COUNT).map(|_| BTreeSet::new()).collect(),
+            len: 0,
+            bytes: 0,
+        }
+    }
+}
+
+/// The (first, second) level class of a size (a multiple of 512).
+#[inline]
+fn class_of(size: u64) -> (usize, usize) {
+    let units = (size / MIN_BLOCK).max(1);
+    let fl = 63 - units.leading_zeros();
+    let sl = if fl >= SL_BITS {
+        (units >> (fl - SL_BITS)) as usize
+    } else {
+        (units << (SL_BITS - fl)) as usize
+    };
+    ((fl as usize).min(FL_COUNT - 1), sl & (SL_COUNT - 1))
+}
+
+#[inline]
+fn flat(fl: usize, sl: usize) -> usize {
+    fl * SL_COUNT + sl
+}
+
+impl Bins {
+    /// Number of free blocks.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Sum of the sizes of the free blocks.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub fn insert(&mut self, size: u64, addr: u64, id: BlockId) {
+        let (fl, sl) = class_of(size);
+        let inserted = self.classes[flat(fl, sl)].insert((size, addr, id));
+        debug_assert!(inserted, "block inserted twice");
+        self.fl_bitmap |= 1 << fl;
+        self.sl_bitmap[fl] |= 1 << sl;
+        self.len += 1;
+        self.bytes += size;
+    }
+
+    /// Removes a block; returns false if it was not there.
+    pub fn remove(&mut self, size: u64, addr: u64, id: BlockId) -> bool {
+        let (fl, sl) = class_of(size);
+        let class = &mut self.classes[flat(fl, sl)];
+        if !class.remove(&(size, addr, id)) {
+            return false;
+        }
+        if class.is_empty() {
+            self.sl_bitmap[fl] &= !(1 << sl);
+            if self.sl_bitmap[fl] == 0 {
+                self.fl_bitmap &= !(1 << fl);
+            }
+        }
+        self.len -= 1;
+        self.bytes -= size;
+        true
+    }
+
+    /// The smallest free block of at least `size` bytes, lowest address on ties.
+    #[inline]
+    pub fn best_fit(&self, size: u64) -> Option<Entry> {
+        let (fl, sl) = class_of(size);
+        if self.sl_bitmap[fl] & (1 << sl) != 0 {
+            if let Some(&e) = self.classes[flat(fl, sl)]
+                .range((size, 0, BlockId(0))..)
+                .next()
+            {
+                return Some(e);
+            }
+        }
+        // Every block of a higher class is larger than every block of this one.
+        let above_sl = self.sl_bitmap[fl] & (u32::MAX.checked_shl(sl as u32 + 1).unwrap_or(0));
+        let (fl, sl) = if above_sl != 0 {
+            (fl, above_sl.trailing_zeros() as usize)
+        } else {
+            let above_fl = self.fl_bitmap & u64::MAX.checked_shl(fl as u32 + 1).unwrap_or(0);
+            if above_fl == 0 {
+                return None;
+            }
+            let fl = above_fl.trailing_zeros() as usize;
+            (fl, self.sl_bitmap[fl].trailing_zeros() as usize)
+        };
+        self.classes[flat(fl, sl)].first().copied()
+    }
+
+    /// The largest free block (highest address among equals).
+    pub fn largest(&self) -> Option<Entry> {
+        if self.fl_bitmap == 0 {
+            return None;
+        }
+        let fl = 63 - self.fl_bitmap.leading_zeros() as usize;
+        let sl = 31 - self.sl_bitmap[fl].leading_zeros() as usize;
+        self.classes[flat(fl, sl)].last().copied()
+    }
+
+    /// All free blocks, ascending by (size, address).
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = &Entry> {
+        self.classes.iter().flat_map(|c| c.iter())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn classes_are_monotonic() {
+        let mut last = (0, 0);
+        for units in 1..100_000u64 {
+            let c = class_of(units * 512);
+            assert!(c >= last, "class of {units} granules went down");
+            last = c;
+        }
+    }
+
+    #[test]
+    fn best_fit_prefers_smallest_then_lowest_address() {
+        let mut b = Bins::default();
+        b.insert(4096, 300, BlockId(1));
+        b.insert(2048, 200, BlockId(2));
+        b.insert(2048, 100, BlockId(3));
+        b.insert(1 << 30, 50, BlockId(4));
+        assert_eq!(b.best_fit(1536), Some((2048, 100, BlockId(3))));
+        assert_eq!(b.best_fit(2560), Some((4096, 300, BlockId(1))));
+        assert_eq!(b.best_fit(8192), Some((1 << 30, 50, BlockId(4))));
+        assert_eq!(b.best_fit((1 << 30) + 512), None);
+        assert_eq!(b.largest(), Some((1 << 30, 50, BlockId(4))));
+        assert!(b.remove(2048, 100, BlockId(3)));
+        assert!(!b.remove(2048, 100, BlockId(3)));
+        assert_eq!(b.best_fit(512), Some((2048, 200, BlockId(2))));
+        assert_eq!(b.len(), 3);
+        assert_eq!(b.bytes(), 4096 + 2048 + (1 << 30));
+    }
+
+    proptest! {
+        /// The bins pick exactly what a linear scan for the best fit picks.
+        #[test]
+        fn matches_exact_best_fit(
+            blocks in proptest::collection::vec((1u64..200_000, 0u64..1_000_000), 0..200),
+            queries in proptest::collection::vec(1u64..250_000, 1..50),
+        ) {
+            let mut b = Bins::default();
+            let mut all: Vec<Entry> = Vec::new();
+            for (i, (units, addr)) in blocks.into_iter().enumerate() {
+                let e = (units * 512, addr * 512 + i as u64, BlockId(i as u32));
+                b.insert(e.0, e.1, e.2);
+                all.push(e);
+            }
+            for q in queries {
+                let size = q * 512;
+                let expected = all.iter().filter(|e| e.0 >= size).min().copied();
+                prop_assert_eq!(b.best_fit(size), expected);
+            }
+            prop_assert_eq!(b.largest(), all.iter().max().copied());
+        }
+    }
+}

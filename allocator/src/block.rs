@@ -1,0 +1,169 @@
+//! Block and segment records, kept in slabs on the host (never in device memory).
+//!
+//! A segment is one device allocation; it is cut into blocks that form an
+//! address-ordered doubly linked list, so a freed block finds its neighbours
+//! without any lookup. Ids are slab indices, distinct types from addresses.
+
+use crate::device::StreamId;
+
+/// Index of a block record in the allocator's block slab.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct BlockId(pub(crate) u32);
+
+/// Index of a segment record in the allocator's segment slab.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct SegmentId(pub(crate) u32);
+
+/// Index of a pool: one small and one large pool per stream.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
+pub struct PoolId(pub(crate) u32);
+
+impl PoolId {
+    pub(crate) fn new(stream_slot: u32, kind: PoolKind) -> Self {
+        PoolId(stream_slot * 2 + kind as u32)
+    }
+    pub(crate) fn kind(self) -> PoolKind {
+        if self.0 & 1 == 0 {
+            PoolKind::Small
+        } else {
+            PoolKind::Large
+        }
+    }
+    pub(crate) fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// Which pool a block belongs to.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
+pub enum PoolKind {
+    /// Requests up to the small-size limit (1 MiB), carved from small segments.
+    Small = 0,
+    /// Everything else.
+    Large = 1,
+}
+
+/// The life of a block.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub enum BlockState {
+    /// In the bins, ready to be handed out.
+    Free,
+    /// Handed out to a caller.
+    Allocated,
+    /// Freed by the caller, but another stream may still use it: waiting for events.
+    AwaitingEvents,
+}
+
+/// One contiguous piece of a segment.
+#[derive(Clone, Debug)]
+pub(crate) struct Block {
+    pub addr: u64,
+    pub size: u64,
+    /// The caller's requested size while allocated (or awaiting events).
+    pub requested: u64,
+    pub prev: Option<BlockId>,
+    pub next: Option<BlockId>,
+    pub segment: SegmentId,
+    pub pool: PoolId,
+    pub state: BlockState,
+    /// Streams other than the owner's that used the block (`record_stream`).
+    pub stream_uses: Vec<StreamId>,
+    /// Events still guarding the block after it was freed.
+    pub pending_events: u32,
+    /// Value of the pool's lookup counter when the block became free (GC age).
+    pub gc_base: u64,
+}
+
+impl Block {
+    /// A split block is one that shares its segment with another block.
+    pub fn is_split(&self) -> bool {
+        self.prev.is_some() || self.next.is_some()
+    }
+}
+
+/// One device allocation.
+#[derive(Clone, Debug)]
+pub(crate) struct Segment {
+    pub addr: u64,
+    pub size: u64,
+    pub stream: StreamId,
+    pub pool: PoolId,
+    /// The lowest block of the segment.
+    pub head: BlockId,
+}
+
+/// A vector with reusable slots, indexed by `u32`.
+#[derive(Debug)]
+pub(crate) struct Slab<T> {
+    items: Vec<Option<T>>,
+    vacant: Vec<u32>,
+    len: usize,
+}
+
+impl<T> Default for Slab<T> {
+    fn default() -> Self {
+        Slab {
+            items: Vec::new(),
+            vacant: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<T> Slab<T> {
+    pub fn insert(&mut self, item: T) -> u32 {
+        self.len += 1;
+        if let Some(i) = self.vacant.pop() {
+            self.items[i as usize] = Some(item);
+            i
+        } else {
+            self.items.push(Some(item));
+            u32::try_from(self.items.len() - 1).expect("more than 4 billion records")
+        }
+    }
+
+    pub fn remove(&mut self, i: u32) -> T {
+        let item = self.items[i as usize].take().expect("slab slot vacant");
+        self.vacant.push(i);
+        self.len -= 1;
+        item
+    }
+
+    #[inline]
+    pub fn get(&self, i: u32) -> &T {
+        self.items[i as usize].as_ref().expect("slab slot vacant")
+    }
+
+    #[inline]
+    pub fn get_mut(&mut self, i: u32) -> &mut T {
+        self.items[i as usize].as_mut().expect("slab slot vacant")
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slab_reuses_slots() {
+        let mut s = Slab::default();
+        let a = s.insert("a");
+        let b = s.insert("b");
+        assert_eq!(s.remove(a), "a");
+        let c = s.insert("c");
+        assert_eq!(c, a);
+        assert_eq!(*s.get(b), "b");
+        assert_eq!(s.len(), 2);
+    }
+
+    #[test]
+    fn pool_ids() {
+        assert_eq!(PoolId::new(3, PoolKind::Large).kind(), PoolKind::Large);
+        assert_eq!(PoolId::new(3, PoolKind::Small).kind(), PoolKind::Small);
+        assert_eq!(PoolId::new(3, PoolKind::Large).index(), 7);
+    }
+}

@@ -1,0 +1,1 @@
+//! Trace replay (filled in by the replay issue).

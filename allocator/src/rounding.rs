@@ -1,0 +1,99 @@
+//! Request rounding: 512-byte granules, optionally power-of-two divisions.
+//!
+//! Mirrors PyTorch's `round_size` so that a replayed trace lands in the same
+//! block sizes PyTorch would have used.
+
+/// Smallest block the allocator hands out, and the granule of every size.
+pub const MIN_BLOCK: u64 = 512;
+/// Largest request accepted (1 PiB): far above any device, far below overflow.
+pub const MAX_REQUEST: u64 = 1 << 50;
+/// Number of power-of-two intervals that `roundup_power2_divisions` configures
+/// (1 MiB, 2 MiB, …, 32 GiB and above), as in PyTorch.
+pub const POWER2_INTERVALS: usize = 16;
+
+/// Divisions per power-of-two interval; 0 or 1 means plain 512-byte rounding.
+pub type Power2Divisions = [u32; POWER2_INTERVALS];
+
+/// The interval index of `size` for `roundup_power2_divisions` (≤ 1 MiB → 0,
+/// each doubling one more, capped at the last).
+pub fn power2_interval(size: u64) -> usize {
+    let log = 63 - size.max(1).leading_zeros() as usize;
+    log.saturating_sub(20).min(POWER2_INTERVALS - 1)
+}
+
+/// Rounds a request up to the size of the block that will serve it.
+///
+/// Returns `None` when `size` exceeds [`MAX_REQUEST`]. Sizes below 512 become 512.
+pub fn round_size(size: u64, divisions: &Power2Divisions) -> Option<u64> {
+    if size > MAX_REQUEST {
+        return None;
+    }
+    if size < MIN_BLOCK {
+        return Some(MIN_BLOCK);
+    }
+    let d = u64::from(divisions[power2_interval(size)]);
+    if d > 1 && size > MIN_BLOCK * d {
+        return Some(round_power2_division(size, d));
+    }
+    Some(size.div_ceil(MIN_BLOCK) * MIN_BLOCK)
+}
+
+/// Rounds `size` up to the next of `d` equal steps between the powers of two around it.
+fn round_power2_division(size: u64, d: u64) -> u64 {
+    if size.is_power_of_two() {
+        return size;
+    }
+    let floor = 1u64 << (63 - size.leading_zeros());
+    let step = floor >> (63 - d.leading_zeros());
+    if step == 0 {
+        return floor << 1;
+    }
+    let down = size & !(step - 1);
+    if down == size {
+        size
+    } else {
+        down + step
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NONE: Power2Divisions = [0; POWER2_INTERVALS];
+
+    #[test]
+    fn plain_rounding() {
+        assert_eq!(round_size(0, &NONE), Some(512));
+        assert_eq!(round_size(1, &NONE), Some(512));
+        assert_eq!(round_size(512, &NONE), Some(512));
+        assert_eq!(round_size(513, &NONE), Some(1024));
+        assert_eq!(round_size(1200, &NONE), Some(1536));
+        assert_eq!(round_size(MAX_REQUEST, &NONE), Some(MAX_REQUEST));
+        assert_eq!(round_size(MAX_REQUEST + 1, &NONE), None);
+        assert_eq!(round_size(u64::MAX, &NONE), None);
+    }
+
+    #[test]
+    fn power2_divisions_match_pytorch_examples() {
+        let four = [4; POWER2_INTERVALS];
+        // PyTorch's docs say 1200 B → 1280 B with 4 divisions, but its code (and
+        // the rule `s > 512·d`) keeps sizes ≤ 2048 on plain 512-byte rounding,
+        // so every block stays a multiple of 512.
+        assert_eq!(round_size(1200, &four), Some(1536));
+        assert_eq!(round_size(2500, &four), Some(2560));
+        assert_eq!(round_size(3000, &four), Some(3072));
+        assert_eq!(round_size(1 << 20, &four), Some(1 << 20));
+        assert_eq!(round_size((1 << 20) + 1, &four), Some(1_310_720));
+        let two = [2; POWER2_INTERVALS];
+        assert_eq!(round_size(5 << 20, &two), Some(6 << 20));
+    }
+
+    #[test]
+    fn intervals() {
+        assert_eq!(power2_interval(512), 0);
+        assert_eq!(power2_interval(1 << 20), 0);
+        assert_eq!(power2_interval(2 << 20), 1);
+        assert_eq!(power2_interval(1 << 40), POWER2_INTERVALS - 1);
+    }
+}

@@ -1,0 +1,464 @@
+//! A fake device for tests and trace replay.
+//!
+//! `SimulatedDevice` hands out deterministic addresses from a 64-bit space
+//! that never holds any memory, enforces a capacity, counts every driver
+//! call, fails on demand, and keeps events pending until the test completes
+//! them. It is a cheap handle: clones share one state, so a test keeps a
+//! clone to steer the device the allocator owns.
+
+use crate::device::{Device, DeviceError, DevicePtr, MemInfo, StreamId};
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+/// Highest simulated address; segments are laid out downwards from here,
+/// each below the last, the way the H200's driver placed PyTorch's segments.
+const TOP_ADDRESS: u64 = 0x7f00_0000_0000;
+/// Alignment of simulated segments (the driver aligns allocations to at least this).
+const SEGMENT_ALIGN: u64 = 512;
+
+/// Counters of the calls the allocator made to the device.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct SimCounters {
+    /// Successful segment allocations.
+    pub allocs: u64,
+    /// Segment frees.
+    pub frees: u64,
+    /// Allocation attempts that failed (capacity or injected).
+    pub failed_allocs: u64,
+    /// Events recorded.
+    pub events_recorded: u64,
+    /// Event queries.
+    pub event_queries: u64,
+    /// Blocking event waits.
+    pub event_waits: u64,
+    /// Device synchronizations.
+    pub synchronizes: u64,
+    /// Virtual ranges reserved.
+    pub vmm_reserves: u64,
+    /// Physical pages created.
+    pub vmm_creates: u64,
+    /// Physical pages released.
+    pub vmm_releases: u64,
+    /// Page maps.
+    pub vmm_maps: u64,
+    /// Page unmaps.
+    pub vmm_unmaps: u64,
+}
+
+/// A simulated event: completes when the test says so (or on a wait/synchronize).
+#[derive(Debug, PartialEq, Eq)]
+pub struct SimEvent {
+    id: u64,
+}
+
+impl SimEvent {
+    /// The event's number, to complete it with [`SimulatedDevice::complete_event`].
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+#[derive(Debug)]
+struct SimState {
+    capacity: u64,
+    used: u64,
+    next_addr: u64,
+    segments: BTreeMap<u64, u64>,
+    fail_next: u64,
+    fail_above: Option<u64>,
+    next_event: u64,
+    pending_events: BTreeMap<u64, StreamId>,
+    auto_complete: bool,
+    counters: SimCounters,
+    granularity: u64,
+    ranges: BTreeMap<u64, u64>,
+    pages: BTreeSet<u64>,
+    next_page: u64,
+    mapped: BTreeMap<u64, u64>,
+}
+
+/// A simulated device; see the module docs.
+#[derive(Clone, Debug)]
+pub struct SimulatedDevice {
+    state: Arc<Mutex<SimState>>,
+}
+
+impl SimulatedDevice {
+    /// A device with `capacity` bytes of memory. Events stay pending until completed.
+    pub fn new(capacity: u64) -> Self {
+        SimulatedDevice {
+            state: Arc::new(Mutex::new(SimState {
+                capacity,
+                used: 0,
+                next_addr: TOP_ADDRESS,
+                segments: BTreeMap::new(),
+                fail_next: 0,
+                fail_above: None,
+                next_event: 1,
+                pending_events: BTreeMap::new(),
+                auto_complete: false,
+                counters: SimCounters::default(),
+                granularity: 2 << 20,
+                ranges: BTreeMap::new(),
+                pages: BTreeSet::new(),
+                next_page: 1,
+                mapped: BTreeMap::new(),
+            })),
+        }
+    }
+
+    /// A device whose capacity is, for practical purposes, unlimited (1 PiB).
+    pub fn unlimited() -> Self {
+        Self::new(1 << 50)
+    }
+
+    /// Makes every event complete at once (as on a device that is never behind).
+    pub fn with_auto_complete(self, on: bool) -> Self {
+        self.state.lock().auto_complete = on;
+        self
+    }
+
+    /// Changes the capacity; live memory above it stays until freed.
+    pub fn set_capacity(&self, capacity: u64) {
+        self.state.lock().capacity = capacity;
+    }
+
+    /// The capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.state.lock().capacity
+    }
+
+    /// Makes the next `n` segment allocations fail with out-of-memory.
+    pub fn fail_next_allocations(&self, n: u64) {
+        self.state.lock().fail_next = n;
+    }
+
+    /// Makes every segment allocation above `bytes` fail (`None` lifts it).
+    pub fn fail_allocations_above(&self, bytes: Option<u64>) {
+        self.state.lock().fail_above = bytes;
+    }
+
+    /// Completes one pending event. Returns false if it was not pending.
+    pub fn complete_event(&self, id: u64) -> bool {
+        self.state.lock().pending_events.remove(&id).is_some()
+    }
+
+    /// Completes every pending event recorded on `stream`.
+    pub fn complete_stream(&self, stream: StreamId) {
+        self.state.lock().pending_events.retain(|_, s| *s != stream);
+    }
+
+    /// Completes every pending event.
+    pub fn complete_all_events(&self) {
+        self.state.lock().pending_events.clear();
+    }
+
+    /// Ids of the events still pending, oldest first.
+    pub fn pending_events(&self) -> Vec<u64> {
+        self.state.lock().pending_events.keys().copied().collect()
+    }
+
+    /// Whether event `id` is still pending.
+    pub fn is_pending(&self, id: u64) -> bool {
+        self.state.lock().pending_events.contains_key(&id)
+    }
+
+    /// Bytes of device memory in use (segments plus created physical pages).
+    pub fn used(&self) -> u64 {
+        self.state.lock().used
+    }
+
+    /// Number of segments (and created physical pages) the device holds for us.
+    pub fn outstanding(&self) -> usize {
+        let s = self.state.lock();
+        s.segments.len() + s.pages.len()
+    }
+
+    /// The live segments as (address, bytes), lowest address first.
+    pub fn segments(&self) -> Vec<(DevicePtr, u64)> {
+        let s = self.state.lock();
+        s.segments
+            .iter()
+            .map(|(&a, &b)| (DevicePtr(a), b))
+            .collect()
+    }
+
+    /// The call counters.
+    pub fn counters(&self) -> SimCounters {
+        self.state.lock().counters
+    }
+
+    /// Whether `[ptr, ptr+bytes)` lies inside one live segment.
+    pub fn contains(&self, ptr: DevicePtr, bytes: u64) -> bool {
+        let s = self.state.lock();
+        match s.segments.range(..=ptr.0).next_back() {
+            Some((&base, &size)) => ptr.0 >= base && ptr.0 + bytes <= base + size,
+            None => false,
+        }
+    }
+
+    fn take_space(s: &mut SimState, bytes: u64) -> Result<(), DeviceError> {
+        if s.fail_next > 0 {
+            s.fail_next -= 1;
+            s.counters.failed_allocs += 1;
+            return Err(DeviceError::OutOfMemory);
+        }
+        if s.fail_above.is_some_and(|limit| bytes > limit)
+            || s.used.saturating_add(bytes) > s.capacity
+        {
+            s.counters.failed_allocs += 1;
+            return Err(DeviceError::OutOfMemory);
+        }
+        s.used += bytes;
+        Ok(())
+    }
+
+    fn carve(s: &mut SimState, bytes: u64, align: u64) -> Result<u64, DeviceError> {
+        let addr = s
+            .next_addr
+            .checked_sub(bytes)
+            .map(|a| a & !(align - 1))
+            .filter(|&a| a >= align)
+            .ok_or(DeviceError::OutOfMemory)?;
+        s.next_addr = addr;
+        Ok(addr)
+    }
+}
+
+impl Device for SimulatedDevice {
+    type Event = SimEvent;
+
+    fn allocate(&self, bytes: u64) -> Result<DevicePtr, DeviceError> {
+        let mut s = self.state.lock();
+        if bytes == 0 {
+            return Err(DeviceError::Driver {
+                name: "CUDA_ERROR_INVALID_VALUE".into(),
+                call: "allocate",
+            });
+        }
+        Self::take_space(&mut s, bytes)?;
+        let addr = match Self::carve(&mut s, bytes, SEGMENT_ALIGN) {
+            Ok(a) => a,
+            Err(e) => {
+                s.used -= bytes;
+                return Err(e);
+            }
+        };
+        s.segments.insert(addr, bytes);
+        s.counters.allocs += 1;
+        Ok(DevicePtr(addr))
+    }
+
+    fn free(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        match s.segments.get(&ptr.0) {
+            Some(&size) if size == bytes => {
+                s.segments.remove(&ptr.0);
+                s.used -= size;
+                s.counters.frees += 1;
+                Ok(())
+            }
+            _ => Err(DeviceError::InvalidAddress(ptr)),
+        }
+    }
+
+    fn mem_info(&self) -> Result<MemInfo, DeviceError> {
+        let s = self.state.lock();
+        Ok(MemInfo {
+            free: s.capacity.saturating_sub(s.used),
+            total: s.capacity,
+        })
+    }
+
+    fn record_event(&self, stream: StreamId) -> Result<SimEvent, DeviceError> {
+        let mut s = self.state.lock();
+        let id = s.next_event;
+        s.next_event += 1;
+        s.counters.events_recorded += 1;
+        if !s.auto_complete {
+            s.pending_events.insert(id, stream);
+        }
+        Ok(SimEvent { id })
+    }
+
+    fn event_completed(&self, event: &SimEvent) -> Result<bool, DeviceError> {
+        let mut s = self.state.lock();
+        s.counters.event_queries += 1;
+        Ok(!s.pending_events.contains_key(&event.id))
+    }
+
+    fn wait_event(&self, event: &SimEvent) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        s.counters.event_waits += 1;
+        s.pending_events.remove(&event.id);
+        Ok(())
+    }
+
+    fn release_event(&self, _event: SimEvent) {}
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        s.counters.synchronizes += 1;
+        s.pending_events.clear();
+        Ok(())
+    }
+
+    fn vmm_granularity(&self) -> Option<u64> {
+        Some(self.state.lock().granularity)
+    }
+
+    fn vmm_reserve(&self, bytes: u64) -> Result<DevicePtr, DeviceError> {
+        let mut s = self.state.lock();
+        let g = s.granularity;
+        if bytes == 0 || bytes % g != 0 {
+            return Err(DeviceError::Driver {
+                name: "CUDA_ERROR_INVALID_VALUE".into(),
+                call: "vmm_reserve",
+            });
+        }
+        let addr = Self::carve(&mut s, bytes, g)?;
+        s.ranges.insert(addr, bytes);
+        s.counters.vmm_reserves += 1;
+        Ok(DevicePtr(addr))
+    }
+
+    fn vmm_free_range(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        if s.ranges.get(&ptr.0) != Some(&bytes) {
+            return Err(DeviceError::InvalidAddress(ptr));
+        }
+        if s.mapped.range(ptr.0..ptr.0 + bytes).next().is_some() {
+            return Err(DeviceError::Driver {
+                name: "CUDA_ERROR_INVALID_VALUE".into(),
+                call: "vmm_free_range (pages still mapped)",
+            });
+        }
+        s.ranges.remove(&ptr.0);
+        Ok(())
+    }
+
+    fn vmm_create_page(&self) -> Result<u64, DeviceError> {
+        let mut s = self.state.lock();
+        let g = s.granularity;
+        Self::take_space(&mut s, g)?;
+        let id = s.next_page;
+        s.next_page += 1;
+        s.pages.insert(id);
+        s.counters.vmm_creates += 1;
+        Ok(id)
+    }
+
+    fn vmm_release_page(&self, page: u64) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        if s.mapped.values().any(|&p| p == page) || !s.pages.remove(&page) {
+            return Err(DeviceError::Driver {
+                name: "CUDA_ERROR_INVALID_VALUE".into(),
+                call: "vmm_release_page",
+            });
+        }
+        s.used -= s.granularity;
+        s.counters.vmm_releases += 1;
+        Ok(())
+    }
+
+    fn vmm_map(&self, ptr: DevicePtr, page: u64) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        let g = s.granularity;
+        let in_range = s
+            .ranges
+            .range(..=ptr.0)
+            .next_back()
+            .is_some_and(|(&b, &n)| ptr.0 + g <= b + n);
+        if !in_range || ptr.0 % g != 0 || !s.pages.contains(&page) || s.mapped.contains_key(&ptr.0)
+        {
+            return Err(DeviceError::Driver {
+                name: "CUDA_ERROR_INVALID_VALUE".into(),
+                call: "vmm_map",
+            });
+        }
+        s.mapped.insert(ptr.0, page);
+        s.counters.vmm_maps += 1;
+        Ok(())
+    }
+
+    fn vmm_unmap(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        if s.mapped.remove(&ptr.0).is_none() {
+            return Err(DeviceError::InvalidAddress(ptr));
+        }
+        s.counters.vmm_unmaps += 1;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_descend_and_capacity_holds() {
+        let d = SimulatedDevice::new(10 << 20);
+        let a = d.allocate(4 << 20).unwrap();
+        let b = d.allocate(4 << 20).unwrap();
+        assert!(b < a, "each new segment lies below the last");
+        assert_eq!(d.allocate(4 << 20), Err(DeviceError::OutOfMemory));
+        assert_eq!(d.counters().failed_allocs, 1);
+        d.free(a, 4 << 20).unwrap();
+        assert_eq!(d.free(a, 4 << 20), Err(DeviceError::InvalidAddress(a)));
+        assert_eq!(
+            d.mem_info().unwrap(),
+            MemInfo {
+                free: 6 << 20,
+                total: 10 << 20
+            }
+        );
+        assert_eq!(d.outstanding(), 1);
+    }
+
+    #[test]
+    fn injected_failures() {
+        let d = SimulatedDevice::unlimited();
+        d.fail_next_allocations(2);
+        assert!(d.allocate(512).is_err());
+        assert!(d.allocate(512).is_err());
+        assert!(d.allocate(512).is_ok());
+        d.fail_allocations_above(Some(1024));
+        assert!(d.allocate(2048).is_err());
+        assert!(d.allocate(1024).is_ok());
+    }
+
+    #[test]
+    fn events_complete_under_control() {
+        let d = SimulatedDevice::unlimited();
+        let e = d.record_event(StreamId(1)).unwrap();
+        assert!(!d.event_completed(&e).unwrap());
+        assert!(d.complete_event(e.id()));
+        assert!(d.event_completed(&e).unwrap());
+        let e2 = d.record_event(StreamId(2)).unwrap();
+        d.wait_event(&e2).unwrap();
+        assert!(d.event_completed(&e2).unwrap());
+    }
+
+    #[test]
+    fn vmm_pages_count_against_capacity() {
+        let d = SimulatedDevice::new(4 << 20);
+        let r = d.vmm_reserve(64 << 20).unwrap();
+        let p1 = d.vmm_create_page().unwrap();
+        let p2 = d.vmm_create_page().unwrap();
+        assert_eq!(d.vmm_create_page(), Err(DeviceError::OutOfMemory));
+        d.vmm_map(r, p1).unwrap();
+        d.vmm_map(DevicePtr(r.0 + (2 << 20)), p2).unwrap();
+        assert!(
+            d.vmm_release_page(p1).is_err(),
+            "mapped pages cannot be released"
+        );
+        assert!(d.vmm_free_range(r, 64 << 20).is_err());
+        d.vmm_unmap(r).unwrap();
+        d.vmm_unmap(DevicePtr(r.0 + (2 << 20))).unwrap();
+        d.vmm_release_page(p1).unwrap();
+        d.vmm_release_page(p2).unwrap();
+        d.vmm_free_range(r, 64 << 20).unwrap();
+        assert_eq!(d.used(), 0);
+    }
+}

@@ -1,0 +1,318 @@
+//! The plain trace format: one event per line, streamed in both directions.
+//!
+//! ```text
+//! a <id> <bytes> <stream>   allocate <bytes>; <id> names it until it is freed
+//! f <id>                    free the allocation <id>
+//! e                         empty_cache()
+//! ```
+//!
+//! `#` starts a comment. The reader checks ids as it goes (an id reused
+//! while live, a free of an unknown id) and names the line of any error.
+
+use crate::fasthash::FastMap;
+use std::fmt;
+use std::io::{self, BufRead, Write};
+
+/// One trace event.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TraceEvent {
+    /// Allocate `bytes` on `stream`, called `id` until freed.
+    Alloc {
+        /// Name of the allocation.
+        id: u64,
+        /// Requested bytes.
+        bytes: u64,
+        /// Stream id (0 = default stream).
+        stream: u64,
+    },
+    /// Free allocation `id`.
+    Free {
+        /// Name of the allocation.
+        id: u64,
+    },
+    /// `empty_cache()`.
+    EmptyCache,
+}
+
+impl fmt::Display for TraceEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            TraceEvent::Alloc { id, bytes, stream } => write!(f, "a {id} {bytes} {stream}"),
+            TraceEvent::Free { id } => write!(f, "f {id}"),
+            TraceEvent::EmptyCache => write!(f, "e"),
+        }
+    }
+}
+
+/// What is wrong with a trace, and on which line (1-based).
+#[derive(Debug)]
+pub enum TraceError {
+    /// Reading failed (including a truncated or corrupt gzip stream).
+    Io {
+        /// Line being read.
+        line: u64,
+        /// The cause.
+        source: io::Error,
+    },
+    /// A line that is not a valid event.
+    Syntax {
+        /// Line number.
+        line: u64,
+        /// What is wrong.
+        message: String,
+    },
+    /// `a` with an id that is still live.
+    IdReused {
+        /// Line number.
+        line: u64,
+        /// The id.
+        id: u64,
+    },
+    /// `f` of an id that is not live.
+    UnknownId {
+        /// Line number.
+        line: u64,
+        /// The id.
+        id: u64,
+    },
+}
+
+impl TraceError {
+    /// The line the error is on.
+    pub fn line(&self) -> u64 {
+        match self {
+            TraceError::Io { line, .. }
+            | TraceError::Syntax { line, .. }
+            | TraceError::IdReused { line, .. }
+            | TraceError::UnknownId { line, .. } => *line,
+        }
+    }
+}
+
+impl fmt::Display for TraceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TraceError::Io { line, source } => write!(f, "line {line}: read error: {source}"),
+            TraceError::Syntax { line, message } => write!(f, "line {line}: {message}"),
+            TraceError::IdReused { line, id } => {
+                write!(f, "line {line}: allocation id {id} reused while still live")
+            }
+            TraceError::UnknownId { line, id } => {
+                write!(f, "line {line}: free of unknown allocation id {id}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for TraceError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            TraceError::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+/// Streams events out of any buffered reader, validating ids as it goes.
+pub struct TraceReader<R> {
+    input: R,
+    line: u64,
+    buf: String,
+    live: FastMap<u64, ()>,
+}
+
+impl<R: BufRead> TraceReader<R> {
+    /// A reader over `input`.
+    pub fn new(input: R) -> Self {
+        TraceReader {
+            input,
+            line: 0,
+            buf: String::with_capacity(64),
+            live: FastMap::default(),
+        }
+    }
+
+    /// The number of the last line read.
+    pub fn line(&self) -> u64 {
+        self.line
+    }
+
+    /// Ids allocated and not yet freed so far.
+    pub fn live(&self) -> usize {
+        self.live.len()
+    }
+
+    /// The next event, `Ok(None)` at the end.
+    pub fn next_event(&mut self) -> Result<Option<TraceEvent>, TraceError> {
+        loop {
+            self.buf.clear();
+            self.line += 1;
+            let n = self
+                .input
+                .read_line(&mut self.buf)
+                .map_err(|source| TraceError::Io {
+                    line: self.line,
+                    source,
+                })?;
+            if n == 0 {
+                self.line -= 1;
+                return Ok(None);
+            }
+            let text = match self.buf.find('#') {
+                Some(i) => &self.buf[..i],
+                None => &self.buf[..],
+            };
+            let mut parts = text.split_ascii_whitespace();
+            let Some(op) = parts.next() else { continue };
+            let line = self.line;
+            let mut num = |what: &str| -> Result<u64, TraceError> {
+                let field = parts.next().ok_or_else(|| TraceError::Syntax {
+                    line,
+                    message: format!("`{op}` is missing its {what}"),
+                })?;
+                field.parse().map_err(|_| TraceError::Syntax {
+                    line,
+                    message: format!("{what} `{field}` is not a non-negative integer"),
+                })
+            };
+            let event = match op {
+                "a" => {
+                    let id = num("id")?;
+                    let bytes = num("size")?;
+                    let stream = num("stream")?;
+                    TraceEvent::Alloc { id, bytes, stream }
+                }
+                "f" => TraceEvent::Free { id: num("id")? },
+                "e" => TraceEvent::EmptyCache,
+                other => {
+                    let shown: String = other.chars().take(20).collect();
+                    return Err(TraceError::Syntax {
+                        line,
+                        message: format!("unknown operation `{shown}` (expected a, f or e)"),
+                    });
+                }
+            };
+            if let Some(extra) = parts.next() {
+                let shown: String = extra.chars().take(20).collect();
+                return Err(TraceError::Syntax {
+                    line,
+                    message: format!("unexpected extra field `{shown}`"),
+                });
+            }
+            match event {
+                TraceEvent::Alloc { id, .. } => {
+                    if self.live.insert(id, ()).is_some() {
+                        return Err(TraceError::IdReused { line, id });
+                    }
+                }
+                TraceEvent::Free { id } => {
+                    if self.live.remove(&id).is_none() {
+                        return Err(TraceError::UnknownId { line, id });
+                    }
+                }
+                TraceEvent::EmptyCache => {}
+            }
+            return Ok(Some(event));
+        }
+    }
+}
+
+impl<R: BufRead> Iterator for TraceReader<R> {
+    type Item = Result<TraceEvent, TraceError>;
+    fn next(&mut self) -> Option<Self::Item> {
+        self.next_event().transpose()
+    }
+}
+
+/// Writes events in the plain format.
+pub struct TraceWriter<W: Write> {
+    out: W,
+}
+
+/// The header line every written trace starts with.
+pub const TRACE_HEADER: &str = "# plain allocation trace v1: 'a <id> <bytes> <stream>' allocates, 'f <id>' frees, 'e' empties the cache";
+
+impl<W: Write> TraceWriter<W> {
+    /// A writer that first writes the header line.
+    pub fn new(mut out: W) -> io::Result<Self> {
+        writeln!(out, "{TRACE_HEADER}")?;
+        Ok(TraceWriter { out })
+    }
+
+    /// Writes one event.
+    pub fn write(&mut self, event: &TraceEvent) -> io::Result<()> {
+        writeln!(self.out, "{event}")
+    }
+
+    /// Flushes and returns the inner writer.
+    pub fn finish(mut self) -> io::Result<W> {
+        self.out.flush()?;
+        Ok(self.out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read_all(text: &str) -> Result<Vec<TraceEvent>, TraceError> {
+        TraceReader::new(text.as_bytes()).collect()
+    }
+
+    #[test]
+    fn round_trip() {
+        let events = vec![
+            TraceEvent::Alloc {
+                id: 0,
+                bytes: 100,
+                stream: 0,
+            },
+            TraceEvent::Alloc {
+                id: 7,
+                bytes: 1 << 40,
+                stream: 3,
+            },
+            TraceEvent::Free { id: 0 },
+            TraceEvent::EmptyCache,
+            TraceEvent::Free { id: 7 },
+        ];
+        let mut w = TraceWriter::new(Vec::new()).unwrap();
+        for e in &events {
+            w.write(e).unwrap();
+        }
+        let bytes = w.finish().unwrap();
+        assert_eq!(
+            read_all(std::str::from_utf8(&bytes).unwrap()).unwrap(),
+            events
+        );
+    }
+
+    #[test]
+    fn comments_and_blank_lines() {
+        let t = "# header\n\n  a 1 512 0   # trailing\nf 1\n";
+        assert_eq!(read_all(t).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn errors_name_the_line() {
+        let cases: [(&str, u64, &str); 7] = [
+            ("a 1 512 0\nx 1\n", 2, "unknown operation `x`"),
+            ("a 1 512\n", 1, "missing its stream"),
+            ("a 1 -5 0\n", 1, "size `-5`"),
+            ("a 1 512 0\na 1 512 0\n", 2, "reused"),
+            ("# c\nf 3\n", 2, "unknown allocation id 3"),
+            ("a 1 512 0 9\n", 1, "extra field"),
+            ("e\nf\n", 2, "missing its id"),
+        ];
+        for (text, line, needle) in cases {
+            let e = read_all(text).unwrap_err();
+            assert_eq!(e.line(), line, "{text:?}: {e}");
+            assert!(e.to_string().contains(needle), "{text:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn id_may_be_reused_after_free() {
+        assert_eq!(read_all("a 1 512 0\nf 1\na 1 1024 0\n").unwrap().len(), 3);
+    }
+}
