@@ -38,6 +38,8 @@ pub struct Usage {
     pub reserved: u64,
     /// Bytes callers asked for.
     pub requested: u64,
+    /// Times the full flush-and-retry ran so far.
+    pub num_alloc_retries: u64,
 }
 
 /// A sink for recorded trace events (see [`CachingAllocator::start_recording`]).
@@ -193,6 +195,7 @@ impl<D: Device> CachingAllocator<D> {
             allocated: st.stats.allocated_bytes.all().current,
             reserved: st.reserved(),
             requested: st.stats.requested_bytes.all().current,
+            num_alloc_retries: st.stats.num_alloc_retries,
         }
     }
 

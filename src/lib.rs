@@ -1,0 +1,17 @@
+//! `cachealloc`: a caching CUDA device allocator.
+//!
+//! The caching algorithm lives in [`cachealloc_core`] (re-exported here as
+//! [`core`]); this crate adds trace files on disk, the CUDA device over
+//! `cust` (feature `cuda`), the RAII buffer type for Rust tensor code, and the
+//! C ABI that PyTorch loads.
+
+pub use cachealloc_core as core;
+pub use cachealloc_core::{
+    AllocError, CachingAllocator, Config, Device, DevicePtr, FragmentationReport, MemoryCap, MemoryStats, Released,
+    SimulatedDevice, Snapshot, StreamId,
+};
+
+pub mod trace_file;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;

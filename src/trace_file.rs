@@ -1,0 +1,1 @@
+//! Trace files on disk: plain text or gzip, streamed.
