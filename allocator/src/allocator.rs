@@ -9,7 +9,7 @@
 
 use crate::bins::Bins;
 use crate::block::{Block, BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId, Slab};
-use crate::config::{Config, MemoryCap};
+use crate::config::{Config, MemoryCap, ReleaseOrder};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::{AllocError, OomReport};
 use crate::fasthash::FastMap;
@@ -77,6 +77,8 @@ struct State<E> {
     stats: MemoryStats,
     /// Highest reserved bytes ever (not reset by `reset_peak_stats`).
     high_water: u64,
+    /// Mallocs so far: the clock of idle ages.
+    clock: u64,
     recorder: Option<Recorder>,
 }
 
@@ -107,6 +109,7 @@ impl<D: Device> CachingAllocator<D> {
                 pending_blocks: 0,
                 stats,
                 high_water: 0,
+                clock: 0,
                 recorder: None,
             }),
         }
@@ -268,7 +271,7 @@ impl<E> State<E> {
         let slot = self.stream_list.len() as u32;
         self.stream_list.push(stream);
         self.streams.insert(stream, slot);
-        let pools = 2 * self.stream_list.len();
+        let pools = crate::block::POOLS_PER_STREAM as usize * self.stream_list.len();
         self.bins.resize_with(pools, || None);
         self.lookups.resize(pools, 0);
         slot
@@ -288,7 +291,14 @@ impl<E> State<E> {
         } else if rounded < c.large_threshold {
             c.medium_segment
         } else {
-            rounded.div_ceil(c.segment_round) * c.segment_round
+            let mut size = rounded;
+            if rounded >= c.huge_size && c.huge_segment_divisions > 1 {
+                size = crate::rounding::round_power2_division(
+                    rounded,
+                    u64::from(c.huge_segment_divisions),
+                );
+            }
+            size.div_ceil(c.segment_round) * c.segment_round
         }
     }
 
@@ -301,10 +311,13 @@ impl<E> State<E> {
         if self.pending_blocks > 0 {
             self.process_events(dev)?;
         }
+        self.clock += 1;
         let rounded = round_size(size, &self.config.roundup_power2_divisions)
             .ok_or(AllocError::SizeTooLarge(size))?;
         let kind = if rounded <= self.config.small_size {
             PoolKind::Small
+        } else if rounded >= self.config.huge_size {
+            PoolKind::Huge
         } else {
             PoolKind::Large
         };
@@ -435,6 +448,7 @@ impl<E> State<E> {
             stream_uses: Vec::new(),
             pending_events: 0,
             gc_base: 0,
+            freed_at: self.clock,
         }));
         let seg = SegmentId(self.segments.insert(Segment {
             addr: ptr.0,
@@ -459,7 +473,7 @@ impl<E> State<E> {
     fn should_split(&self, kind: PoolKind, rounded: u64, remaining: u64) -> bool {
         match kind {
             PoolKind::Small => remaining >= crate::rounding::MIN_BLOCK,
-            PoolKind::Large => {
+            PoolKind::Large | PoolKind::Huge => {
                 rounded < self.config.max_split_size
                     && remaining > self.config.large_split_remainder
             }
@@ -488,6 +502,7 @@ impl<E> State<E> {
                 stream_uses: Vec::new(),
                 pending_events: 0,
                 gc_base,
+                freed_at: self.clock,
             }));
             if let Some(n) = next {
                 self.blocks.get_mut(n.0).prev = Some(rest);
@@ -524,7 +539,7 @@ impl<E> State<E> {
             s.oversize_allocations.increase(1);
         }
         if let Some(r) = self.recorder.as_mut() {
-            let stream = self.stream_list[(pool.0 / 2) as usize];
+            let stream = self.stream_list[pool.stream_slot()];
             r.ids.insert(addr, r.next_id);
             (r.sink)(&TraceEvent::Alloc {
                 id: r.next_id,
@@ -661,6 +676,7 @@ impl<E> State<E> {
         let gc_base = self.lookups[pool.index()];
         let b = self.blocks.get_mut(id.0);
         b.gc_base = gc_base;
+        b.freed_at = self.clock;
         let (size, addr, split) = (b.size, b.addr, b.is_split());
         self.bins_mut(pool).insert(size, addr, id);
         if split {
@@ -826,12 +842,26 @@ impl<E> State<E> {
         if free.is_empty() {
             return Ok(0);
         }
-        free.sort_unstable();
-        if let Some(&(_, seg)) = free.iter().find(|(size, _)| *size >= need) {
-            return self.release_segment(dev, seg);
+        match self.config.release_order {
+            ReleaseOrder::SmallestFit => {
+                free.sort_unstable();
+                if let Some(&(_, seg)) = free.iter().find(|(size, _)| *size >= need) {
+                    return self.release_segment(dev, seg);
+                }
+                free.reverse();
+            }
+            ReleaseOrder::Largest => {
+                free.sort_unstable();
+                free.reverse();
+            }
+            ReleaseOrder::Oldest => {
+                free.sort_by_key(|&(_, seg)| {
+                    self.blocks.get(self.segments.get(seg.0).head.0).freed_at
+                });
+            }
         }
         let mut total = 0;
-        for &(_, seg) in free.iter().rev() {
+        for &(_, seg) in &free {
             if total >= need {
                 break;
             }
@@ -923,7 +953,8 @@ impl<E> State<E> {
         };
         let mut candidates: Vec<BlockId> = Vec::new();
         for (i, bins) in self.bins.iter().enumerate() {
-            if let (Some(bins), PoolKind::Large) = (bins, PoolId(i as u32).kind()) {
+            if let (Some(bins), PoolKind::Large | PoolKind::Huge) = (bins, PoolId(i as u32).kind())
+            {
                 candidates.extend(
                     bins.iter()
                         .map(|e| e.2)

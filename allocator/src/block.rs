@@ -20,27 +20,47 @@ pub struct PoolId(pub(crate) u32);
 
 impl PoolId {
     pub(crate) fn new(stream_slot: u32, kind: PoolKind) -> Self {
-        PoolId(stream_slot * 2 + kind as u32)
+        PoolId(stream_slot * POOLS_PER_STREAM + kind as u32)
     }
     pub(crate) fn kind(self) -> PoolKind {
-        if self.0 & 1 == 0 {
-            PoolKind::Small
-        } else {
-            PoolKind::Large
+        match self.0 % POOLS_PER_STREAM {
+            0 => PoolKind::Small,
+            1 => PoolKind::Large,
+            _ => PoolKind::Huge,
         }
+    }
+    pub(crate) fn stream_slot(self) -> usize {
+        (self.0 / POOLS_PER_STREAM) as usize
     }
     pub(crate) fn index(self) -> usize {
         self.0 as usize
     }
 }
 
+/// Pools per stream: small, large and huge.
+pub(crate) const POOLS_PER_STREAM: u32 = 3;
+
 /// Which pool a block belongs to.
 #[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
 pub enum PoolKind {
     /// Requests up to the small-size limit (1 MiB), carved from small segments.
     Small = 0,
-    /// Everything else.
+    /// Everything else (below the huge threshold, if one is set).
     Large = 1,
+    /// Requests at or above `Config::huge_size`: their segments serve only
+    /// huge requests, so no small long-lived block strands their space.
+    /// Counted with the large pool in the statistics.
+    Huge = 2,
+}
+
+impl PoolKind {
+    /// Index of the statistics group (`small_pool` = 1, `large_pool` = 2).
+    pub(crate) fn stat_group(self) -> usize {
+        match self {
+            PoolKind::Small => 1,
+            PoolKind::Large | PoolKind::Huge => 2,
+        }
+    }
 }
 
 /// The life of a block.
@@ -72,6 +92,8 @@ pub(crate) struct Block {
     pub pending_events: u32,
     /// Value of the pool's lookup counter when the block became free (GC age).
     pub gc_base: u64,
+    /// The allocator's malloc count when the block last became free.
+    pub freed_at: u64,
 }
 
 impl Block {
@@ -164,6 +186,8 @@ mod tests {
     fn pool_ids() {
         assert_eq!(PoolId::new(3, PoolKind::Large).kind(), PoolKind::Large);
         assert_eq!(PoolId::new(3, PoolKind::Small).kind(), PoolKind::Small);
-        assert_eq!(PoolId::new(3, PoolKind::Large).index(), 7);
+        assert_eq!(PoolId::new(3, PoolKind::Huge).kind(), PoolKind::Huge);
+        assert_eq!(PoolId::new(3, PoolKind::Large).index(), 10);
+        assert_eq!(PoolId::new(3, PoolKind::Huge).stream_slot(), 3);
     }
 }

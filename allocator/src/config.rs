@@ -29,6 +29,17 @@ impl MemoryCap {
     }
 }
 
+/// Which entirely free segments to release first when room is needed.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub enum ReleaseOrder {
+    /// The smallest single segment that makes enough room, else the largest first.
+    SmallestFit,
+    /// The largest first.
+    Largest,
+    /// The longest idle first.
+    Oldest,
+}
+
 /// How the allocator carves segments and blocks. See `docs/POLICY.md`.
 #[derive(Clone, PartialEq, Debug)]
 pub struct Config {
@@ -46,6 +57,13 @@ pub struct Config {
     pub large_threshold: u64,
     /// Granule that own-size large segments are rounded up to.
     pub segment_round: u64,
+    /// Requests at or above this size go to the huge pool, whose blocks only
+    /// huge requests may take (`u64::MAX`: no huge pool).
+    pub huge_size: u64,
+    /// Segments of the huge pool are rounded up to the next of this many equal
+    /// steps between powers of two (0: to `segment_round` only), so that
+    /// huge requests of varying size fit each other's segments.
+    pub huge_segment_divisions: u32,
     /// Large blocks are split only when the remainder is larger than this.
     pub large_split_remainder: u64,
     /// PyTorch's `max_split_size`: blocks this large are never split, and
@@ -63,6 +81,8 @@ pub struct Config {
     /// Before a new segment would lift reserved memory above its previous
     /// peak, release entirely free cached segments first.
     pub release_before_grow: bool,
+    /// Which free segments go first when room is needed.
+    pub release_order: ReleaseOrder,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
 }
@@ -79,12 +99,15 @@ impl Config {
             large_threshold: 10 * MIB,
             segment_round: 2 * MIB,
             large_split_remainder: MIB,
+            huge_size: u64::MAX,
+            huge_segment_divisions: 0,
             max_split_size: u64::MAX,
             oversize_slack: 20 * MIB,
             roundup_power2_divisions: [0; POWER2_INTERVALS],
             garbage_collection_threshold: None,
             memory_cap: None,
             release_before_grow: false,
+            release_order: ReleaseOrder::SmallestFit,
             expandable_segments: false,
         }
     }
@@ -219,6 +242,22 @@ impl Config {
             "large_threshold_mb" => self.large_threshold = mib(value)?,
             "segment_round_mb" => self.segment_round = mib(value)?,
             "large_split_remainder_mb" => self.large_split_remainder = mib(value)?,
+            "huge_size_mb" => self.huge_size = mib(value)?,
+            "release_order" => {
+                self.release_order = match value {
+                    "smallest_fit" => ReleaseOrder::SmallestFit,
+                    "largest" => ReleaseOrder::Largest,
+                    "oldest" => ReleaseOrder::Oldest,
+                    _ => return Err(bad("expected smallest_fit, largest or oldest")),
+                }
+            }
+            "huge_segment_divisions" => {
+                let d: u32 = value.parse().map_err(|_| bad("expected a whole number"))?;
+                if d > 1 << 16 || (d > 1 && !d.is_power_of_two()) {
+                    return Err(bad("must be 0 or a power of two"));
+                }
+                self.huge_segment_divisions = d;
+            }
             _ => return Err(ConfigError::UnknownKey(key.to_string())),
         }
         Ok(())
@@ -266,6 +305,19 @@ impl Config {
             py_bool(self.release_before_grow),
             py_bool(self.expandable_segments),
         );
+        if self.release_order != ReleaseOrder::SmallestFit {
+            let name = match self.release_order {
+                ReleaseOrder::Largest => "largest",
+                _ => "oldest",
+            };
+            s += &format!(",release_order:{name}");
+        }
+        if self.huge_size != u64::MAX {
+            s += &format!(",huge_size_mb:{}", self.huge_size / MIB);
+        }
+        if self.huge_segment_divisions != 0 {
+            s += &format!(",huge_segment_divisions:{}", self.huge_segment_divisions);
+        }
         if self.max_split_size != u64::MAX {
             s += &format!(",max_split_size_mb:{}", self.max_split_size / MIB);
         }
@@ -438,7 +490,7 @@ impl fmt::Display for ConfigError {
         match self {
             ConfigError::UnknownKey(k) => write!(
                 f,
-                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb)"
+                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order)"
             ),
             ConfigError::UnknownPreset(p) => {
                 write!(f, "unknown configuration `{p}` (presets: {}; or key:value,…)", Config::PRESETS.join(", "))

@@ -44,7 +44,12 @@ pub struct ReplayOptions<'a> {
 
 impl Default for ReplayOptions<'_> {
     fn default() -> Self {
-        ReplayOptions { capacity: None, timeline_points: 2000, report_at_peak: true, progress: None }
+        ReplayOptions {
+            capacity: None,
+            timeline_points: 2000,
+            report_at_peak: true,
+            progress: None,
+        }
     }
 }
 
@@ -129,7 +134,11 @@ impl From<TraceError> for ReplayError {
 
 /// Replays a trace. `open` yields a fresh event stream each time it is
 /// called (twice when `report_at_peak` is set).
-pub fn replay<F, I>(mut open: F, config: &Config, mut opts: ReplayOptions<'_>) -> Result<ReplayResult, ReplayError>
+pub fn replay<F, I>(
+    mut open: F,
+    config: &Config,
+    mut opts: ReplayOptions<'_>,
+) -> Result<ReplayResult, ReplayError>
 where
     F: FnMut() -> Result<I, TraceError>,
     I: Iterator<Item = Result<TraceEvent, TraceError>>,
@@ -228,11 +237,17 @@ impl Run {
             None => SimulatedDevice::unlimited(),
         }
         .with_auto_complete(true);
-        Run { alloc: CachingAllocator::new(device, config.clone()), live: FastMap::default() }
+        Run {
+            alloc: CachingAllocator::new(device, config.clone()),
+            live: FastMap::default(),
+        }
     }
 
     fn apply(&mut self, event: &TraceEvent, index: u64) -> Result<Outcome, ReplayError> {
-        let fail = |error| ReplayError::Alloc { event: index, error };
+        let fail = |error| ReplayError::Alloc {
+            event: index,
+            error,
+        };
         match *event {
             TraceEvent::Alloc { id, bytes, stream } => {
                 if bytes == 0 {
@@ -243,11 +258,19 @@ impl Run {
                 match self.alloc.malloc(bytes, StreamId(stream)) {
                     Ok(p) => {
                         self.live.insert(id, Some(p));
-                        Ok(if self.alloc_retries() > retries { Outcome::Retried } else { Outcome::Ok })
+                        Ok(if self.alloc_retries() > retries {
+                            Outcome::Retried
+                        } else {
+                            Outcome::Ok
+                        })
                     }
                     Err(AllocError::OutOfMemory(_)) => {
                         self.live.insert(id, None);
-                        Ok(if self.alloc_retries() > retries { Outcome::RetriedThenOom } else { Outcome::Oom })
+                        Ok(if self.alloc_retries() > retries {
+                            Outcome::RetriedThenOom
+                        } else {
+                            Outcome::Oom
+                        })
                     }
                     Err(error) => Err(fail(error)),
                 }
@@ -276,7 +299,10 @@ mod tests {
     use crate::trace::TraceReader;
 
     fn run(text: &str, config: &Config, capacity: Option<u64>) -> ReplayResult {
-        let opts = ReplayOptions { capacity, ..Default::default() };
+        let opts = ReplayOptions {
+            capacity,
+            ..Default::default()
+        };
         replay(|| Ok(TraceReader::new(text.as_bytes())), config, opts).unwrap()
     }
 
@@ -321,9 +347,21 @@ mod tests {
         for i in 0..10_000 {
             text += &format!("a {i} {} 0\nf {i}\n", 512 * (1 + i % 50));
         }
-        let opts = ReplayOptions { timeline_points: 100, ..Default::default() };
-        let r = replay(|| Ok(TraceReader::new(text.as_bytes())), &Config::default(), opts).unwrap();
-        assert!(r.timeline.len() <= 201 && r.timeline.len() >= 100, "{}", r.timeline.len());
+        let opts = ReplayOptions {
+            timeline_points: 100,
+            ..Default::default()
+        };
+        let r = replay(
+            || Ok(TraceReader::new(text.as_bytes())),
+            &Config::default(),
+            opts,
+        )
+        .unwrap();
+        assert!(
+            r.timeline.len() <= 201 && r.timeline.len() >= 100,
+            "{}",
+            r.timeline.len()
+        );
         assert_eq!(r.timeline[0].event, 0);
         assert_eq!(r.timeline.last().unwrap().event, 19_999);
     }

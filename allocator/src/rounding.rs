@@ -39,7 +39,7 @@ pub fn round_size(size: u64, divisions: &Power2Divisions) -> Option<u64> {
 }
 
 /// Rounds `size` up to the next of `d` equal steps between the powers of two around it.
-fn round_power2_division(size: u64, d: u64) -> u64 {
+pub(crate) fn round_power2_division(size: u64, d: u64) -> u64 {
     if size.is_power_of_two() {
         return size;
     }

@@ -57,19 +57,19 @@ impl StatArray {
 
     /// The entry of one pool.
     pub fn pool(&self, kind: PoolKind) -> &Stat {
-        &self.0[1 + kind as usize]
+        &self.0[kind.stat_group()]
     }
 
     #[inline]
     pub(crate) fn increase(&mut self, kind: PoolKind, n: u64) {
         self.0[0].increase(n);
-        self.0[1 + kind as usize].increase(n);
+        self.0[kind.stat_group()].increase(n);
     }
 
     #[inline]
     pub(crate) fn decrease(&mut self, kind: PoolKind, n: u64) {
         self.0[0].decrease(n);
-        self.0[1 + kind as usize].decrease(n);
+        self.0[kind.stat_group()].decrease(n);
     }
 
     fn reset_peak(&mut self) {

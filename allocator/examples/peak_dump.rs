@@ -1,0 +1,77 @@
+//! Dumps the segment map at the reserved peak of a replay: `peak_dump TRACE.gz CONF`.
+use cachealloc_core::replay::{replay, ReplayOptions};
+use cachealloc_core::{
+    BlockState, CachingAllocator, Config, SimulatedDevice, StreamId, TraceEvent, TraceReader,
+};
+use std::collections::HashMap;
+use std::io::BufReader;
+use std::process::{Command, Stdio};
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let config = Config::parse(&args[2]).unwrap();
+    let child = Command::new("zcat")
+        .arg(&args[1])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let events: Vec<TraceEvent> = TraceReader::new(BufReader::new(child.stdout.unwrap()))
+        .map(Result::unwrap)
+        .collect();
+    let opts = ReplayOptions {
+        report_at_peak: false,
+        ..Default::default()
+    };
+    let r = replay(|| Ok(events.iter().copied().map(Ok)), &config, opts).unwrap();
+    let a = CachingAllocator::new(SimulatedDevice::unlimited(), config);
+    let mut live = HashMap::new();
+    for (i, e) in events.iter().enumerate() {
+        match *e {
+            TraceEvent::Alloc { id, bytes, stream } => {
+                if i as u64 == r.peak_reserved_event {
+                    println!(
+                        "peak event {i}: alloc {:.1} MiB; before: {:?}",
+                        bytes as f64 / 1048576.0,
+                        a.usage()
+                    );
+                }
+                live.insert(id, a.malloc(bytes, StreamId(stream)).unwrap());
+            }
+            TraceEvent::Free { id } => a.free(live.remove(&id).unwrap()).unwrap(),
+            TraceEvent::EmptyCache => {
+                a.empty_cache().unwrap();
+            }
+        }
+        if i as u64 == r.peak_reserved_event {
+            break;
+        }
+    }
+    let snap = a.snapshot();
+    for s in snap.segments.iter().filter(|s| s.total_size > (16 << 20)) {
+        let blocks: Vec<String> = s
+            .blocks
+            .iter()
+            .map(|b| {
+                format!(
+                    "{}{:.1}",
+                    if b.state == BlockState::Free { "_" } else { "" },
+                    b.size as f64 / 1048576.0
+                )
+            })
+            .collect();
+        let free: u64 = s
+            .blocks
+            .iter()
+            .filter(|b| b.state == BlockState::Free)
+            .map(|b| b.size)
+            .sum();
+        if free > 0 {
+            println!(
+                "seg {:>7.1} MiB free {:>7.1}: {}",
+                s.total_size as f64 / 1048576.0,
+                free as f64 / 1048576.0,
+                blocks.join(" ")
+            );
+        }
+    }
+}
