@@ -10,14 +10,15 @@ use std::process::{Command, Stdio};
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let config = Config::parse(&args[2]).unwrap();
-    let child = Command::new("zcat")
+    let mut child = Command::new("zcat")
         .arg(&args[1])
         .stdout(Stdio::piped())
         .spawn()
-        .unwrap();
-    let events: Vec<TraceEvent> = TraceReader::new(BufReader::new(child.stdout.unwrap()))
+        .expect("zcat runs");
+    let events: Vec<TraceEvent> = TraceReader::new(BufReader::new(child.stdout.take().unwrap()))
         .map(Result::unwrap)
         .collect();
+    child.wait().expect("zcat exits");
     let opts = ReplayOptions {
         report_at_peak: false,
         ..Default::default()

@@ -77,7 +77,7 @@ struct State<E> {
     stats: MemoryStats,
     /// Highest reserved bytes ever (not reset by `reset_peak_stats`).
     high_water: u64,
-    /// Mallocs so far: the clock of idle ages.
+    /// Mallocs and frees so far: the clock of idle ages.
     clock: u64,
     recorder: Option<Recorder>,
 }
@@ -341,14 +341,22 @@ impl<E> State<E> {
         }
         let max_split = self.config.max_split_size;
         let slack = self.config.oversize_slack;
-        let bins = self.bins[pool.index()].as_mut()?;
-        let (bsize, addr, id) = bins.best_fit(size)?;
+        let (bsize, addr, id) = self.bins[pool.index()].as_ref()?.best_fit(size)?;
         if size < max_split && bsize >= max_split {
             return None;
         }
         if size >= max_split && bsize >= size.saturating_add(slack) {
             return None;
         }
+        let ratio = self.config.oversize_ratio;
+        if ratio > 0
+            && pool.kind() == PoolKind::Huge
+            && bsize / ratio > size
+            && !self.blocks.get(id.0).is_split()
+        {
+            return None;
+        }
+        let bins = self.bins[pool.index()].as_mut()?;
         bins.remove(bsize, addr, id);
         Some(id)
     }
@@ -369,7 +377,7 @@ impl<E> State<E> {
         }
         if self.config.release_before_grow && self.reserved() + seg_size > self.high_water {
             let need = self.reserved() + seg_size - self.high_water;
-            self.release_free_segments(dev, need)?;
+            self.release_free_segments(dev, need, self.config.release_min_idle)?;
         }
         if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
             return Ok(id);
@@ -579,6 +587,7 @@ impl<E> State<E> {
     }
 
     fn free<D: Device<Event = E>>(&mut self, dev: &D, ptr: DevicePtr) -> Result<(), AllocError> {
+        self.clock += 1;
         let Some(id) = self.live.remove(&ptr.0) else {
             return Err(self.classify_bad_pointer(ptr));
         };
@@ -837,8 +846,15 @@ impl<E> State<E> {
         &mut self,
         dev: &D,
         need: u64,
+        min_idle: u64,
     ) -> Result<u64, AllocError> {
         let mut free = self.free_segments();
+        if min_idle > 0 {
+            let now = self.clock;
+            free.retain(|&(_, seg)| {
+                now - self.blocks.get(self.segments.get(seg.0).head.0).freed_at >= min_idle
+            });
+        }
         if free.is_empty() {
             return Ok(0);
         }
@@ -854,6 +870,7 @@ impl<E> State<E> {
                 free.sort_unstable();
                 free.reverse();
             }
+            ReleaseOrder::All => {}
             ReleaseOrder::Oldest => {
                 free.sort_by_key(|&(_, seg)| {
                     self.blocks.get(self.segments.get(seg.0).head.0).freed_at
@@ -862,7 +879,7 @@ impl<E> State<E> {
         }
         let mut total = 0;
         for &(_, seg) in &free {
-            if total >= need {
+            if total >= need && self.config.release_order != ReleaseOrder::All {
                 break;
             }
             total += self.release_segment(dev, seg)?;
@@ -890,7 +907,7 @@ impl<E> State<E> {
             None => dev.mem_info()?.free,
         };
         let need = seg_size.saturating_sub(headroom).max(1);
-        Ok(self.release_free_segments(dev, need)? > 0)
+        Ok(self.release_free_segments(dev, need, 0)? > 0)
     }
 
     /// PyTorch's `release_available_cached_blocks` (only with `max_split_size`):

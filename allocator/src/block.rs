@@ -92,7 +92,7 @@ pub(crate) struct Block {
     pub pending_events: u32,
     /// Value of the pool's lookup counter when the block became free (GC age).
     pub gc_base: u64,
-    /// The allocator's malloc count when the block last became free.
+    /// The allocator's operation count when the block last became free.
     pub freed_at: u64,
 }
 

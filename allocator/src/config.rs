@@ -38,6 +38,8 @@ pub enum ReleaseOrder {
     Largest,
     /// The longest idle first.
     Oldest,
+    /// All of them.
+    All,
 }
 
 /// How the allocator carves segments and blocks. See `docs/POLICY.md`.
@@ -81,6 +83,13 @@ pub struct Config {
     /// Before a new segment would lift reserved memory above its previous
     /// peak, release entirely free cached segments first.
     pub release_before_grow: bool,
+    /// A large request does not take an entirely free segment more than this
+    /// many times its size (0: no limit); it gets a segment of its own, so
+    /// big segments are not carved up by smaller, longer-lived blocks.
+    pub oversize_ratio: u64,
+    /// Before growing, release only segments idle for at least this many
+    /// allocator operations (mallocs and frees).
+    pub release_min_idle: u64,
     /// Which free segments go first when room is needed.
     pub release_order: ReleaseOrder,
     /// Page-backed growable segments (CUDA virtual memory API).
@@ -108,7 +117,23 @@ impl Config {
             memory_cap: None,
             release_before_grow: false,
             release_order: ReleaseOrder::SmallestFit,
+            oversize_ratio: 0,
+            release_min_idle: 0,
             expandable_segments: false,
+        }
+    }
+
+    /// Our policy with a huge pool for requests ≥ 256 MiB (segments rounded to
+    /// 1/16 of a power of two, never taken by a request under half their
+    /// size): less stranded memory on workloads with very large, varying
+    /// tensors, at the price of more driver calls. See `docs/POLICY.md`.
+    pub fn lowmem() -> Self {
+        Config {
+            name: "lowmem".into(),
+            huge_size: 256 * MIB,
+            huge_segment_divisions: 16,
+            oversize_ratio: 2,
+            ..Self::default()
         }
     }
 
@@ -122,13 +147,14 @@ impl Config {
     }
 
     /// The named presets, for help texts.
-    pub const PRESETS: &'static [&'static str] = &["default", "pytorch", "no-caching"];
+    pub const PRESETS: &'static [&'static str] = &["default", "pytorch", "lowmem", "no-caching"];
 
     /// A preset by name.
     pub fn preset(name: &str) -> Option<Self> {
         match name {
             "default" => Some(Self::default()),
             "pytorch" => Some(Self::pytorch()),
+            "lowmem" => Some(Self::lowmem()),
             "no-caching" | "no_caching" | "none" => Some(Self::no_caching()),
             _ => None,
         }
@@ -186,6 +212,8 @@ impl Config {
             n.checked_mul(MIB).ok_or_else(|| bad("too large"))
         };
         match key {
+            "max_split_size_mb" if value == "unlimited" => self.max_split_size = u64::MAX,
+            "huge_size_mb" if value == "unlimited" => self.huge_size = u64::MAX,
             "max_split_size_mb" => {
                 let m = mib(value)?;
                 if m < 20 * MIB {
@@ -243,11 +271,18 @@ impl Config {
             "segment_round_mb" => self.segment_round = mib(value)?,
             "large_split_remainder_mb" => self.large_split_remainder = mib(value)?,
             "huge_size_mb" => self.huge_size = mib(value)?,
+            "release_min_idle" => {
+                self.release_min_idle = value.parse().map_err(|_| bad("expected a whole number"))?
+            }
+            "oversize_ratio" => {
+                self.oversize_ratio = value.parse().map_err(|_| bad("expected a whole number"))?
+            }
             "release_order" => {
                 self.release_order = match value {
                     "smallest_fit" => ReleaseOrder::SmallestFit,
                     "largest" => ReleaseOrder::Largest,
                     "oldest" => ReleaseOrder::Oldest,
+                    "all" => ReleaseOrder::All,
                     _ => return Err(bad("expected smallest_fit, largest or oldest")),
                 }
             }
@@ -291,10 +326,26 @@ impl Config {
         Ok(())
     }
 
-    /// The configuration as a `key:value,…` string that [`Config::parse`] reads back.
+    /// The configuration as a `key:value,…` string that [`Config::parse`]
+    /// reads back to an equal configuration (every key is written).
     pub fn to_conf_string(&self) -> String {
+        let mib_or_unlimited = |v: u64| {
+            if v == u64::MAX {
+                "unlimited".to_string()
+            } else {
+                (v / MIB).to_string()
+            }
+        };
+        let release_order = match self.release_order {
+            ReleaseOrder::SmallestFit => "smallest_fit",
+            ReleaseOrder::Largest => "largest",
+            ReleaseOrder::Oldest => "oldest",
+            ReleaseOrder::All => "all",
+        };
         let mut s = format!(
-            "{},caching:{},small_segment_mb:{},medium_segment_mb:{},large_threshold_mb:{},segment_round_mb:{},large_split_remainder_mb:{},release_before_grow:{},expandable_segments:{}",
+            "{},caching:{},small_segment_mb:{},medium_segment_mb:{},large_threshold_mb:{},segment_round_mb:{},\
+             large_split_remainder_mb:{},max_split_size_mb:{},huge_size_mb:{},huge_segment_divisions:{},\
+             oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},expandable_segments:{}",
             self.name,
             py_bool(self.caching),
             self.small_segment / MIB,
@@ -302,34 +353,22 @@ impl Config {
             self.large_threshold / MIB,
             self.segment_round / MIB,
             self.large_split_remainder / MIB,
+            mib_or_unlimited(self.max_split_size),
+            mib_or_unlimited(self.huge_size),
+            self.huge_segment_divisions,
+            self.oversize_ratio,
             py_bool(self.release_before_grow),
+            release_order,
+            self.release_min_idle,
             py_bool(self.expandable_segments),
         );
-        if self.release_order != ReleaseOrder::SmallestFit {
-            let name = match self.release_order {
-                ReleaseOrder::Largest => "largest",
-                _ => "oldest",
-            };
-            s += &format!(",release_order:{name}");
-        }
-        if self.huge_size != u64::MAX {
-            s += &format!(",huge_size_mb:{}", self.huge_size / MIB);
-        }
-        if self.huge_segment_divisions != 0 {
-            s += &format!(",huge_segment_divisions:{}", self.huge_segment_divisions);
-        }
-        if self.max_split_size != u64::MAX {
-            s += &format!(",max_split_size_mb:{}", self.max_split_size / MIB);
-        }
-        if self.roundup_power2_divisions.iter().any(|&d| d > 1) {
-            let list: Vec<String> = self
-                .roundup_power2_divisions
-                .iter()
-                .enumerate()
-                .map(|(i, d)| format!("{}:{d}", 1u64 << i))
-                .collect();
-            s += &format!(",roundup_power2_divisions:[{}]", list.join(","));
-        }
+        let list: Vec<String> = self
+            .roundup_power2_divisions
+            .iter()
+            .enumerate()
+            .map(|(i, d)| format!("{}:{d}", 1u64 << i))
+            .collect();
+        s += &format!(",roundup_power2_divisions:[{}]", list.join(","));
         if let Some(t) = self.garbage_collection_threshold {
             s += &format!(",garbage_collection_threshold:{t}");
         }
@@ -348,6 +387,7 @@ impl Default for Config {
         Config {
             name: "default".into(),
             release_before_grow: true,
+            release_order: ReleaseOrder::Oldest,
             ..Self::pytorch()
         }
     }
@@ -490,7 +530,7 @@ impl fmt::Display for ConfigError {
         match self {
             ConfigError::UnknownKey(k) => write!(
                 f,
-                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order)"
+                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle)"
             ),
             ConfigError::UnknownPreset(p) => {
                 write!(f, "unknown configuration `{p}` (presets: {}; or key:value,…)", Config::PRESETS.join(", "))
@@ -560,6 +600,10 @@ mod tests {
             Config::pytorch(),
             Config::no_caching(),
             Config::parse("pytorch,max_split_size_mb:64,roundup_power2_divisions:[1:1,2:2,>:4],memory_cap:1GiB").unwrap(),
+            Config::lowmem(),
+            Config::parse("lowmem,huge_size_mb:unlimited,release_order:smallest_fit").unwrap(),
+            Config::parse("default,release_order:all,garbage_collection_threshold:0.5,per_process_memory_fraction:0.5")
+                .unwrap(),
         ] {
             assert_eq!(Config::parse(&c.to_conf_string()).unwrap(), c);
         }

@@ -41,6 +41,8 @@ pub mod report;
 pub mod rounding;
 pub mod simulated;
 pub mod stats;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod trace;
 
 pub use allocator::{CachingAllocator, Released, TraceSink, Usage};

@@ -441,3 +441,64 @@ fn allocator_is_send_and_sync() {
     fn check<T: Send + Sync>() {}
     check::<CachingAllocator<SimulatedDevice>>();
 }
+
+#[test]
+fn huge_pool_is_kept_for_huge_requests() {
+    let (dev, a) = new(Config::lowmem());
+    let h = a.malloc(300 * MIB, S0).unwrap();
+    // Huge segments are rounded to 1/16 of a power of two: 300 MiB → 304 MiB.
+    assert_eq!(dev.segments(), vec![(h, 304 * MIB)]);
+    a.free(h).unwrap();
+    let l = a.malloc(100 * MIB, S0).unwrap();
+    assert!(
+        l.0 < h.0 || l.0 >= h.0 + 300 * MIB,
+        "a large request does not carve the huge segment"
+    );
+    // A huge request under half the free huge segment does not take it either.
+    let big = a.malloc(700 * MIB, S0).unwrap();
+    a.free(big).unwrap();
+    let small_huge = a.malloc(300 * MIB, S0).unwrap();
+    assert_ne!(small_huge, big);
+    let st = a.stats();
+    assert_eq!(
+        st.allocated_bytes.pool(PoolKind::Huge).current,
+        st.allocated_bytes.pool(PoolKind::Large).current
+    );
+    ok(&a);
+}
+
+#[test]
+fn release_before_grow_releases_the_longest_idle_segment_first() {
+    let config = Config {
+        release_order: crate::config::ReleaseOrder::Oldest,
+        ..Config::default()
+    };
+    let (dev, a) = new(config);
+    let t = a.malloc(100 * MIB, S0).unwrap();
+    let x = a.malloc(60 * MIB, S0).unwrap();
+    let y = a.malloc(56 * MIB, S0).unwrap();
+    a.free(t).unwrap();
+    a.empty_cache().unwrap(); // high water 216 MiB, reserved 116 MiB
+    a.free(x).unwrap(); // x idles longer; y would be the smallest that makes room
+    a.free(y).unwrap();
+    // 150 MiB fits neither; growing would pass the high water by 50 MiB.
+    let z = a.malloc(150 * MIB, S0).unwrap();
+    let left: Vec<DevicePtr> = dev.segments().iter().map(|s| s.0).collect();
+    assert!(!left.contains(&x), "the older free segment went first");
+    assert!(left.contains(&y) && left.contains(&z));
+    ok(&a);
+}
+
+#[test]
+fn release_min_idle_keeps_recently_freed_segments() {
+    let config = Config {
+        release_min_idle: 10,
+        ..Config::default()
+    };
+    let (dev, a) = new(config);
+    let x = a.malloc(40 * MIB, S0).unwrap();
+    a.free(x).unwrap();
+    a.malloc(50 * MIB, S0).unwrap();
+    assert_eq!(dev.segments().len(), 2, "x was freed one malloc ago: kept");
+    ok(&a);
+}
