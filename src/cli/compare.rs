@@ -1,0 +1,126 @@
+//! `cachealloc compare`: traces × configurations, one table.
+
+use super::format::{grouped, record, size, trace_name, Align, Table};
+use super::{configs_or, jobs, report_error, threads, CliError, CompareArgs, ConfigArg};
+use cachealloc::core::replay::{ReplayOptions, ReplayResult};
+use cachealloc::trace_file::{replay_file_with_progress, FileError};
+use serde_json::Value;
+use std::collections::HashSet;
+use std::io::{self, Write};
+use std::path::PathBuf;
+
+const DEFAULT_CONFIGS: &[&str] = &["pytorch", "default", "no-caching"];
+
+pub fn run(args: CompareArgs) -> Result<(), CliError> {
+    let configs = configs_or(args.configs, DEFAULT_CONFIGS);
+    let jobs: Vec<(&PathBuf, &ConfigArg)> = args
+        .traces
+        .iter()
+        .flat_map(|t| configs.iter().map(move |c| (t, c)))
+        .collect();
+    let capacity = args.capacity;
+
+    let trace_width = args
+        .traces
+        .iter()
+        .map(|t| trace_name(t).chars().count())
+        .max()
+        .unwrap_or(5);
+    let config_width = configs
+        .iter()
+        .map(|c| c.label.chars().count())
+        .max()
+        .unwrap_or(6);
+    let table = Table::new(&[
+        ("trace", trace_width, Align::Left),
+        ("config", config_width, Align::Left),
+        ("peak allocated", 10, Align::Right),
+        ("peak reserved", 10, Align::Right),
+        ("reserved/alloc", 6, Align::Right),
+        ("driver calls", 8, Align::Right),
+        ("retries", 5, Align::Right),
+        ("OOMs", 5, Align::Right),
+        ("seconds", 7, Align::Right),
+    ]);
+
+    let mut out = io::stdout().lock();
+    if !args.json {
+        writeln!(out, "{}", table.header())?;
+        out.flush()?;
+    }
+    let mut failed: HashSet<PathBuf> = HashSet::new();
+    let work = |&(trace, config): &(&PathBuf, &ConfigArg),
+                slot: &jobs::Slot|
+     -> Result<ReplayResult, FileError> {
+        let options = ReplayOptions {
+            capacity,
+            timeline_points: 2,
+            report_at_peak: false,
+            progress: None,
+        };
+        replay_file_with_progress(trace, &config.config, options, &mut |p| {
+            slot.set(p.fraction())
+        })
+    };
+    jobs::run(
+        &jobs,
+        threads(args.jobs, jobs.len()),
+        "compare",
+        work,
+        |i, result| {
+            let (trace, config) = jobs[i];
+            match result {
+                Ok(r) => {
+                    if args.json {
+                        writeln!(
+                            out,
+                            "{}",
+                            Value::Object(record(trace, config, capacity, &r))
+                        )?;
+                    } else {
+                        let cells = [
+                            trace_name(trace),
+                            config.label.clone(),
+                            size(r.peak_allocated),
+                            size(r.peak_reserved),
+                            format!("{:.3}", r.reserved_over_allocated()),
+                            grouped(r.device_calls()),
+                            grouped(r.stats.num_alloc_retries),
+                            grouped(r.stats.num_ooms),
+                            format!("{:.3}", r.seconds),
+                        ];
+                        writeln!(out, "{}", table.row(&cells))?;
+                    }
+                    out.flush()?;
+                }
+                Err(e) => {
+                    // One message per trace, however many configurations fail on it.
+                    if failed.insert(trace.clone()) {
+                        report_error(&e.to_string());
+                    }
+                }
+            }
+            Ok(())
+        },
+    )?;
+    if !args.json {
+        if let Some(c) = capacity {
+            writeln!(
+                out,
+                "(simulated device capacity {}; GiB = 2^30 bytes)",
+                size(c)
+            )?;
+        } else {
+            writeln!(
+                out,
+                "(no capacity limit; GiB = 2^30 bytes; driver calls = device segment allocations + frees)"
+            )?;
+        }
+    }
+    out.flush()?;
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(CliError::Reported)
+    }
+}

@@ -1,0 +1,244 @@
+//! The command line: argument parsing, dispatch, errors and exit codes.
+//!
+//! Exit codes: 0 success, 1 runtime error (a trace that cannot be read or
+//! replayed, an output that cannot be written), 2 usage error (clap's).
+
+mod compare;
+mod format;
+mod jobs;
+mod min_capacity;
+mod plot;
+mod progress;
+mod replay;
+mod timeline;
+
+use cachealloc::core::{parse_size, Config};
+use clap::{Args, Parser, Subcommand};
+use std::io::{self, Write};
+use std::path::PathBuf;
+
+/// Replays allocation traces through cachealloc's caching allocator on a
+/// simulated device, to see what a policy does to memory before a training
+/// run depends on it.
+#[derive(Parser, Debug)]
+#[command(name = "cachealloc", version, about, long_about = None)]
+#[command(after_help = after_help())]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+fn after_help() -> String {
+    format!(
+        "\
+Traces are text, optionally gzip-compressed, one event per line:
+  a <id> <bytes> <stream>   allocate <bytes>; <id> names it until it is freed
+  f <id>                    free the allocation <id>
+  e                         empty_cache()
+Configurations: a preset ({}) or a key:value,... string in the
+syntax of PYTORCH_CUDA_ALLOC_CONF, optionally starting with a preset
+(e.g. `pytorch,max_split_size_mb:64`).
+Sizes: plain bytes, or with a unit: KB MB GB TB (powers of 1000), KiB MiB GiB TiB.",
+        Config::PRESETS.join(", ")
+    )
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Replay one trace and report peaks, driver calls, retries, OOMs and
+    /// the fragmentation at the peak of reserved memory.
+    Replay(Box<ReplayArgs>),
+    /// Replay traces under several configurations and print one table.
+    Compare(CompareArgs),
+    /// Find the smallest device capacity on which a trace runs without
+    /// out-of-memory (flush-and-retry allowed), by bisection.
+    MinCapacity(MinCapacityArgs),
+}
+
+/// A configuration as given on the command line, and what it parses to.
+#[derive(Clone, Debug)]
+pub struct ConfigArg {
+    /// The preset name or conf string as given (what reports call it).
+    pub label: String,
+    /// The parsed configuration.
+    pub config: Config,
+}
+
+fn parse_config(text: &str) -> Result<ConfigArg, String> {
+    let config = Config::parse(text).map_err(|e| e.to_string())?;
+    let label = if text.trim().is_empty() {
+        config.name.clone()
+    } else {
+        text.trim().to_string()
+    };
+    Ok(ConfigArg { label, config })
+}
+
+fn preset(name: &str) -> ConfigArg {
+    parse_config(name).expect("built-in preset")
+}
+
+fn parse_capacity(text: &str) -> Result<u64, String> {
+    match parse_size(text)? {
+        0 => Err("the capacity must be more than 0 bytes".into()),
+        n => Ok(n),
+    }
+}
+
+#[derive(Args, Debug)]
+struct ReplayArgs {
+    /// Trace file (plain text or gzip).
+    #[arg(value_name = "TRACE")]
+    trace: PathBuf,
+    /// Allocator configuration: a preset or a key:value,... string.
+    #[arg(long, short = 'c', value_name = "NAME|CONF", value_parser = parse_config, default_value = "default")]
+    config: ConfigArg,
+    /// Capacity of the simulated device (default: unlimited), e.g. 16GiB.
+    #[arg(long, value_name = "BYTES", value_parser = parse_capacity)]
+    capacity: Option<u64>,
+    /// Print one JSON object instead of the summary.
+    #[arg(long)]
+    json: bool,
+    /// Write an SVG plot of allocated, reserved and requested bytes over the trace.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct CompareArgs {
+    /// Trace files (plain text or gzip).
+    #[arg(value_name = "TRACE", required = true)]
+    traces: Vec<PathBuf>,
+    /// Configuration to compare (repeat the option for several; default:
+    /// pytorch, default and no-caching).
+    #[arg(long = "config", short = 'c', value_name = "NAME|CONF", value_parser = parse_config)]
+    configs: Vec<ConfigArg>,
+    /// Capacity of the simulated device (default: unlimited), e.g. 16GiB.
+    #[arg(long, value_name = "BYTES", value_parser = parse_capacity)]
+    capacity: Option<u64>,
+    /// Print one JSON object per line per trace and configuration.
+    #[arg(long)]
+    json: bool,
+    /// Replays to run at once (default: the number of CPUs).
+    #[arg(long, short = 'j', value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    jobs: Option<u32>,
+}
+
+#[derive(Args, Debug)]
+struct MinCapacityArgs {
+    /// Trace files (plain text or gzip).
+    #[arg(value_name = "TRACE", required = true)]
+    traces: Vec<PathBuf>,
+    /// Configuration (repeat the option for several; default: default).
+    #[arg(long = "config", short = 'c', value_name = "NAME|CONF", value_parser = parse_config)]
+    configs: Vec<ConfigArg>,
+    /// Print one JSON object per line per trace and configuration.
+    #[arg(long)]
+    json: bool,
+    /// Searches to run at once (default: the number of CPUs).
+    #[arg(long, short = 'j', value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    jobs: Option<u32>,
+}
+
+/// Why a command failed.
+#[derive(Debug)]
+pub enum CliError {
+    /// A message for `error: …` on stderr.
+    Message(String),
+    /// Errors were already printed; exit with status 1.
+    Reported,
+    /// Standard output was closed (e.g. piped into `head`); exit quietly.
+    BrokenPipe,
+}
+
+impl From<cachealloc::trace_file::FileError> for CliError {
+    fn from(e: cachealloc::trace_file::FileError) -> Self {
+        CliError::Message(e.to_string())
+    }
+}
+
+impl From<io::Error> for CliError {
+    fn from(e: io::Error) -> Self {
+        if e.kind() == io::ErrorKind::BrokenPipe {
+            CliError::BrokenPipe
+        } else {
+            CliError::Message(format!("cannot write the output: {e}"))
+        }
+    }
+}
+
+/// Prints an error line on stderr.
+pub fn report_error(message: &str) {
+    let _ = writeln!(io::stderr().lock(), "error: {message}");
+}
+
+/// Runs the command line; returns the exit status.
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return e.exit_code();
+        }
+    };
+    let result = match cli.command {
+        Command::Replay(a) => replay::run(*a),
+        Command::Compare(a) => compare::run(a),
+        Command::MinCapacity(a) => min_capacity::run(a),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(CliError::Message(m)) => {
+            report_error(&m);
+            1
+        }
+        Err(CliError::Reported) => 1,
+        Err(CliError::BrokenPipe) => 0,
+    }
+}
+
+/// The configurations to use: those given, or the defaults.
+fn configs_or(given: Vec<ConfigArg>, defaults: &[&str]) -> Vec<ConfigArg> {
+    if given.is_empty() {
+        defaults.iter().map(|n| preset(n)).collect()
+    } else {
+        given
+    }
+}
+
+/// How many worker threads to use for `jobs` jobs.
+fn threads(requested: Option<u32>, jobs: usize) -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (requested.map_or(cpus, |n| n as usize)).clamp(1, jobs.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_valid() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn configs_keep_their_label() {
+        let c = parse_config("pytorch,max_split_size_mb:64").unwrap();
+        assert_eq!(c.label, "pytorch,max_split_size_mb:64");
+        assert_eq!(c.config.max_split_size, 64 << 20);
+        assert_eq!(parse_config("no-caching").unwrap().label, "no-caching");
+        assert!(parse_config("bogus").is_err());
+        assert!(parse_config("max_split_size_mb:1").is_err());
+    }
+
+    #[test]
+    fn capacities() {
+        assert_eq!(parse_capacity("16GiB").unwrap(), 16 << 30);
+        assert_eq!(parse_capacity("512MB").unwrap(), 512_000_000);
+        assert_eq!(parse_capacity("1048576").unwrap(), 1 << 20);
+        assert!(parse_capacity("0").is_err());
+        assert!(parse_capacity("12 parsecs").is_err());
+        assert!(parse_capacity("").is_err());
+    }
+}

@@ -1,0 +1,674 @@
+//! Integration tests of the `cachealloc` binary: output, JSON, exit codes,
+//! error messages, `min-capacity` on a trace worked out by hand, and the
+//! fidelity of the `pytorch` configuration on the shipped traces.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const MIB: u64 = 1 << 20;
+
+/// Runs the binary in the repository root (so `tests/data/…` and
+/// `traces/…` resolve).
+fn run(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cachealloc"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("the binary runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8(o.stdout.clone()).expect("utf-8 stdout")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8(o.stderr.clone()).expect("utf-8 stderr")
+}
+
+#[track_caller]
+fn assert_status(o: &Output, code: i32) {
+    assert_eq!(
+        o.status.code(),
+        Some(code),
+        "stdout:\n{}\nstderr:\n{}",
+        stdout(o),
+        stderr(o)
+    );
+}
+
+fn json_lines(o: &Output) -> Vec<Value> {
+    stdout(o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect()
+}
+
+const REQUIRED_KEYS: [&str; 12] = [
+    "trace",
+    "config",
+    "events",
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+    "peak_requested_bytes",
+    "num_device_alloc",
+    "num_device_free",
+    "num_alloc_retries",
+    "num_ooms",
+    "reserved_over_allocated",
+    "seconds",
+];
+
+#[track_caller]
+fn assert_keys(v: &Value, extra: &[&str]) {
+    for key in REQUIRED_KEYS.iter().chain(extra) {
+        assert!(v.get(key).is_some(), "missing key `{key}` in {v}");
+    }
+}
+
+fn u(v: &Value, key: &str) -> u64 {
+    v[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("`{key}` is not an integer in {v}"))
+}
+
+/// A temporary directory removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("cachealloc-cli-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+// ---------------------------------------------------------------- replay
+
+#[test]
+fn replay_prints_a_summary_and_the_report_at_the_peak() {
+    let o = run(&["replay", "tests/data/small.trace", "--config", "pytorch"]);
+    assert_status(&o, 0);
+    let out = stdout(&o);
+    for needle in [
+        "trace                 tests/data/small.trace",
+        "config                pytorch",
+        "events                17",
+        "peak allocated",
+        "peak reserved",
+        "peak requested",
+        "reserved / allocated  1.333",
+        "device allocs / frees",
+        "alloc retries         0",
+        "OOMs                  0",
+        "segments at peak      4",
+        "events/s",
+        "at the peak of reserved memory",
+        "fragmentation report",
+        "largest free block",
+    ] {
+        assert!(out.contains(needle), "missing `{needle}` in:\n{out}");
+    }
+    assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+}
+
+#[test]
+fn replay_json_is_one_object_with_the_keys() {
+    let o = run(&[
+        "replay",
+        "tests/data/min_capacity.trace",
+        "-c",
+        "pytorch",
+        "--json",
+    ]);
+    assert_status(&o, 0);
+    let lines = json_lines(&o);
+    assert_eq!(lines.len(), 1);
+    let v = &lines[0];
+    assert_keys(
+        v,
+        &[
+            "segments_at_peak",
+            "fragmentation_at_peak",
+            "peak_reserved_event",
+        ],
+    );
+    assert_eq!(v["trace"], "tests/data/min_capacity.trace");
+    assert_eq!(v["config"], "pytorch");
+    assert_eq!(u(v, "events"), 6);
+    // Worked out in the trace's comments.
+    assert_eq!(u(v, "peak_allocated_bytes"), 250 * MIB);
+    assert_eq!(u(v, "peak_reserved_bytes"), 350 * MIB);
+    assert_eq!(u(v, "peak_requested_bytes"), 250 * MIB);
+    assert_eq!(u(v, "num_device_alloc"), 3);
+    assert_eq!(u(v, "num_device_free"), 0);
+    assert_eq!(u(v, "num_ooms"), 0);
+    assert_eq!(v["reserved_over_allocated"].as_f64(), Some(1.4));
+    assert_eq!(u(v, "segments_at_peak"), 3);
+    assert!(v["seconds"].as_f64().unwrap() >= 0.0);
+    assert!(v["capacity_bytes"].is_null());
+}
+
+#[test]
+fn gzip_and_plain_traces_replay_the_same() {
+    let plain = run(&["replay", "tests/data/small.trace", "--json"]);
+    let gz = run(&["replay", "tests/data/small.trace.gz", "--json"]);
+    assert_status(&plain, 0);
+    assert_status(&gz, 0);
+    let (mut a, mut b) = (json_lines(&plain).remove(0), json_lines(&gz).remove(0));
+    for v in [&mut a, &mut b] {
+        let m = v.as_object_mut().unwrap();
+        for k in ["trace", "seconds", "events_per_second"] {
+            m.remove(k);
+        }
+    }
+    assert_eq!(a, b);
+}
+
+#[test]
+fn a_capacity_brings_retries_and_ooms_not_an_error() {
+    // 200 MiB: the 150 MiB block cannot be had while 100 MiB stays live with
+    // the cached 100 MiB segment released (100 + 150 > 200).
+    let o = run(&[
+        "replay",
+        "tests/data/min_capacity.trace",
+        "-c",
+        "pytorch",
+        "--capacity",
+        "200MiB",
+        "--json",
+    ]);
+    assert_status(&o, 0);
+    let v = &json_lines(&o)[0];
+    assert_eq!(u(v, "capacity_bytes"), 200 * MIB);
+    assert_eq!(u(v, "num_ooms"), 1);
+    assert_eq!(u(v, "num_alloc_retries"), 1);
+    assert_eq!(u(v, "first_oom_event"), 3);
+    let text = run(&[
+        "replay",
+        "tests/data/min_capacity.trace",
+        "-c",
+        "pytorch",
+        "--capacity",
+        "209715200",
+    ]);
+    assert_status(&text, 0);
+    let out = stdout(&text);
+    assert!(
+        out.contains("OOMs                  1  (at event 3)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("device capacity       200.00 MiB (209,715,200 B)"),
+        "{out}"
+    );
+}
+
+#[test]
+fn plot_writes_an_svg() {
+    let dir = TempDir::new("plot");
+    let svg = dir.path("small.svg");
+    let o = run(&[
+        "replay",
+        "tests/data/small.trace.gz",
+        "--plot",
+        s(&svg),
+        "--capacity",
+        "40MB",
+    ]);
+    assert_status(&o, 0);
+    assert!(stdout(&o).contains("plot written to"), "{}", stdout(&o));
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.starts_with("<svg"), "{}", &text[..100.min(text.len())]);
+    for needle in [
+        "peak reserved",
+        "peak allocated",
+        "capacity 38.15 MiB",
+        "events",
+        "MiB (2^20 bytes)",
+    ] {
+        assert!(text.contains(needle), "no `{needle}` in the SVG");
+    }
+    // A plot into a directory that does not exist is a runtime error naming it.
+    let bad = dir.path("no/such/dir/x.svg");
+    let o = run(&["replay", "tests/data/small.trace", "--plot", s(&bad)]);
+    assert_status(&o, 1);
+    assert!(stderr(&o).contains(s(&bad)), "{}", stderr(&o));
+}
+
+// ---------------------------------------------------------------- compare
+
+#[test]
+fn compare_prints_one_table_with_a_row_per_trace_and_config() {
+    let o = run(&[
+        "compare",
+        "tests/data/small.trace",
+        "tests/data/min_capacity.trace",
+    ]);
+    assert_status(&o, 0);
+    let out = stdout(&o);
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].starts_with("trace"), "{out}");
+    for h in [
+        "config",
+        "peak allocated",
+        "peak reserved",
+        "reserved/alloc",
+        "driver calls",
+        "retries",
+        "OOMs",
+        "seconds",
+    ] {
+        assert!(lines[0].contains(h), "no column `{h}`: {}", lines[0]);
+    }
+    assert!(lines[1].starts_with("-----"));
+    let rows: Vec<&str> = lines
+        .iter()
+        .copied()
+        .filter(|l| l.starts_with("tests/data/"))
+        .collect();
+    assert_eq!(rows.len(), 6, "{out}");
+    let mut i = 0;
+    for trace in ["tests/data/small.trace", "tests/data/min_capacity.trace"] {
+        for config in ["pytorch", "default", "no-caching"] {
+            let cells: Vec<&str> = rows[i].split_whitespace().collect();
+            assert_eq!(
+                (cells[0], cells[1]),
+                (trace, config),
+                "row {i}: {}",
+                rows[i]
+            );
+            i += 1;
+        }
+    }
+    // min_capacity.trace under pytorch: 250 MiB allocated, 350 MiB reserved, 3 driver calls.
+    assert!(
+        rows[3].contains("250.00 MiB")
+            && rows[3].contains("350.00 MiB")
+            && rows[3].contains("1.400"),
+        "{}",
+        rows[3]
+    );
+    assert!(out.contains("GiB = 2^30 bytes"));
+}
+
+#[test]
+fn compare_json_is_one_object_per_line_per_trace_and_config() {
+    let o = run(&[
+        "compare",
+        "tests/data/small.trace.gz",
+        "tests/data/min_capacity.trace",
+        "--config",
+        "pytorch",
+        "-c",
+        "pytorch,max_split_size_mb:64",
+        "--json",
+    ]);
+    assert_status(&o, 0);
+    let lines = json_lines(&o);
+    assert_eq!(lines.len(), 4);
+    let pairs: Vec<(String, String)> = lines
+        .iter()
+        .map(|v| {
+            assert_keys(v, &[]);
+            (
+                v["trace"].as_str().unwrap().to_string(),
+                v["config"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        pairs,
+        [
+            ("tests/data/small.trace.gz", "pytorch"),
+            ("tests/data/small.trace.gz", "pytorch,max_split_size_mb:64"),
+            ("tests/data/min_capacity.trace", "pytorch"),
+            (
+                "tests/data/min_capacity.trace",
+                "pytorch,max_split_size_mb:64"
+            ),
+        ]
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+    );
+    assert_eq!(u(&lines[2], "peak_reserved_bytes"), 350 * MIB);
+}
+
+#[test]
+fn compare_reports_a_bad_trace_once_and_still_prints_the_good_ones() {
+    let o = run(&[
+        "compare",
+        "tests/data/small.trace",
+        "tests/data/malformed.trace",
+        "--json",
+    ]);
+    assert_status(&o, 1);
+    assert_eq!(json_lines(&o).len(), 3, "the good trace's rows are printed");
+    let err = stderr(&o);
+    assert_eq!(
+        err.lines().count(),
+        1,
+        "one message for the bad trace, not one per config: {err}"
+    );
+    assert!(
+        err.starts_with("error: tests/data/malformed.trace: line 3: unknown operation `q`"),
+        "{err}"
+    );
+}
+
+// ---------------------------------------------------------------- min-capacity
+
+#[test]
+fn min_capacity_of_a_trace_worked_out_by_hand() {
+    let o = run(&[
+        "min-capacity",
+        "tests/data/min_capacity.trace",
+        "-c",
+        "pytorch",
+        "-c",
+        "default",
+        "--json",
+    ]);
+    assert_status(&o, 0);
+    let lines = json_lines(&o);
+    assert_eq!(lines.len(), 2);
+    for v in &lines {
+        assert_keys(
+            v,
+            &[
+                "min_capacity_bytes",
+                "min_capacity_over_peak_allocated",
+                "fails_at_bytes",
+                "replays",
+            ],
+        );
+        // The trace completes at exactly peak allocated (250 MiB) and cannot below.
+        assert_eq!(u(v, "min_capacity_bytes"), 250 * MIB, "{v}");
+        assert_eq!(v["min_capacity_over_peak_allocated"].as_f64(), Some(1.0));
+        assert_eq!(u(v, "peak_allocated_bytes"), 250 * MIB);
+        assert_eq!(u(v, "num_ooms"), 0);
+    }
+    // pytorch needs the flush-and-retry there (its unlimited run keeps the
+    // freed 100 MiB segment: 350 MiB reserved); default releases it before
+    // growing, so it never retries.
+    assert_eq!(lines[0]["config"], "pytorch");
+    assert_eq!(u(&lines[0], "num_alloc_retries"), 1);
+    assert_eq!(u(&lines[0], "unlimited_peak_reserved_bytes"), 350 * MIB);
+    assert_eq!(lines[1]["config"], "default");
+    assert_eq!(u(&lines[1], "num_alloc_retries"), 0);
+    assert_eq!(u(&lines[1], "unlimited_peak_reserved_bytes"), 250 * MIB);
+
+    let text = run(&[
+        "min-capacity",
+        "tests/data/min_capacity.trace",
+        "--config",
+        "pytorch",
+    ]);
+    assert_status(&text, 0);
+    let out = stdout(&text);
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("tests/data/min_capacity.trace"))
+        .expect("a row");
+    assert!(row.contains("250.00 MiB") && row.contains("1.000"), "{out}");
+}
+
+#[test]
+fn min_capacity_bisects_to_the_precision() {
+    // Varied large sizes, a third of them freed as it goes: the answer lies
+    // between peak allocated and peak reserved; the trace completes there
+    // and fails at the capacity reported as failing, within max(2 MiB, 0.1%).
+    let dir = TempDir::new("bisect");
+    let trace = dir.path("varied.trace");
+    let mut text = String::new();
+    for i in 0..40u64 {
+        text += &format!("a {i} {} 0\n", (1 + i % 7) * 3 * MIB + 12345);
+        if i % 3 == 0 && i > 0 {
+            text += &format!("f {}\n", i - 1);
+        }
+    }
+    std::fs::write(&trace, text).unwrap();
+    let o = run(&["min-capacity", s(&trace), "-c", "pytorch", "--json"]);
+    assert_status(&o, 0);
+    let v = &json_lines(&o)[0];
+    let min = u(v, "min_capacity_bytes");
+    let peak = u(v, "unlimited_peak_allocated_bytes");
+    let reserved = u(v, "unlimited_peak_reserved_bytes");
+    assert!(min >= peak && min <= reserved, "{v}");
+    let ooms_at = |capacity: u64| {
+        let o = run(&[
+            "replay",
+            s(&trace),
+            "-c",
+            "pytorch",
+            "--capacity",
+            &capacity.to_string(),
+            "--json",
+        ]);
+        assert_status(&o, 0);
+        u(&json_lines(&o)[0], "num_ooms")
+    };
+    assert_eq!(ooms_at(min), 0, "{v}");
+    if let Some(fails) = v["fails_at_bytes"].as_u64() {
+        assert!(
+            fails < min && min - fails <= (2 * MIB).max(min / 1000),
+            "{v}"
+        );
+        assert!(ooms_at(fails) > 0, "{v}");
+    }
+}
+
+// ---------------------------------------------------------------- errors
+
+#[test]
+fn a_missing_file_is_a_runtime_error_naming_it() {
+    for cmd in ["replay", "compare", "min-capacity"] {
+        let o = run(&[cmd, "tests/data/no-such.trace.gz"]);
+        assert_status(&o, 1);
+        assert_eq!(
+            stderr(&o).trim_end(),
+            "error: tests/data/no-such.trace.gz: no such file",
+            "{cmd}"
+        );
+    }
+}
+
+#[test]
+fn a_malformed_file_names_the_file_and_line() {
+    let o = run(&["replay", "tests/data/malformed.trace"]);
+    assert_status(&o, 1);
+    assert_eq!(
+        stderr(&o).trim_end(),
+        "error: tests/data/malformed.trace: line 3: unknown operation `q` (expected a, f or e)"
+    );
+    assert!(stdout(&o).is_empty());
+}
+
+#[test]
+fn a_free_of_an_unknown_id_names_the_file_and_line() {
+    let o = run(&["replay", "tests/data/unknown_free.trace", "--json"]);
+    assert_status(&o, 1);
+    assert_eq!(
+        stderr(&o).trim_end(),
+        "error: tests/data/unknown_free.trace: line 4: free of unknown allocation id 1"
+    );
+}
+
+#[test]
+fn a_directory_is_an_error() {
+    let o = run(&["replay", "tests/data"]);
+    assert_status(&o, 1);
+    assert_eq!(
+        stderr(&o).trim_end(),
+        "error: tests/data: is a directory, not a trace file"
+    );
+}
+
+#[test]
+fn a_truncated_gzip_file_is_an_error_not_a_short_trace() {
+    let dir = TempDir::new("truncated");
+    // A gzip trace large enough to span many deflate blocks.
+    let plain = dir.path("big.trace");
+    let mut text = String::new();
+    for i in 0..30_000u64 {
+        text += &format!("a {i} {} {}\nf {i}\n", 512 + (i * 7919) % 4_000_000, i % 2);
+    }
+    std::fs::write(&plain, &text).unwrap();
+    let gz = dir.path("big.trace.gz");
+    let status = Command::new("gzip").arg("-k").arg(&plain).status();
+    if !status.is_ok_and(|s| s.success()) {
+        // No gzip tool: write it with the shipped small file's bytes instead.
+        std::fs::copy(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/small.trace.gz"),
+            &gz,
+        )
+        .unwrap();
+    }
+    let bytes = std::fs::read(&gz).unwrap();
+    for cut in [bytes.len() / 3, bytes.len() - 5] {
+        let cut_path = dir.path(&format!("cut{cut}.trace.gz"));
+        std::fs::write(&cut_path, &bytes[..cut]).unwrap();
+        let o = run(&["replay", s(&cut_path)]);
+        assert_status(&o, 1);
+        let err = stderr(&o);
+        assert!(
+            err.starts_with(&format!("error: {}: line ", cut_path.display())),
+            "{err}"
+        );
+        assert!(err.contains("truncated gzip"), "{err}");
+    }
+}
+
+#[test]
+fn usage_errors_exit_with_2() {
+    let cases: [(&[&str], &str); 7] = [
+        (&[], "Usage"),
+        (&["frobnicate"], "unrecognized subcommand"),
+        (&["replay"], "TRACE"),
+        (&["compare"], "TRACE"),
+        (
+            &["replay", "tests/data/small.trace", "--config", "bogus"],
+            "`bogus`",
+        ),
+        (
+            &[
+                "replay",
+                "tests/data/small.trace",
+                "--capacity",
+                "12 parsecs",
+            ],
+            "unknown unit",
+        ),
+        (
+            &["replay", "tests/data/small.trace", "--capacity", "0"],
+            "more than 0 bytes",
+        ),
+    ];
+    for (args, needle) in cases {
+        let o = run(args);
+        assert_status(&o, 2);
+        let err = stderr(&o);
+        assert!(
+            err.to_lowercase().contains(&needle.to_lowercase()),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn help_and_version_exit_with_0() {
+    let o = run(&["--help"]);
+    assert_status(&o, 0);
+    for cmd in ["replay", "compare", "min-capacity"] {
+        assert!(stdout(&o).contains(cmd));
+    }
+    assert_status(&run(&["--version"]), 0);
+    let o = run(&["replay", "--help"]);
+    assert_status(&o, 0);
+    for opt in ["--config", "--capacity", "--json", "--plot"] {
+        assert!(stdout(&o).contains(opt), "{opt}");
+    }
+}
+
+#[test]
+fn sizes_accept_units() {
+    for (arg, bytes) in [
+        ("16GiB", 16u64 << 30),
+        ("512MB", 512_000_000),
+        ("1048576000", 1_048_576_000),
+    ] {
+        let o = run(&[
+            "replay",
+            "tests/data/small.trace",
+            "--capacity",
+            arg,
+            "--json",
+        ]);
+        assert_status(&o, 0);
+        assert_eq!(u(&json_lines(&o)[0], "capacity_bytes"), bytes, "{arg}");
+    }
+}
+
+// ---------------------------------------------------------------- fidelity
+
+/// `--config pytorch` reproduces, on the shipped traces, the peak reserved
+/// bytes real PyTorch reported (../shared/traces/README.md) within 3%.
+#[test]
+fn pytorch_config_reproduces_pytorch_peak_reserved_on_the_shipped_traces() {
+    let o = run(&[
+        "compare",
+        "--config",
+        "pytorch",
+        "--json",
+        "traces/nmt.trace.gz",
+        "traces/cnn_multiscale.trace.gz",
+    ]);
+    assert_status(&o, 0);
+    let expected = [
+        (
+            "traces/nmt.trace.gz",
+            405_085u64,
+            22_261_268_480u64,
+            12_278_053_376u64,
+        ),
+        (
+            "traces/cnn_multiscale.trace.gz",
+            170_371,
+            4_557_111_296,
+            3_205_415_424,
+        ),
+    ];
+    let lines = json_lines(&o);
+    assert_eq!(lines.len(), 2);
+    for (v, (trace, events, reserved, allocated)) in lines.iter().zip(expected) {
+        assert_eq!(v["trace"], trace);
+        assert_eq!(u(v, "events"), events, "{trace}");
+        let got = u(v, "peak_reserved_bytes");
+        let off = (got as f64 - reserved as f64).abs() / reserved as f64;
+        assert!(
+            off <= 0.03,
+            "{trace}: peak reserved {got} vs PyTorch's {reserved} ({:.2}% off)",
+            off * 100.0
+        );
+        let got = u(v, "peak_allocated_bytes");
+        let off = (got as f64 - allocated as f64).abs() / allocated as f64;
+        assert!(
+            off <= 0.03,
+            "{trace}: peak allocated {got} vs PyTorch's {allocated}"
+        );
+        assert_eq!(u(v, "num_ooms"), 0);
+    }
+}
