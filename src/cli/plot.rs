@@ -45,12 +45,12 @@ fn draw<DB: DrawingBackend>(
     root.fill(&WHITE)?;
     let root = root.titled(title, ("sans-serif", 22))?;
     let (plot_area, panel) = root.split_horizontally(SIZE.0 - PANEL);
-    let x_max = (r.events.max(2) - 1) as f64;
+    let x_max = (r.events.max(11) - 1) as f64;
     let top = r
         .peak_reserved
         .max(r.peak_allocated)
         .max(capacity.unwrap_or(0))
-        .max(1);
+        .max(1 << 20);
     // GiB, or MiB for small traces; the y values are in that unit.
     let (unit, y_desc) = if top >= 1 << 30 {
         ((1u64 << 30) as f64, "GiB (2^30 bytes)")
@@ -79,7 +79,13 @@ fn draw<DB: DrawingBackend>(
         .bold_line_style(RGBColor(215, 215, 215))
         .x_desc(format!("events{x_word}"))
         .y_desc(y_desc)
-        .x_label_formatter(&|x| format_axis(*x / x_div))
+        .x_label_formatter(&|x| {
+            if x_div == 1.0 {
+                format!("{x:.0}")
+            } else {
+                format_axis(*x / x_div)
+            }
+        })
         .y_label_formatter(&|y| format_axis(*y))
         .axis_desc_style(("sans-serif", 16))
         .label_style(("sans-serif", 14))
