@@ -47,6 +47,10 @@ fn main() {
             break;
         }
     }
+    print!("{}", a.fragmentation());
+    if a.is_expandable() {
+        return;
+    }
     let snap = a.snapshot();
     for s in snap.segments.iter().filter(|s| s.total_size > (16 << 20)) {
         let blocks: Vec<String> = s

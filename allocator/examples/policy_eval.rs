@@ -83,6 +83,13 @@ fn main() {
                 let minc = hi as f64 / r.peak_allocated as f64;
                 let calls = r.device_calls() as f64 / py.device_calls() as f64;
                 line += &format!(" | {ratio:.3} {minc:.3} {calls:.2}x");
+                if config.expandable_segments {
+                    let st = &r.stats;
+                    line += &format!(
+                        " (map {} unmap {} create {} sync {})",
+                        st.num_map, st.num_unmap, st.num_page_create, st.num_sync_all_streams
+                    );
+                }
                 if seed > 0 {
                     sums.0 += ratio / 4.0;
                     sums.1 += minc / 4.0;

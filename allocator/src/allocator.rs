@@ -80,6 +80,16 @@ struct State<E> {
     /// Mallocs and frees so far: the clock of idle ages.
     clock: u64,
     recorder: Option<Recorder>,
+    /// Page granularity when expandable segments are in use.
+    granularity: Option<u64>,
+    /// Per pool: its expandable segment, once reserved.
+    ranges: Vec<Option<SegmentId>>,
+    /// Virtual size of each expandable segment.
+    range_size: u64,
+    /// Physical pages unmapped but kept (reserved), with the pool kind their bytes are counted under.
+    page_pool: Vec<(u64, PoolKind)>,
+    /// Things the user should know about the configuration (e.g. a fallback).
+    notices: Vec<String>,
 }
 
 impl<D: Device> CachingAllocator<D> {
@@ -88,6 +98,24 @@ impl<D: Device> CachingAllocator<D> {
     pub fn new(device: D, config: Config) -> Self {
         let total = device.mem_info().map(|m| m.total).unwrap_or(u64::MAX);
         let cap = config.memory_cap.map(|c| c.bytes(total));
+        let mut notices = Vec::new();
+        let mut granularity = None;
+        if config.expandable_segments {
+            match device.vmm_granularity() {
+                Some(g) if config.caching && g.is_power_of_two() && g >= 512 => {
+                    granularity = Some(g)
+                }
+                Some(_) if !config.caching => {
+                    notices.push("expandable_segments ignored: caching is off".to_string());
+                }
+                _ => notices.push(
+                    "expandable_segments:True requested, but the device has no virtual memory API \
+                     (cuMemCreate/cuMemMap); falling back to plain segments"
+                        .to_string(),
+                ),
+            }
+        }
+        let range_size = granularity.map_or(0, |g| expandable::range_size(total, g));
         let stats = MemoryStats {
             max_split_size: config.max_split_size,
             ..Default::default()
@@ -111,6 +139,11 @@ impl<D: Device> CachingAllocator<D> {
                 high_water: 0,
                 clock: 0,
                 recorder: None,
+                granularity,
+                ranges: Vec::new(),
+                range_size,
+                page_pool: Vec::new(),
+                notices,
             }),
         }
     }
@@ -118,6 +151,17 @@ impl<D: Device> CachingAllocator<D> {
     /// The device this allocator draws from.
     pub fn device(&self) -> &D {
         &self.device
+    }
+
+    /// Notes about the configuration in force, e.g. that expandable segments
+    /// fell back to plain ones because the device lacks the virtual memory API.
+    pub fn notices(&self) -> Vec<String> {
+        self.state.lock().notices.clone()
+    }
+
+    /// Whether expandable (page-backed) segments are in use.
+    pub fn is_expandable(&self) -> bool {
+        self.state.lock().granularity.is_some()
     }
 
     /// The configuration in force.
@@ -274,6 +318,7 @@ impl<E> State<E> {
         let pools = crate::block::POOLS_PER_STREAM as usize * self.stream_list.len();
         self.bins.resize_with(pools, || None);
         self.lookups.resize(pools, 0);
+        self.ranges.resize(pools, None);
         slot
     }
 
@@ -322,6 +367,10 @@ impl<E> State<E> {
             PoolKind::Large
         };
         let pool = PoolId::new(self.stream_slot(stream), kind);
+        if self.granularity.is_some() {
+            let id = self.malloc_expandable(dev, pool, stream, size, rounded)?;
+            return Ok(self.alloc_found_block(id, rounded, size));
+        }
         let found = if self.config.caching {
             self.get_free_block(pool, rounded)
         } else {
@@ -464,6 +513,7 @@ impl<E> State<E> {
             stream,
             pool,
             head: id,
+            pages: None,
         }));
         self.blocks.get_mut(id.0).segment = seg;
         self.segment_by_addr.insert(ptr.0, seg);
@@ -479,6 +529,9 @@ impl<E> State<E> {
     }
 
     fn should_split(&self, kind: PoolKind, rounded: u64, remaining: u64) -> bool {
+        if self.granularity.is_some() {
+            return remaining >= crate::rounding::MIN_BLOCK;
+        }
         match kind {
             PoolKind::Small => remaining >= crate::rounding::MIN_BLOCK,
             PoolKind::Large | PoolKind::Huge => {
@@ -494,6 +547,8 @@ impl<E> State<E> {
             let b = self.blocks.get(id.0);
             (b.addr, b.size, b.pool, b.is_split(), b.next, b.segment)
         };
+        // Free space of an expandable segment is not "inactive split" memory: not counted.
+        let tracked = !self.segments.get(segment.0).is_expandable();
         let kind = pool.kind();
         let remaining = size - rounded;
         let final_size = if self.should_split(kind, rounded, remaining) {
@@ -519,7 +574,8 @@ impl<E> State<E> {
             b.next = Some(rest);
             b.size = rounded;
             self.bins_mut(pool).insert(remaining, addr + rounded, rest);
-            if already_split {
+            if !tracked {
+            } else if already_split {
                 self.stats.inactive_split_bytes.decrease(kind, rounded);
             } else {
                 self.stats.inactive_split_bytes.increase(kind, remaining);
@@ -527,7 +583,7 @@ impl<E> State<E> {
             }
             rounded
         } else {
-            if already_split {
+            if already_split && tracked {
                 self.stats.inactive_split_bytes.decrease(kind, size);
                 self.stats.inactive_split.decrease(kind, 1);
             }
@@ -686,11 +742,14 @@ impl<E> State<E> {
         let b = self.blocks.get_mut(id.0);
         b.gc_base = gc_base;
         b.freed_at = self.clock;
-        let (size, addr, split) = (b.size, b.addr, b.is_split());
+        let (size, addr, split, segment) = (b.size, b.addr, b.is_split(), b.segment);
         self.bins_mut(pool).insert(size, addr, id);
         if split {
             net_blocks += 1;
             net_bytes += size as i64;
+        }
+        if self.segments.get(segment.0).is_expandable() {
+            (net_blocks, net_bytes) = (0, 0);
         }
         let s = &mut self.stats;
         match net_blocks.signum() {
@@ -791,8 +850,9 @@ impl<E> State<E> {
 
     /// Whether a segment is a single free block (releasable).
     fn segment_is_free(&self, seg: SegmentId) -> bool {
-        let b = self.blocks.get(self.segments.get(seg.0).head.0);
-        b.state == BlockState::Free && b.next.is_none()
+        let s = self.segments.get(seg.0);
+        let b = self.blocks.get(s.head.0);
+        b.state == BlockState::Free && b.next.is_none() && !s.is_expandable()
     }
 
     /// Frees an entirely free segment to the device.
@@ -835,6 +895,11 @@ impl<E> State<E> {
         for (_, seg) in self.free_segments() {
             released.bytes += self.release_segment(dev, seg)?;
             released.segments += 1;
+        }
+        if self.granularity.is_some() {
+            let (bytes, ranges) = self.release_expandable(dev)?;
+            released.bytes += bytes;
+            released.segments += ranges;
         }
         Ok(released)
     }
@@ -972,11 +1037,10 @@ impl<E> State<E> {
         for (i, bins) in self.bins.iter().enumerate() {
             if let (Some(bins), PoolKind::Large | PoolKind::Huge) = (bins, PoolId(i as u32).kind())
             {
-                candidates.extend(
-                    bins.iter()
-                        .map(|e| e.2)
-                        .filter(|id| !self.blocks.get(id.0).is_split()),
-                );
+                candidates.extend(bins.iter().map(|e| e.2).filter(|id| {
+                    let b = self.blocks.get(id.0);
+                    !b.is_split() && !self.segments.get(b.segment.0).is_expandable()
+                }));
             }
         }
         let mut total_age: u64 = candidates.iter().map(|&id| age(self, id)).sum();
@@ -1000,12 +1064,27 @@ impl<E> State<E> {
     }
 
     /// Free bytes in free blocks and the largest free block, over all pools.
+    /// Free bytes and the largest free block. In expandable segments only
+    /// mapped bytes count: unmapped address space is not memory.
     fn fragmentation_totals(&self) -> (u64, u64) {
         let mut free = 0;
         let mut largest = 0;
-        for bins in self.bins.iter().flatten() {
-            free += bins.bytes();
-            largest = largest.max(bins.largest().map_or(0, |e| e.0));
+        for (i, bins) in self.bins.iter().enumerate() {
+            let Some(bins) = bins else { continue };
+            match self.ranges.get(i).copied().flatten() {
+                Some(seg) => {
+                    let s = self.segments.get(seg.0);
+                    for &(size, addr, _) in bins.iter() {
+                        let mapped = self.mapped_bytes_in(s, addr, addr + size);
+                        free += mapped;
+                        largest = largest.max(mapped);
+                    }
+                }
+                None => {
+                    free += bins.bytes();
+                    largest = largest.max(bins.largest().map_or(0, |e| e.0));
+                }
+            }
         }
         (free, largest)
     }
@@ -1021,25 +1100,30 @@ impl<E> State<E> {
             while let Some(id) = cur {
                 let b = self.blocks.get(id.0);
                 if b.state == BlockState::Free {
-                    largest_free = largest_free.max(b.size);
+                    largest_free =
+                        largest_free.max(self.mapped_bytes_in(s, b.addr, b.addr + b.size));
+                    if s.is_expandable() {
+                        releasable += self.idle_bytes_in(s, b.addr, b.addr + b.size);
+                    }
                 } else {
                     used += b.size;
                 }
                 blocks += 1;
                 cur = b.next;
             }
-            if used == 0 && blocks == 1 {
+            if used == 0 && blocks == 1 && !s.is_expandable() {
                 releasable += s.size;
             }
             segments.push(SegmentUse {
                 addr: DevicePtr(s.addr),
-                size: s.size,
+                size: self.mapped_bytes_in(s, s.addr, s.addr + s.size),
                 used,
                 largest_free,
                 blocks,
                 pool: s.pool.kind(),
             });
         }
+        releasable += self.page_pool.len() as u64 * self.granularity.unwrap_or(0);
         FragmentationReport {
             allocated: self.stats.allocated_bytes.all().current,
             reserved: self.reserved(),
@@ -1076,6 +1160,7 @@ impl<E> State<E> {
             segments.push(SegmentSnapshot {
                 address: DevicePtr(s.addr),
                 total_size: s.size,
+                mapped_size: self.mapped_bytes_in(s, s.addr, s.addr + s.size),
                 allocated_size: allocated,
                 requested_size: requested,
                 stream: s.stream,
@@ -1117,12 +1202,14 @@ impl<E> State<E> {
             last_end = s.addr + s.size;
             let kind = s.pool.kind();
             expect.segment.increase(kind, 1);
-            expect.reserved_bytes.increase(kind, s.size);
+            expect
+                .reserved_bytes
+                .increase(kind, self.mapped_bytes_in(s, s.addr, s.addr + s.size));
             let mut cur = Some(s.head);
             let mut prev: Option<BlockId> = None;
             let mut at = s.addr;
             let mut prev_free = false;
-            let split = self.blocks.get(s.head.0).next.is_some();
+            let split = self.blocks.get(s.head.0).next.is_some() && !s.is_expandable();
             while let Some(id) = cur {
                 let b = self.blocks.get(id.0);
                 seen_blocks += 1;
@@ -1160,6 +1247,14 @@ impl<E> State<E> {
                             return Err(format!("free block at {:#x} is in the live map", b.addr));
                         }
                     }
+                    BlockState::Allocated | BlockState::AwaitingEvents
+                        if self.mapped_bytes_in(s, b.addr, b.addr + b.size) != b.size =>
+                    {
+                        return Err(format!(
+                            "block at {:#x} in use but not entirely mapped",
+                            b.addr
+                        ));
+                    }
                     BlockState::Allocated => {
                         if self.live.get(&b.addr) != Some(&id) {
                             return Err(format!(
@@ -1196,6 +1291,11 @@ impl<E> State<E> {
                     s.size
                 ));
             }
+        }
+        for &(_, kind) in &self.page_pool {
+            expect
+                .reserved_bytes
+                .increase(kind, self.granularity.unwrap_or(0));
         }
         if seen_blocks != self.blocks.len() {
             return Err(format!(
@@ -1255,6 +1355,8 @@ impl<E> State<E> {
         Ok(())
     }
 }
+
+mod expandable;
 
 #[cfg(test)]
 mod tests;

@@ -5,6 +5,7 @@
 //! without any lookup. Ids are slab indices, distinct types from addresses.
 
 use crate::device::StreamId;
+use std::collections::BTreeMap;
 
 /// Index of a block record in the allocator's block slab.
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
@@ -107,11 +108,21 @@ impl Block {
 #[derive(Clone, Debug)]
 pub(crate) struct Segment {
     pub addr: u64,
+    /// Bytes of address space (for an expandable segment: the virtual range).
     pub size: u64,
     pub stream: StreamId,
     pub pool: PoolId,
     /// The lowest block of the segment.
     pub head: BlockId,
+    /// For an expandable segment: its mapped pages, page index → physical page handle.
+    pub pages: Option<BTreeMap<u32, u64>>,
+}
+
+impl Segment {
+    /// Whether the segment is a virtual range backed page by page.
+    pub fn is_expandable(&self) -> bool {
+        self.pages.is_some()
+    }
 }
 
 /// A vector with reusable slots, indexed by `u32`.

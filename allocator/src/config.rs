@@ -92,6 +92,9 @@ pub struct Config {
     pub release_min_idle: u64,
     /// Which free segments go first when room is needed.
     pub release_order: ReleaseOrder,
+    /// Expandable segments: idle pages stay mapped while reserved memory is
+    /// at most `1 + idle_slack` times the peak allocated bytes.
+    pub idle_slack: f64,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
 }
@@ -119,6 +122,7 @@ impl Config {
             release_order: ReleaseOrder::SmallestFit,
             oversize_ratio: 0,
             release_min_idle: 0,
+            idle_slack: 0.01,
             expandable_segments: false,
         }
     }
@@ -137,6 +141,17 @@ impl Config {
         }
     }
 
+    /// Our policy on expandable segments (CUDA virtual memory API): one
+    /// virtual range per stream and pool, 2 MiB pages mapped under live
+    /// blocks, idle pages moved to where they are needed instead of growing.
+    pub fn expandable() -> Self {
+        Config {
+            name: "expandable".into(),
+            expandable_segments: true,
+            ..Self::default()
+        }
+    }
+
     /// No caching: every allocation is its own device segment, freed at once.
     pub fn no_caching() -> Self {
         Config {
@@ -147,7 +162,8 @@ impl Config {
     }
 
     /// The named presets, for help texts.
-    pub const PRESETS: &'static [&'static str] = &["default", "pytorch", "lowmem", "no-caching"];
+    pub const PRESETS: &'static [&'static str] =
+        &["default", "pytorch", "expandable", "lowmem", "no-caching"];
 
     /// A preset by name.
     pub fn preset(name: &str) -> Option<Self> {
@@ -155,6 +171,7 @@ impl Config {
             "default" => Some(Self::default()),
             "pytorch" => Some(Self::pytorch()),
             "lowmem" => Some(Self::lowmem()),
+            "expandable" => Some(Self::expandable()),
             "no-caching" | "no_caching" | "none" => Some(Self::no_caching()),
             _ => None,
         }
@@ -271,6 +288,13 @@ impl Config {
             "segment_round_mb" => self.segment_round = mib(value)?,
             "large_split_remainder_mb" => self.large_split_remainder = mib(value)?,
             "huge_size_mb" => self.huge_size = mib(value)?,
+            "idle_slack" => {
+                let f: f64 = value.parse().map_err(|_| bad("expected a number"))?;
+                if !(0.0..=10.0).contains(&f) {
+                    return Err(bad("must be between 0 and 10"));
+                }
+                self.idle_slack = f;
+            }
             "release_min_idle" => {
                 self.release_min_idle = value.parse().map_err(|_| bad("expected a whole number"))?
             }
@@ -345,7 +369,7 @@ impl Config {
         let mut s = format!(
             "{},caching:{},small_segment_mb:{},medium_segment_mb:{},large_threshold_mb:{},segment_round_mb:{},\
              large_split_remainder_mb:{},max_split_size_mb:{},huge_size_mb:{},huge_segment_divisions:{},\
-             oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},expandable_segments:{}",
+             oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},idle_slack:{},expandable_segments:{}",
             self.name,
             py_bool(self.caching),
             self.small_segment / MIB,
@@ -360,6 +384,7 @@ impl Config {
             py_bool(self.release_before_grow),
             release_order,
             self.release_min_idle,
+            self.idle_slack,
             py_bool(self.expandable_segments),
         );
         let list: Vec<String> = self
@@ -530,7 +555,7 @@ impl fmt::Display for ConfigError {
         match self {
             ConfigError::UnknownKey(k) => write!(
                 f,
-                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle)"
+                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, idle_slack)"
             ),
             ConfigError::UnknownPreset(p) => {
                 write!(f, "unknown configuration `{p}` (presets: {}; or key:value,…)", Config::PRESETS.join(", "))

@@ -63,7 +63,7 @@ impl From<DeviceError> for AllocError {
 }
 
 /// The memory state at an out-of-memory failure: everything needed to see why.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct OomReport {
     /// Bytes the caller asked for.
     pub requested: u64,

@@ -95,9 +95,9 @@ impl ReplayResult {
         self.oom_events.is_empty()
     }
 
-    /// Device calls: segment allocations plus frees.
+    /// Device calls: segment allocations and frees, and virtual-memory calls.
     pub fn device_calls(&self) -> u64 {
-        self.stats.num_device_alloc + self.stats.num_device_free
+        self.stats.device_calls()
     }
 }
 

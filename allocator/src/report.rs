@@ -28,7 +28,7 @@ pub struct FragmentationReport {
 pub struct SegmentUse {
     /// Segment start.
     pub addr: DevicePtr,
-    /// Segment size.
+    /// Segment size (for an expandable segment: its mapped bytes).
     pub size: u64,
     /// Bytes of allocated (or awaiting-event) blocks.
     pub used: u64,
@@ -153,8 +153,10 @@ pub struct Snapshot {
 pub struct SegmentSnapshot {
     /// Start address.
     pub address: DevicePtr,
-    /// Size in bytes.
+    /// Size in bytes (for an expandable segment: its virtual range).
     pub total_size: u64,
+    /// Bytes backed by physical memory (`total_size` for a plain segment).
+    pub mapped_size: u64,
     /// Bytes of allocated blocks.
     pub allocated_size: u64,
     /// Bytes requested by callers of allocated blocks.

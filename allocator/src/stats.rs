@@ -72,6 +72,14 @@ impl StatArray {
         self.0[kind.stat_group()].decrease(n);
     }
 
+    /// Moves `n` from one pool group to another; `all` does not change.
+    pub(crate) fn move_group(&mut self, from: PoolKind, to: PoolKind, n: u64) {
+        if from.stat_group() != to.stat_group() {
+            self.0[from.stat_group()].decrease(n);
+            self.0[to.stat_group()].increase(n);
+        }
+    }
+
     fn reset_peak(&mut self) {
         self.0.iter_mut().for_each(Stat::reset_peak);
     }
@@ -108,8 +116,18 @@ pub struct MemoryStats {
     pub num_device_alloc: u64,
     /// Segment frees to the device.
     pub num_device_free: u64,
-    /// The `max_split_size` in force (`u64::MAX` when unlimited, reported as -1… as PyTorch does: see `entries`).
+    /// The `max_split_size` in force (`u64::MAX` when unlimited; `entries` reports -1 then, as PyTorch does).
     pub max_split_size: u64,
+    /// Virtual ranges reserved for expandable segments.
+    pub num_vmm_reserve: u64,
+    /// Physical pages created.
+    pub num_page_create: u64,
+    /// Physical pages released.
+    pub num_page_release: u64,
+    /// Page maps.
+    pub num_map: u64,
+    /// Page unmaps.
+    pub num_unmap: u64,
     /// Allocations of at least `max_split_size`.
     pub oversize_allocations: Stat,
     /// Segments of at least `max_split_size`.
@@ -117,6 +135,18 @@ pub struct MemoryStats {
 }
 
 impl MemoryStats {
+    /// Every call that changed device memory: segment allocations and frees,
+    /// range reservations, page creates, releases, maps and unmaps.
+    pub fn device_calls(&self) -> u64 {
+        self.num_device_alloc
+            + self.num_device_free
+            + self.num_vmm_reserve
+            + self.num_page_create
+            + self.num_page_release
+            + self.num_map
+            + self.num_unmap
+    }
+
     /// Resets every peak to its current value (`torch.cuda.reset_peak_memory_stats`).
     pub fn reset_peak(&mut self) {
         for a in self.arrays_mut() {
@@ -156,7 +186,8 @@ impl MemoryStats {
     }
 
     /// Flat `(key, value)` pairs exactly as `torch.cuda.memory_stats()` names
-    /// them. `max_split_size` is -1 when unlimited, as in PyTorch.
+    /// them (`max_split_size` is -1 when unlimited, as in PyTorch), plus our
+    /// counters of virtual-memory calls (`num_map`, `num_unmap`, …).
     pub fn entries(&self) -> Vec<(String, i64)> {
         let mut out = Vec::with_capacity(120);
         let v = |x: u64| i64::try_from(x).unwrap_or(i64::MAX);
@@ -182,6 +213,11 @@ impl MemoryStats {
         out.push(("num_sync_all_streams".into(), v(self.num_sync_all_streams)));
         out.push(("num_device_alloc".into(), v(self.num_device_alloc)));
         out.push(("num_device_free".into(), v(self.num_device_free)));
+        out.push(("num_vmm_reserve".into(), v(self.num_vmm_reserve)));
+        out.push(("num_page_create".into(), v(self.num_page_create)));
+        out.push(("num_page_release".into(), v(self.num_page_release)));
+        out.push(("num_map".into(), v(self.num_map)));
+        out.push(("num_unmap".into(), v(self.num_unmap)));
         out.push((
             "max_split_size".into(),
             if self.max_split_size == u64::MAX {
@@ -249,6 +285,6 @@ mod tests {
             assert!(keys.contains(&k), "missing {k}");
         }
         assert!(e.contains(&("max_split_size".to_string(), -1)));
-        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 6);
+        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 11);
     }
 }

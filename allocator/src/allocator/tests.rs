@@ -502,3 +502,196 @@ fn release_min_idle_keeps_recently_freed_segments() {
     assert_eq!(dev.segments().len(), 2, "x was freed one malloc ago: kept");
     ok(&a);
 }
+
+mod expandable {
+    use super::*;
+
+    const PAGE: u64 = 2 * MIB;
+
+    #[test]
+    fn pages_are_mapped_under_blocks_only() {
+        let (dev, a) = new(Config::expandable());
+        assert!(a.is_expandable());
+        let p = a.malloc(5 * MIB / 2, S0).unwrap();
+        assert_eq!(
+            a.usage().reserved,
+            2 * PAGE,
+            "2.5 MiB needs two 2 MiB pages"
+        );
+        let q = a.malloc(3 * MIB / 2, S0).unwrap(); // shares the second page
+        assert_eq!(q.0, p.0 + 5 * MIB / 2);
+        assert_eq!(a.usage().reserved, 2 * PAGE);
+        assert_eq!(dev.used(), 2 * PAGE);
+        ok(&a);
+        a.free(p).unwrap();
+        a.free(q).unwrap();
+        assert_eq!(a.usage().reserved, 2 * PAGE, "pages stay mapped as cache");
+        ok(&a);
+        let r = a.empty_cache().unwrap();
+        assert_eq!(
+            r,
+            Released {
+                bytes: 2 * PAGE,
+                segments: 1
+            }
+        );
+        assert_eq!(dev.outstanding(), 0);
+        assert_eq!(a.usage().reserved, 0);
+        let st = a.stats();
+        assert_eq!(
+            (
+                st.num_page_create,
+                st.num_map,
+                st.num_unmap,
+                st.num_page_release
+            ),
+            (2, 2, 2, 2)
+        );
+        ok(&a);
+    }
+
+    #[test]
+    fn idle_pages_move_instead_of_growing_past_the_peak() {
+        let (dev, a) = new(Config::expandable());
+        let x = a.malloc(10 * MIB, S0).unwrap();
+        let y = a.malloc(10 * MIB, S0).unwrap();
+        a.free(x).unwrap();
+        // 12 MiB fits no hole: it goes to the end of the range; the 5 idle pages
+        // of x's hole are unmapped and mapped there, one new page is created.
+        let z = a.malloc(12 * MIB, S0).unwrap();
+        assert!(z.0 >= y.0 + 10 * MIB);
+        let st = a.stats();
+        assert_eq!(st.reserved_bytes.all().peak, 22 * MIB);
+        assert_eq!(st.num_unmap, 5);
+        assert_eq!(st.num_page_create, 11);
+        assert_eq!(dev.counters().vmm_creates, 11);
+        ok(&a);
+        // A fixed-segment allocator needs 32 MiB for the same sequence.
+        let (_, b) = new(Config::pytorch());
+        let x = b.malloc(10 * MIB, S0).unwrap();
+        b.malloc(10 * MIB, S0).unwrap();
+        b.free(x).unwrap();
+        b.malloc(12 * MIB, S0).unwrap();
+        assert_eq!(b.stats().reserved_bytes.all().peak, 32 * MIB);
+    }
+
+    #[test]
+    fn cap_recycles_then_fails_with_a_report() {
+        let (_, a) = new(Config::expandable());
+        a.set_memory_cap(Some(MemoryCap::Bytes(16 * MIB))).unwrap();
+        let x = a.malloc(8 * MIB, S0).unwrap();
+        let _y = a.malloc(8 * MIB, S0).unwrap();
+        a.free(x).unwrap();
+        // No hole fits 8 MiB + 512 B: at the end of the range it needs five
+        // pages, the cap allows four and x's four idle pages are all there is.
+        assert!(matches!(
+            a.malloc(8 * MIB + 512, S0),
+            Err(AllocError::OutOfMemory(_))
+        ));
+        ok(&a);
+        let z = a.malloc(6 * MIB + 512, S0).unwrap();
+        assert!(a.usage().reserved <= 16 * MIB);
+        ok(&a);
+        let e = a.malloc(4 * MIB, S0).unwrap_err();
+        assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
+        assert!(e.to_string().contains("capped at 16.00 MiB"), "{e}");
+        assert_eq!(a.stats().num_ooms, 2);
+        ok(&a);
+        a.free(z).unwrap();
+        assert!(
+            a.malloc(4 * MIB, S0).is_ok(),
+            "works again once memory is free"
+        );
+        ok(&a);
+    }
+
+    #[test]
+    fn device_full_recycles_idle_pages_of_other_pools() {
+        let dev = SimulatedDevice::new(8 * MIB);
+        let a = CachingAllocator::new(dev.clone(), Config::expandable());
+        let small = a.malloc(512 * 1024, S0).unwrap(); // small pool: one page
+        let large = a.malloc(6 * MIB, S0).unwrap(); // large pool: three pages
+        a.free(small).unwrap();
+        a.free(large).unwrap();
+        // 8 MiB needs four pages: the device has none left, all four come from idle pages.
+        let p = a.malloc(8 * MIB, S0).unwrap();
+        assert_eq!(p, large);
+        assert_eq!(dev.counters().vmm_creates, 4);
+        ok(&a);
+    }
+
+    #[test]
+    fn pages_of_blocks_awaiting_events_are_not_recycled() {
+        let dev = SimulatedDevice::new(4 * MIB);
+        let a = CachingAllocator::new(dev.clone(), Config::expandable());
+        let p = a.malloc(4 * MIB, S0).unwrap();
+        a.record_stream(p, S1).unwrap();
+        a.free(p).unwrap();
+        // The only pages belong to a block stream 1 may still use; the ladder
+        // waits for its event (a retry), and only then reuses them.
+        let q = a.malloc(4 * MIB, S0).unwrap();
+        assert_eq!(q, p);
+        assert_eq!(a.stats().num_alloc_retries, 1);
+        assert!(dev.pending_events().is_empty());
+        ok(&a);
+    }
+
+    #[test]
+    fn falls_back_without_the_virtual_memory_api() {
+        /// A device that has no VMM methods (the trait's defaults).
+        struct Plain(SimulatedDevice);
+        impl Device for Plain {
+            type Event = crate::simulated::SimEvent;
+            fn allocate(&self, bytes: u64) -> Result<DevicePtr, DeviceError> {
+                self.0.allocate(bytes)
+            }
+            fn free(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
+                self.0.free(ptr, bytes)
+            }
+            fn mem_info(&self) -> Result<crate::device::MemInfo, DeviceError> {
+                self.0.mem_info()
+            }
+            fn record_event(&self, s: StreamId) -> Result<Self::Event, DeviceError> {
+                self.0.record_event(s)
+            }
+            fn event_completed(&self, e: &Self::Event) -> Result<bool, DeviceError> {
+                self.0.event_completed(e)
+            }
+            fn wait_event(&self, e: &Self::Event) -> Result<(), DeviceError> {
+                self.0.wait_event(e)
+            }
+            fn release_event(&self, e: Self::Event) {
+                self.0.release_event(e)
+            }
+            fn synchronize(&self) -> Result<(), DeviceError> {
+                self.0.synchronize()
+            }
+        }
+        let a = CachingAllocator::new(Plain(SimulatedDevice::unlimited()), Config::expandable());
+        assert!(!a.is_expandable());
+        assert!(
+            a.notices()[0].contains("falling back to plain segments"),
+            "{:?}",
+            a.notices()
+        );
+        let p = a.malloc(MIB, S0).unwrap();
+        a.free(p).unwrap();
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn snapshot_and_report_count_mapped_bytes_only() {
+        let (_, a) = new(Config::expandable());
+        let _p = a.malloc(3 * MIB, S0).unwrap();
+        let snap = a.snapshot();
+        assert_eq!(snap.segments.len(), 1);
+        assert_eq!(snap.segments[0].mapped_size, 4 * MIB);
+        assert!(snap.segments[0].total_size >= 1 << 30);
+        let f = a.fragmentation();
+        assert_eq!(f.reserved, 4 * MIB);
+        assert_eq!(f.free, MIB);
+        assert_eq!(f.largest_free_block, MIB);
+        assert_eq!(f.segments[0].size, 4 * MIB);
+        assert_eq!(a.stats().inactive_split_bytes.all().current, 0);
+    }
+}
