@@ -87,7 +87,7 @@ struct State<E> {
     /// Virtual size of each expandable segment.
     range_size: u64,
     /// Physical pages unmapped but kept (reserved), with the pool kind their bytes are counted under.
-    page_pool: Vec<(u64, PoolKind)>,
+    page_pool: Vec<(u64, PoolKind, u64)>,
     /// Things the user should know about the configuration (e.g. a fallback).
     notices: Vec<String>,
 }
@@ -115,7 +115,7 @@ impl<D: Device> CachingAllocator<D> {
                 ),
             }
         }
-        let range_size = granularity.map_or(0, |g| expandable::range_size(total, g));
+        let range_size = total;
         let stats = MemoryStats {
             max_split_size: config.max_split_size,
             ..Default::default()
@@ -514,6 +514,7 @@ impl<E> State<E> {
             pool,
             head: id,
             pages: None,
+            page_size: 0,
         }));
         self.blocks.get_mut(id.0).segment = seg;
         self.segment_by_addr.insert(ptr.0, seg);
@@ -1123,7 +1124,7 @@ impl<E> State<E> {
                 pool: s.pool.kind(),
             });
         }
-        releasable += self.page_pool.len() as u64 * self.granularity.unwrap_or(0);
+        releasable += self.pooled_bytes();
         FragmentationReport {
             allocated: self.stats.allocated_bytes.all().current,
             reserved: self.reserved(),
@@ -1292,10 +1293,8 @@ impl<E> State<E> {
                 ));
             }
         }
-        for &(_, kind) in &self.page_pool {
-            expect
-                .reserved_bytes
-                .increase(kind, self.granularity.unwrap_or(0));
+        for &(_, kind, size) in &self.page_pool {
+            expect.reserved_bytes.increase(kind, size);
         }
         if seen_blocks != self.blocks.len() {
             return Err(format!(

@@ -116,6 +116,8 @@ pub(crate) struct Segment {
     pub head: BlockId,
     /// For an expandable segment: its mapped pages, page index → physical page handle.
     pub pages: Option<BTreeMap<u32, u64>>,
+    /// For an expandable segment: the bytes of each page (0 for a plain segment).
+    pub page_size: u64,
 }
 
 impl Segment {

@@ -95,6 +95,13 @@ pub struct Config {
     /// Expandable segments: idle pages stay mapped while reserved memory is
     /// at most `1 + idle_slack` times the peak allocated bytes.
     pub idle_slack: f64,
+    /// Expandable segments: a recycling round unmaps the pages needed now plus
+    /// this fraction of the peak allocated bytes (longest idle first), so
+    /// that the next mappings need no new round (each round waits for the device).
+    pub recycle_batch: f64,
+    /// Expandable segments: page size of the large pools (a multiple of the
+    /// device granularity; the small pool always uses the granularity).
+    pub expandable_page: u64,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
 }
@@ -123,6 +130,8 @@ impl Config {
             oversize_ratio: 0,
             release_min_idle: 0,
             idle_slack: 0.01,
+            recycle_batch: 0.05,
+            expandable_page: 2 * MIB,
             expandable_segments: false,
         }
     }
@@ -295,6 +304,20 @@ impl Config {
                 }
                 self.idle_slack = f;
             }
+            "expandable_page_mb" => {
+                let m = mib(value)?;
+                if m == 0 {
+                    return Err(bad("must be positive"));
+                }
+                self.expandable_page = m;
+            }
+            "recycle_batch" => {
+                let f: f64 = value.parse().map_err(|_| bad("expected a number"))?;
+                if !(0.0..=1000.0).contains(&f) {
+                    return Err(bad("must be between 0 and 1000"));
+                }
+                self.recycle_batch = f;
+            }
             "release_min_idle" => {
                 self.release_min_idle = value.parse().map_err(|_| bad("expected a whole number"))?
             }
@@ -369,7 +392,8 @@ impl Config {
         let mut s = format!(
             "{},caching:{},small_segment_mb:{},medium_segment_mb:{},large_threshold_mb:{},segment_round_mb:{},\
              large_split_remainder_mb:{},max_split_size_mb:{},huge_size_mb:{},huge_segment_divisions:{},\
-             oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},idle_slack:{},expandable_segments:{}",
+             oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},idle_slack:{},recycle_batch:{},expandable_page_mb:{},\
+             expandable_segments:{}",
             self.name,
             py_bool(self.caching),
             self.small_segment / MIB,
@@ -385,6 +409,8 @@ impl Config {
             release_order,
             self.release_min_idle,
             self.idle_slack,
+            self.recycle_batch,
+            self.expandable_page / MIB,
             py_bool(self.expandable_segments),
         );
         let list: Vec<String> = self
@@ -555,7 +581,7 @@ impl fmt::Display for ConfigError {
         match self {
             ConfigError::UnknownKey(k) => write!(
                 f,
-                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, idle_slack)"
+                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, idle_slack, recycle_batch, expandable_page_mb)"
             ),
             ConfigError::UnknownPreset(p) => {
                 write!(f, "unknown configuration `{p}` (presets: {}; or key:value,…)", Config::PRESETS.join(", "))

@@ -120,20 +120,21 @@ pub trait Device: Send + Sync {
     fn vmm_free_range(&self, _ptr: DevicePtr, _bytes: u64) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("virtual memory free"))
     }
-    /// Creates one physical page of [`Device::vmm_granularity`] bytes; returns its handle.
-    fn vmm_create_page(&self) -> Result<u64, DeviceError> {
+    /// Creates a physical page of `bytes` (a multiple of [`Device::vmm_granularity`]); returns its handle.
+    fn vmm_create_page(&self, _bytes: u64) -> Result<u64, DeviceError> {
         Err(DeviceError::Unsupported("physical page create"))
     }
     /// Releases a physical page created by [`Device::vmm_create_page`].
     fn vmm_release_page(&self, _page: u64) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("physical page release"))
     }
-    /// Maps `page` at `ptr` (inside a reserved range) and makes it accessible.
-    fn vmm_map(&self, _ptr: DevicePtr, _page: u64) -> Result<(), DeviceError> {
+    /// Maps `page` (of `bytes`) at `ptr` (inside a reserved range) and makes it accessible.
+    fn vmm_map(&self, _ptr: DevicePtr, _page: u64, _bytes: u64) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("map"))
     }
-    /// Unmaps the page mapped at `ptr`.
-    fn vmm_unmap(&self, _ptr: DevicePtr) -> Result<(), DeviceError> {
+    /// Unmaps the page of `bytes` mapped at `ptr`. The caller guarantees that
+    /// no queued work still uses it.
+    fn vmm_unmap(&self, _ptr: DevicePtr, _bytes: u64) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("unmap"))
     }
 }

@@ -8,7 +8,7 @@
 
 use crate::device::{Device, DeviceError, DevicePtr, MemInfo, StreamId};
 use parking_lot::Mutex;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Highest simulated address; segments are laid out downwards from here,
@@ -73,9 +73,11 @@ struct SimState {
     counters: SimCounters,
     granularity: u64,
     ranges: BTreeMap<u64, u64>,
-    pages: BTreeSet<u64>,
+    /// Physical pages: handle → bytes.
+    pages: BTreeMap<u64, u64>,
     next_page: u64,
-    mapped: BTreeMap<u64, u64>,
+    /// Mappings: address → (page, bytes).
+    mapped: BTreeMap<u64, (u64, u64)>,
 }
 
 /// A simulated device; see the module docs.
@@ -101,7 +103,7 @@ impl SimulatedDevice {
                 counters: SimCounters::default(),
                 granularity: 2 << 20,
                 ranges: BTreeMap::new(),
-                pages: BTreeSet::new(),
+                pages: BTreeMap::new(),
                 next_page: 1,
                 mapped: BTreeMap::new(),
             })),
@@ -338,57 +340,70 @@ impl Device for SimulatedDevice {
         Ok(())
     }
 
-    fn vmm_create_page(&self) -> Result<u64, DeviceError> {
+    fn vmm_create_page(&self, bytes: u64) -> Result<u64, DeviceError> {
         let mut s = self.state.lock();
-        let g = s.granularity;
-        Self::take_space(&mut s, g)?;
+        if bytes == 0 || bytes % s.granularity != 0 {
+            return Err(invalid("vmm_create_page"));
+        }
+        Self::take_space(&mut s, bytes)?;
         let id = s.next_page;
         s.next_page += 1;
-        s.pages.insert(id);
+        s.pages.insert(id, bytes);
         s.counters.vmm_creates += 1;
         Ok(id)
     }
 
     fn vmm_release_page(&self, page: u64) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
-        if s.mapped.values().any(|&p| p == page) || !s.pages.remove(&page) {
-            return Err(DeviceError::Driver {
-                name: "CUDA_ERROR_INVALID_VALUE".into(),
-                call: "vmm_release_page",
-            });
+        if s.mapped.values().any(|&(p, _)| p == page) {
+            return Err(invalid("vmm_release_page (page still mapped)"));
         }
-        s.used -= s.granularity;
+        let Some(bytes) = s.pages.remove(&page) else {
+            return Err(invalid("vmm_release_page"));
+        };
+        s.used -= bytes;
         s.counters.vmm_releases += 1;
         Ok(())
     }
 
-    fn vmm_map(&self, ptr: DevicePtr, page: u64) -> Result<(), DeviceError> {
+    fn vmm_map(&self, ptr: DevicePtr, page: u64, bytes: u64) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
         let g = s.granularity;
         let in_range = s
             .ranges
             .range(..=ptr.0)
             .next_back()
-            .is_some_and(|(&b, &n)| ptr.0 + g <= b + n);
-        if !in_range || ptr.0 % g != 0 || !s.pages.contains(&page) || s.mapped.contains_key(&ptr.0)
-        {
-            return Err(DeviceError::Driver {
-                name: "CUDA_ERROR_INVALID_VALUE".into(),
-                call: "vmm_map",
-            });
+            .is_some_and(|(&b, &n)| ptr.0 + bytes <= b + n);
+        let overlaps = s
+            .mapped
+            .range(..ptr.0 + bytes)
+            .next_back()
+            .is_some_and(|(&a, &(_, n))| a + n > ptr.0);
+        if !in_range || ptr.0 % g != 0 || s.pages.get(&page) != Some(&bytes) || overlaps {
+            return Err(invalid("vmm_map"));
         }
-        s.mapped.insert(ptr.0, page);
+        s.mapped.insert(ptr.0, (page, bytes));
         s.counters.vmm_maps += 1;
         Ok(())
     }
 
-    fn vmm_unmap(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
+    fn vmm_unmap(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
-        if s.mapped.remove(&ptr.0).is_none() {
-            return Err(DeviceError::InvalidAddress(ptr));
+        match s.mapped.get(&ptr.0) {
+            Some(&(_, n)) if n == bytes => {
+                s.mapped.remove(&ptr.0);
+                s.counters.vmm_unmaps += 1;
+                Ok(())
+            }
+            _ => Err(DeviceError::InvalidAddress(ptr)),
         }
-        s.counters.vmm_unmaps += 1;
-        Ok(())
+    }
+}
+
+fn invalid(call: &'static str) -> DeviceError {
+    DeviceError::Driver {
+        name: "CUDA_ERROR_INVALID_VALUE".into(),
+        call,
     }
 }
 
@@ -442,20 +457,33 @@ mod tests {
 
     #[test]
     fn vmm_pages_count_against_capacity() {
-        let d = SimulatedDevice::new(4 << 20);
+        let d = SimulatedDevice::new(6 << 20);
         let r = d.vmm_reserve(64 << 20).unwrap();
-        let p1 = d.vmm_create_page().unwrap();
-        let p2 = d.vmm_create_page().unwrap();
-        assert_eq!(d.vmm_create_page(), Err(DeviceError::OutOfMemory));
-        d.vmm_map(r, p1).unwrap();
-        d.vmm_map(DevicePtr(r.0 + (2 << 20)), p2).unwrap();
+        let p1 = d.vmm_create_page(2 << 20).unwrap();
+        let p2 = d.vmm_create_page(4 << 20).unwrap();
+        assert_eq!(d.vmm_create_page(2 << 20), Err(DeviceError::OutOfMemory));
+        assert!(
+            d.vmm_create_page(1 << 20).is_err(),
+            "not a multiple of the granularity"
+        );
+        d.vmm_map(r, p1, 2 << 20).unwrap();
+        assert!(d.vmm_map(r, p2, 4 << 20).is_err(), "overlapping mapping");
+        assert!(
+            d.vmm_map(DevicePtr(r.0 + (2 << 20)), p2, 2 << 20).is_err(),
+            "wrong size"
+        );
+        d.vmm_map(DevicePtr(r.0 + (2 << 20)), p2, 4 << 20).unwrap();
         assert!(
             d.vmm_release_page(p1).is_err(),
             "mapped pages cannot be released"
         );
         assert!(d.vmm_free_range(r, 64 << 20).is_err());
-        d.vmm_unmap(r).unwrap();
-        d.vmm_unmap(DevicePtr(r.0 + (2 << 20))).unwrap();
+        assert!(
+            d.vmm_unmap(r, 4 << 20).is_err(),
+            "size must match the mapping"
+        );
+        d.vmm_unmap(r, 2 << 20).unwrap();
+        d.vmm_unmap(DevicePtr(r.0 + (2 << 20)), 4 << 20).unwrap();
         d.vmm_release_page(p1).unwrap();
         d.vmm_release_page(p2).unwrap();
         d.vmm_free_range(r, 64 << 20).unwrap();

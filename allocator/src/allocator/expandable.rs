@@ -1,18 +1,21 @@
 //! Expandable segments on the virtual memory API.
 //!
 //! Each (stream, pool) gets one large virtual range; blocks tile it as in a
-//! plain segment, but physical pages (the device's granularity, 2 MiB on
-//! current GPUs) are mapped only under blocks that need them. Reserved bytes
-//! are mapped bytes. Pages that lie entirely inside free blocks are idle:
-//! before the allocator would grow past its previous peak or a cap, it
-//! unmaps idle pages and maps the same physical pages where they are needed
-//! (no create/release churn); under real pressure it waits for pending
-//! events first; `empty_cache` unmaps and releases every idle page.
+//! plain segment, but physical pages are mapped only under blocks that need
+//! them, and reserved bytes are physical bytes. Small-pool pages are the
+//! device's granularity (2 MiB on current GPUs); large-pool pages may be a
+//! multiple of it (`Config::expandable_page`), which divides the number of
+//! map calls at the price of coarser recycling.
 //!
-//! A page may be unmapped only when no queued GPU work can still touch it,
-//! so unmapping waits for the device to be idle. To pay that wait rarely,
-//! a recycling round unmaps every idle page at once into a pool of unmapped
-//! physical pages (still reserved), which later mappings draw from first.
+//! Pages that lie entirely inside free blocks are idle. A page may be
+//! unmapped only when no queued GPU work can still touch it, so recycling
+//! waits for the device to be idle; to pay that wait rarely, a recycling
+//! round unmaps a batch of idle pages (longest idle first) into a pool of
+//! unmapped physical pages, still reserved, which later mappings draw from
+//! before they create new pages. A round runs when creating pages would lift
+//! reserved memory past `1 + idle_slack` times the peak allocated bytes or
+//! past the cap, or when the device is full; `empty_cache` unmaps every idle
+//! page and releases the pool.
 
 use super::State;
 use crate::block::{Block, BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId};
@@ -24,16 +27,34 @@ use std::collections::BTreeMap;
 const MAX_RANGE: u64 = 1 << 40;
 
 /// The size of the virtual range of each expandable segment on a device of `total` bytes.
-pub(super) fn range_size(total: u64, granularity: u64) -> u64 {
-    total.min(MAX_RANGE).div_ceil(granularity).max(1) * granularity
+pub(super) fn range_size(total: u64, page: u64) -> u64 {
+    total.min(MAX_RANGE).div_ceil(page).max(1) * page
 }
 
+/// A physical page in hand while a block's pages are gathered.
+#[derive(Copy, Clone)]
+pub(super) struct Page {
+    handle: u64,
+    /// The pool its bytes are counted under; `None` for a page just created.
+    counted_as: Option<PoolKind>,
+}
+
+/// Where idle pages are looked for besides the bins: the part of the block
+/// being carved that stays free after the split.
+type Tail = (SegmentId, u64, u64);
+
 impl<E> State<E> {
-    pub(super) fn granularity(&self) -> u64 {
-        self.granularity.expect("expandable mode has a granularity")
+    /// Page size of the expandable segments of a pool kind.
+    pub(super) fn page_size(&self, kind: PoolKind) -> u64 {
+        let g = self.granularity.expect("expandable mode has a granularity");
+        match kind {
+            PoolKind::Small => g,
+            PoolKind::Large | PoolKind::Huge => self.config.expandable_page.div_ceil(g).max(1) * g,
+        }
     }
 
-    /// Finds (reserving on first use) the range of `pool` and takes a block of `rounded` bytes from it, pages mapped.
+    /// Finds (reserving on first use) the range of `pool` and takes a block of
+    /// `rounded` bytes from it, its pages mapped.
     pub(super) fn malloc_expandable<D: Device<Event = E>>(
         &mut self,
         dev: &D,
@@ -69,10 +90,10 @@ impl<E> State<E> {
             }
             self.blocks.get_mut(id.0).state = BlockState::Free;
             self.bins_mut(pool).insert(bsize, addr, id);
-            match mapped {
-                Err(AllocError::OutOfMemory(_)) => {}
-                Err(e) => return Err(e),
-                Ok(()) => unreachable!(),
+            if let Err(e) = mapped {
+                if !matches!(e, AllocError::OutOfMemory(_)) {
+                    return Err(e);
+                }
             }
         }
         self.stats.num_ooms += 1;
@@ -87,7 +108,8 @@ impl<E> State<E> {
         pool: PoolId,
         stream: StreamId,
     ) -> Result<SegmentId, AllocError> {
-        let size = self.range_size;
+        let page_size = self.page_size(pool.kind());
+        let size = range_size(self.range_size, page_size);
         let ptr = dev.vmm_reserve(size)?;
         self.stats.num_vmm_reserve += 1;
         let seg = SegmentId(self.segments.insert(Segment {
@@ -97,6 +119,7 @@ impl<E> State<E> {
             pool,
             head: BlockId(u32::MAX),
             pages: Some(BTreeMap::new()),
+            page_size,
         }));
         let id = BlockId(self.blocks.insert(Block {
             addr: ptr.0,
@@ -131,30 +154,30 @@ impl<E> State<E> {
         end: u64,
         block_end: u64,
     ) -> Result<(), AllocError> {
-        let g = self.granularity();
-        let base = self.segments.get(seg.0).addr;
-        let first = ((start - base) / g) as u32;
-        let last = ((end - 1 - base) / g) as u32;
+        let s = self.segments.get(seg.0);
+        let (base, ps, kind) = (s.addr, s.page_size, s.pool.kind());
         let missing: Vec<u32> = {
-            let pages = self.segments.get(seg.0).pages.as_ref().expect("expandable");
+            let pages = s.pages.as_ref().expect("expandable");
+            let first = ((start - base) / ps) as u32;
+            let last = ((end - 1 - base) / ps) as u32;
             (first..=last).filter(|p| !pages.contains_key(p)).collect()
         };
         if missing.is_empty() {
             return Ok(());
         }
-        let mut handles = Vec::with_capacity(missing.len());
-        if let Err(e) = self.gather_pages(dev, missing.len(), (seg, end, block_end), &mut handles) {
-            self.return_pages(dev, handles)?;
+        let mut gathered = Vec::with_capacity(missing.len());
+        if let Err(e) =
+            self.gather_pages(dev, ps, missing.len(), (seg, end, block_end), &mut gathered)
+        {
+            self.return_pages(dev, ps, gathered)?;
             return Err(e);
         }
-        let kind = self.segments.get(seg.0).pool.kind();
-        let mut handles = handles.into_iter();
+        let mut gathered = gathered.into_iter();
         for p in missing {
-            let (h, from) = handles.next().expect("one page per missing page");
-            if let Err(e) = dev.vmm_map(DevicePtr(base + u64::from(p) * g), h) {
-                let mut rest = vec![(h, from)];
-                rest.extend(handles);
-                self.return_pages(dev, rest)?;
+            let page = gathered.next().expect("one page per missing page");
+            if let Err(e) = dev.vmm_map(DevicePtr(base + u64::from(p) * ps), page.handle, ps) {
+                let rest: Vec<Page> = std::iter::once(page).chain(gathered).collect();
+                self.return_pages(dev, ps, rest)?;
                 return Err(e.into());
             }
             self.segments
@@ -162,31 +185,29 @@ impl<E> State<E> {
                 .pages
                 .as_mut()
                 .expect("expandable")
-                .insert(p, h);
+                .insert(p, page.handle);
             self.stats.num_map += 1;
-            match from {
-                None => self.stats.reserved_bytes.increase(kind, g),
-                Some(old) => self.stats.reserved_bytes.move_group(old, kind, g),
+            match page.counted_as {
+                None => self.stats.reserved_bytes.increase(kind, ps),
+                Some(old) => self.stats.reserved_bytes.move_group(old, kind, ps),
             }
         }
         self.high_water = self.high_water.max(self.reserved());
         Ok(())
     }
 
-    /// Collects `k` physical pages: from the pool of unmapped pages first;
-    /// then, where creating pages would pass the soft limit (`idle_slack`
-    /// over the peak allocated bytes) or the cap, or the device is full, one
-    /// recycling round (synchronize, unmap every idle page into the pool);
-    /// then new pages, as far as the cap allows. Each handle comes with the
-    /// pool kind it is accounted under (`None`: newly created, not yet counted).
+    /// Collects `k` physical pages of `ps` bytes: from the pool of unmapped
+    /// pages first; then, where creating pages would pass the soft limit or
+    /// the cap, or the device is full, one recycling round; then new pages,
+    /// as far as the cap allows.
     fn gather_pages<D: Device<Event = E>>(
         &mut self,
         dev: &D,
+        ps: u64,
         k: usize,
-        tail: (SegmentId, u64, u64),
-        handles: &mut Vec<(u64, Option<PoolKind>)>,
+        tail: Tail,
+        out: &mut Vec<Page>,
     ) -> Result<(), AllocError> {
-        let g = self.granularity();
         let peak = self.stats.allocated_bytes.all().peak;
         let soft_limit = if self.config.release_before_grow {
             peak.saturating_add((peak as f64 * self.config.idle_slack) as u64)
@@ -196,31 +217,38 @@ impl<E> State<E> {
         let cap = self.cap.unwrap_or(u64::MAX);
         let mut recycled = false;
         loop {
-            while handles.len() < k {
-                let Some((h, kind)) = self.page_pool.pop() else {
+            while out.len() < k {
+                let Some(i) = self.page_pool.iter().rposition(|p| p.2 == ps) else {
                     break;
                 };
-                handles.push((h, Some(kind)));
+                let (handle, kind, _) = self.page_pool.swap_remove(i);
+                out.push(Page {
+                    handle,
+                    counted_as: Some(kind),
+                });
             }
-            if handles.len() == k {
+            if out.len() == k {
                 return Ok(());
             }
-            let grow = (k - handles.len()) as u64 * g;
+            let grow = (k - out.len()) as u64 * ps;
             if self.reserved() + grow > soft_limit.min(cap) && !recycled {
-                self.recycle(dev, tail)?;
+                self.recycle(dev, tail, grow)?;
                 recycled = true;
                 continue;
             }
             if self.reserved() + grow > cap {
                 return Err(AllocError::OutOfMemory(Box::default()));
             }
-            match dev.vmm_create_page() {
-                Ok(h) => {
-                    handles.push((h, None));
+            match dev.vmm_create_page(ps) {
+                Ok(handle) => {
+                    out.push(Page {
+                        handle,
+                        counted_as: None,
+                    });
                     self.stats.num_page_create += 1;
                 }
                 Err(DeviceError::OutOfMemory) if !recycled => {
-                    self.recycle(dev, tail)?;
+                    self.recycle(dev, tail, grow)?;
                     recycled = true;
                 }
                 Err(DeviceError::OutOfMemory) => {
@@ -231,18 +259,43 @@ impl<E> State<E> {
         }
     }
 
-    /// One recycling round: wait until the device is idle (a page may only be
-    /// unmapped once no queued work can touch it), recycle blocks whose events
-    /// completed, and unmap every idle page into the pool.
+    /// One recycling round: wait until the device is idle, recycle blocks
+    /// whose events completed, and unmap the pages needed now (`need` bytes)
+    /// plus `recycle_batch` of the peak, longest idle first, into the pool.
+    /// Under pressure (device full or cap) pages of the other page size are
+    /// released, so that their bytes can be created again in the size needed.
     fn recycle<D: Device<Event = E>>(
         &mut self,
         dev: &D,
-        tail: (SegmentId, u64, u64),
+        tail: Tail,
+        need: u64,
     ) -> Result<(), AllocError> {
+        if self.pending_blocks == 0
+            && self.idle_pages(Some(tail)).is_empty()
+            && self.page_pool.is_empty()
+        {
+            return Ok(()); // nothing to gain from waiting
+        }
         dev.synchronize()?;
         self.stats.num_sync_all_streams += 1;
         self.process_events(dev)?;
-        self.unmap_idle_pages(dev, Some(tail))?;
+        let peak = self.stats.allocated_bytes.all().peak;
+        let batch = need.saturating_add((peak as f64 * self.config.recycle_batch) as u64);
+        self.unmap_idle_pages(dev, Some(tail), batch)?;
+        // Pooled pages of the other size cannot serve this request: give their
+        // bytes back so that new pages of the needed size fit.
+        let ps = tail_page_size(self, tail);
+        let mut i = 0;
+        while i < self.page_pool.len() {
+            if self.page_pool[i].2 != ps {
+                let (h, kind, size) = self.page_pool.swap_remove(i);
+                dev.vmm_release_page(h)?;
+                self.stats.num_page_release += 1;
+                self.stats.reserved_bytes.decrease(kind, size);
+            } else {
+                i += 1;
+            }
+        }
         Ok(())
     }
 
@@ -250,13 +303,14 @@ impl<E> State<E> {
     fn return_pages<D: Device<Event = E>>(
         &mut self,
         dev: &D,
-        handles: Vec<(u64, Option<PoolKind>)>,
+        ps: u64,
+        pages: Vec<Page>,
     ) -> Result<(), AllocError> {
-        for (h, from) in handles {
-            match from {
-                Some(kind) => self.page_pool.push((h, kind)),
+        for page in pages {
+            match page.counted_as {
+                Some(kind) => self.page_pool.push((page.handle, kind, ps)),
                 None => {
-                    dev.vmm_release_page(h)?;
+                    dev.vmm_release_page(page.handle)?;
                     self.stats.num_page_release += 1;
                 }
             }
@@ -264,27 +318,24 @@ impl<E> State<E> {
         Ok(())
     }
 
-    /// Unmaps every idle page into the pool (they stay reserved); returns how
-    /// many. Idle: wholly inside a free block of the bins, or inside `extra`
-    /// (a segment and an address range about to become free). The caller has
-    /// made sure no queued work can still touch them.
-    fn unmap_idle_pages<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        extra: Option<(SegmentId, u64, u64)>,
-    ) -> Result<u64, AllocError> {
-        let g = self.granularity();
-        let mut idle: Vec<(SegmentId, u32)> = Vec::new();
-        let mut collect = |s: &Segment, seg: SegmentId, start: u64, end: u64| {
-            let lo = (start - s.addr).div_ceil(g);
-            let hi = (end - s.addr) / g;
+    /// Idle pages as (idle since, segment, page index): mapped pages wholly
+    /// inside a free block of the bins, or inside `extra` (about to be free).
+    fn idle_pages(&self, extra: Option<Tail>) -> Vec<(u64, SegmentId, u32)> {
+        let mut idle = Vec::new();
+        let mut collect = |s: &Segment, seg: SegmentId, start: u64, end: u64, since: u64| {
+            let lo = (start - s.addr).div_ceil(s.page_size);
+            let hi = (end - s.addr) / s.page_size;
             if hi > lo {
                 let pages = s.pages.as_ref().expect("expandable");
-                idle.extend(pages.range(lo as u32..hi as u32).map(|(&p, _)| (seg, p)));
+                idle.extend(
+                    pages
+                        .range(lo as u32..hi as u32)
+                        .map(|(&p, _)| (since, seg, p)),
+                );
             }
         };
         if let Some((seg, start, end)) = extra {
-            collect(self.segments.get(seg.0), seg, start, end);
+            collect(self.segments.get(seg.0), seg, start, end, 0);
         }
         for &seg in self.ranges.iter().flatten() {
             let s = self.segments.get(seg.0);
@@ -294,22 +345,43 @@ impl<E> State<E> {
             let Some(bins) = self.bins[s.pool.index()].as_ref() else {
                 continue;
             };
-            for &(size, addr, _) in bins.iter() {
-                collect(s, seg, addr, addr + size);
+            for &(size, addr, id) in bins.iter() {
+                collect(s, seg, addr, addr + size, self.blocks.get(id.0).freed_at);
             }
         }
-        let n = idle.len() as u64;
-        for (seg, p) in idle {
+        idle
+    }
+
+    /// Unmaps idle pages, longest idle first, up to `max_bytes`, into the pool
+    /// (they stay reserved); returns how many. The caller has made sure no
+    /// queued work can still touch them.
+    fn unmap_idle_pages<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        extra: Option<Tail>,
+        max_bytes: u64,
+    ) -> Result<u64, AllocError> {
+        let mut idle = self.idle_pages(extra);
+        idle.sort_unstable_by_key(|&(since, seg, p)| (since, std::cmp::Reverse((seg, p))));
+        let mut bytes = 0;
+        let mut n = 0;
+        for (_, seg, p) in idle {
+            if bytes >= max_bytes {
+                break;
+            }
             let s = self.segments.get_mut(seg.0);
-            dev.vmm_unmap(DevicePtr(s.addr + u64::from(p) * g))?;
+            let ps = s.page_size;
+            dev.vmm_unmap(DevicePtr(s.addr + u64::from(p) * ps), ps)?;
             let h = s
                 .pages
                 .as_mut()
                 .expect("expandable")
                 .remove(&p)
                 .expect("page was mapped");
-            self.page_pool.push((h, s.pool.kind()));
+            self.page_pool.push((h, s.pool.kind(), ps));
             self.stats.num_unmap += 1;
+            bytes += ps;
+            n += 1;
         }
         Ok(n)
     }
@@ -322,13 +394,13 @@ impl<E> State<E> {
         dev: &D,
     ) -> Result<(u64, u64), AllocError> {
         dev.synchronize()?;
-        self.unmap_idle_pages(dev, None)?;
-        let g = self.granularity();
-        let bytes = self.page_pool.len() as u64 * g;
-        while let Some((h, kind)) = self.page_pool.pop() {
+        self.unmap_idle_pages(dev, None, u64::MAX)?;
+        let mut bytes = 0;
+        while let Some((h, kind, size)) = self.page_pool.pop() {
             dev.vmm_release_page(h)?;
             self.stats.num_page_release += 1;
-            self.stats.reserved_bytes.decrease(kind, g);
+            self.stats.reserved_bytes.decrease(kind, size);
+            bytes += size;
         }
         let mut ranges = 0;
         for i in 0..self.ranges.len() {
@@ -356,16 +428,15 @@ impl<E> State<E> {
 
     /// Bytes of mapped pages lying entirely inside `[start, end)` (idle if that is a free block).
     pub(super) fn idle_bytes_in(&self, seg: &Segment, start: u64, end: u64) -> u64 {
-        let g = self.granularity();
         let Some(pages) = seg.pages.as_ref() else {
             return 0;
         };
-        let lo = (start - seg.addr).div_ceil(g);
-        let hi = (end - seg.addr) / g;
+        let lo = (start - seg.addr).div_ceil(seg.page_size);
+        let hi = (end - seg.addr) / seg.page_size;
         if hi <= lo {
             return 0;
         }
-        pages.range(lo as u32..hi as u32).count() as u64 * g
+        pages.range(lo as u32..hi as u32).count() as u64 * seg.page_size
     }
 
     /// Bytes of `[start, end)` backed by memory (all of it in a plain segment).
@@ -373,16 +444,25 @@ impl<E> State<E> {
         let Some(pages) = seg.pages.as_ref() else {
             return end - start;
         };
-        let g = self.granularity();
-        let first = ((start - seg.addr) / g) as u32;
-        let last = ((end - 1 - seg.addr) / g) as u32;
+        let ps = seg.page_size;
+        let first = ((start - seg.addr) / ps) as u32;
+        let last = ((end - 1 - seg.addr) / ps) as u32;
         pages
             .range(first..=last)
             .map(|(&p, _)| {
-                let lo = (seg.addr + u64::from(p) * g).max(start);
-                let hi = (seg.addr + u64::from(p + 1) * g).min(end);
+                let lo = (seg.addr + u64::from(p) * ps).max(start);
+                let hi = (seg.addr + u64::from(p + 1) * ps).min(end);
                 hi - lo
             })
             .sum()
     }
+
+    /// Bytes held in the pool of unmapped pages.
+    pub(super) fn pooled_bytes(&self) -> u64 {
+        self.page_pool.iter().map(|p| p.2).sum()
+    }
+}
+
+fn tail_page_size<E>(st: &State<E>, tail: Tail) -> u64 {
+    st.segments.get(tail.0 .0).page_size
 }
