@@ -119,7 +119,7 @@ struct CompareArgs {
     /// Print one JSON object per line per trace and configuration.
     #[arg(long)]
     json: bool,
-    /// Replays to run at once (default: the number of CPUs).
+    /// Replays to run at once (default: the number of CPUs; -j1 for undisturbed timings).
     #[arg(long, short = 'j', value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     jobs: Option<u32>,
 }
@@ -135,7 +135,7 @@ struct MinCapacityArgs {
     /// Print one JSON object per line per trace and configuration.
     #[arg(long)]
     json: bool,
-    /// Searches to run at once (default: the number of CPUs).
+    /// Searches to run at once (default: the number of CPUs; -j1 for undisturbed timings).
     #[arg(long, short = 'j', value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     jobs: Option<u32>,
 }
