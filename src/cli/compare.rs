@@ -113,7 +113,7 @@ pub fn run(args: CompareArgs) -> Result<(), CliError> {
         } else {
             writeln!(
                 out,
-                "(no capacity limit; GiB = 2^30 bytes; driver calls = device segment allocations + frees)"
+                "(no capacity limit; GiB = 2^30 bytes; driver calls = device allocations + frees, and VMM calls for expandable segments)"
             )?;
         }
     }

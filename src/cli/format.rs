@@ -79,6 +79,7 @@ pub fn record(
         "peak_requested_bytes": r.peak_requested,
         "num_device_alloc": s.num_device_alloc,
         "num_device_free": s.num_device_free,
+        "device_calls": r.device_calls(),
         "num_alloc_retries": s.num_alloc_retries,
         "num_ooms": s.num_ooms,
         "reserved_over_allocated": r.reserved_over_allocated(),
