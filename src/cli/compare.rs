@@ -104,18 +104,13 @@ pub fn run(args: CompareArgs) -> Result<(), CliError> {
         },
     )?;
     if !args.json {
-        if let Some(c) = capacity {
-            writeln!(
-                out,
-                "(simulated device capacity {}; GiB = 2^30 bytes)",
-                size(c)
-            )?;
-        } else {
-            writeln!(
-                out,
-                "(no capacity limit; GiB = 2^30 bytes; driver calls = device allocations + frees, and VMM calls for expandable segments)"
-            )?;
-        }
+        let limit = capacity.map_or("no capacity limit".to_string(), |c| {
+            format!("simulated device capacity {}", size(c))
+        });
+        writeln!(
+            out,
+            "({limit}; GiB = 2^30 bytes; driver calls = device allocations + frees, and VMM calls for expandable segments)"
+        )?;
     }
     out.flush()?;
     if failed.is_empty() {
