@@ -281,10 +281,10 @@ fn compare_prints_one_table_with_a_row_per_trace_and_config() {
         .copied()
         .filter(|l| l.starts_with("tests/data/"))
         .collect();
-    assert_eq!(rows.len(), 6, "{out}");
+    assert_eq!(rows.len(), 8, "{out}");
     let mut i = 0;
     for trace in ["tests/data/small.trace", "tests/data/min_capacity.trace"] {
-        for config in ["pytorch", "default", "no-caching"] {
+        for config in ["pytorch", "default", "expandable", "no-caching"] {
             let cells: Vec<&str> = rows[i].split_whitespace().collect();
             assert_eq!(
                 (cells[0], cells[1]),
@@ -297,11 +297,11 @@ fn compare_prints_one_table_with_a_row_per_trace_and_config() {
     }
     // min_capacity.trace under pytorch: 250 MiB allocated, 350 MiB reserved, 3 driver calls.
     assert!(
-        rows[3].contains("250.00 MiB")
-            && rows[3].contains("350.00 MiB")
-            && rows[3].contains("1.400"),
+        rows[4].contains("250.00 MiB")
+            && rows[4].contains("350.00 MiB")
+            && rows[4].contains("1.400"),
         "{}",
-        rows[3]
+        rows[4]
     );
     assert!(out.contains("GiB = 2^30 bytes"));
 }
@@ -356,7 +356,7 @@ fn compare_reports_a_bad_trace_once_and_still_prints_the_good_ones() {
         "--json",
     ]);
     assert_status(&o, 1);
-    assert_eq!(json_lines(&o).len(), 3, "the good trace's rows are printed");
+    assert_eq!(json_lines(&o).len(), 4, "the good trace's rows are printed");
     let err = stderr(&o);
     assert_eq!(
         err.lines().count(),

@@ -110,7 +110,7 @@ struct CompareArgs {
     #[arg(value_name = "TRACE", required = true)]
     traces: Vec<PathBuf>,
     /// Configuration to compare (repeat the option for several; default:
-    /// pytorch, default and no-caching).
+    /// pytorch, default, expandable and no-caching).
     #[arg(long = "config", short = 'c', value_name = "NAME|CONF", value_parser = parse_config)]
     configs: Vec<ConfigArg>,
     /// Capacity of the simulated device (default: unlimited), e.g. 16GiB.
