@@ -117,7 +117,7 @@ impl std::error::Error for TraceError {
 pub struct TraceReader<R> {
     input: R,
     line: u64,
-    buf: String,
+    buf: Vec<u8>,
     live: FastMap<u64, ()>,
 }
 
@@ -127,7 +127,7 @@ impl<R: BufRead> TraceReader<R> {
         TraceReader {
             input,
             line: 0,
-            buf: String::with_capacity(64),
+            buf: Vec::with_capacity(64),
             live: FastMap::default(),
         }
     }
@@ -149,7 +149,7 @@ impl<R: BufRead> TraceReader<R> {
             self.line += 1;
             let n = self
                 .input
-                .read_line(&mut self.buf)
+                .read_until(b'\n', &mut self.buf)
                 .map_err(|source| TraceError::Io {
                     line: self.line,
                     source,
@@ -158,45 +158,48 @@ impl<R: BufRead> TraceReader<R> {
                 self.line -= 1;
                 return Ok(None);
             }
-            let text = match self.buf.find('#') {
+            let text = match self.buf.iter().position(|&b| b == b'#') {
                 Some(i) => &self.buf[..i],
                 None => &self.buf[..],
             };
-            let mut parts = text.split_ascii_whitespace();
+            let mut parts = text
+                .split(u8::is_ascii_whitespace)
+                .filter(|t| !t.is_empty());
             let Some(op) = parts.next() else { continue };
             let line = self.line;
             let mut num = |what: &str| -> Result<u64, TraceError> {
                 let field = parts.next().ok_or_else(|| TraceError::Syntax {
                     line,
-                    message: format!("`{op}` is missing its {what}"),
+                    message: format!("`{}` is missing its {what}", shown(op)),
                 })?;
-                field.parse().map_err(|_| TraceError::Syntax {
+                parse_u64(field).ok_or_else(|| TraceError::Syntax {
                     line,
-                    message: format!("{what} `{field}` is not a non-negative integer"),
+                    message: format!("{what} `{}` is not a non-negative integer", shown(field)),
                 })
             };
             let event = match op {
-                "a" => {
+                b"a" => {
                     let id = num("id")?;
                     let bytes = num("size")?;
                     let stream = num("stream")?;
                     TraceEvent::Alloc { id, bytes, stream }
                 }
-                "f" => TraceEvent::Free { id: num("id")? },
-                "e" => TraceEvent::EmptyCache,
+                b"f" => TraceEvent::Free { id: num("id")? },
+                b"e" => TraceEvent::EmptyCache,
                 other => {
-                    let shown: String = other.chars().take(20).collect();
                     return Err(TraceError::Syntax {
                         line,
-                        message: format!("unknown operation `{shown}` (expected a, f or e)"),
+                        message: format!(
+                            "unknown operation `{}` (expected a, f or e)",
+                            shown(other)
+                        ),
                     });
                 }
             };
             if let Some(extra) = parts.next() {
-                let shown: String = extra.chars().take(20).collect();
                 return Err(TraceError::Syntax {
                     line,
-                    message: format!("unexpected extra field `{shown}`"),
+                    message: format!("unexpected extra field `{}`", shown(extra)),
                 });
             }
             match event {
@@ -215,6 +218,29 @@ impl<R: BufRead> TraceReader<R> {
             return Ok(Some(event));
         }
     }
+}
+
+/// A non-negative decimal integer, without sign or separators; `None` on overflow.
+fn parse_u64(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() {
+        return None;
+    }
+    digits.iter().try_fold(0u64, |n, &d| {
+        if d.is_ascii_digit() {
+            n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+        } else {
+            None
+        }
+    })
+}
+
+/// A token for an error message: at most 20 characters, unprintable ones escaped.
+fn shown(token: &[u8]) -> String {
+    String::from_utf8_lossy(token)
+        .chars()
+        .take(20)
+        .flat_map(char::escape_debug)
+        .collect()
 }
 
 impl<R: BufRead> Iterator for TraceReader<R> {
@@ -309,6 +335,20 @@ mod tests {
             assert_eq!(e.line(), line, "{text:?}: {e}");
             assert!(e.to_string().contains(needle), "{text:?}: {e}");
         }
+    }
+
+    #[test]
+    fn odd_bytes_are_errors_with_readable_messages() {
+        let e = read_all("\u{1}x 1\n").unwrap_err();
+        assert!(e.to_string().contains("`\\u{1}x`"), "{e}");
+        let e = TraceReader::new(&b"a 1 \xff 0\n"[..])
+            .next_event()
+            .unwrap_err();
+        assert!(e.to_string().contains("size `\u{fffd}`"), "{e}");
+        let e = read_all("a 1 99999999999999999999 0\n").unwrap_err();
+        assert!(e.to_string().contains("not a non-negative integer"), "{e}");
+        let e = read_all("a 1 +5 0\n").unwrap_err();
+        assert!(e.to_string().contains("`+5`"), "{e}");
     }
 
     #[test]
