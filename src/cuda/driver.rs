@@ -1,0 +1,381 @@
+//! Thin wrappers over the CUDA driver API: error mapping, the context guard,
+//! and the few raw calls that tests, benchmarks and examples need beside the
+//! allocator (raw `cuMemAlloc`, the driver's stream-ordered pool, memsets,
+//! copies, streams).
+//!
+//! Every function here works in the calling thread's **current context**.
+//! Make the device's primary context current first with
+//! [`super::CudaDevice::bind_thread`]; the [`super::CudaDevice`] methods
+//! themselves do that on their own.
+//!
+//! Every driver error becomes [`DeviceError::Driver`] with the CUresult name
+//! (`CUDA_ERROR_…`) and the call; `CUDA_ERROR_OUT_OF_MEMORY` becomes
+//! [`DeviceError::OutOfMemory`].
+
+use super::{ffi, CudaDevice};
+use cachealloc_core::{DeviceError, DevicePtr, MemInfo, StreamId};
+use std::ffi::CStr;
+use std::os::raw::{c_char, c_void};
+use std::ptr;
+
+/// The driver's name for a CUresult (`CUDA_ERROR_ILLEGAL_ADDRESS`), or
+/// `CUresult(N)` when the driver does not know it either.
+pub fn error_name(code: i32) -> String {
+    let mut s: *const c_char = ptr::null();
+    // SAFETY: cuGetErrorName only writes a pointer to a static string into `s`
+    // (or leaves it and returns CUDA_ERROR_INVALID_VALUE for unknown codes);
+    // it needs no initialised driver and no context.
+    let rc = unsafe { ffi::cuGetErrorName(code, &mut s) };
+    if rc == ffi::CUDA_SUCCESS && !s.is_null() {
+        // SAFETY: on success `s` points to a NUL-terminated string with static
+        // lifetime owned by the driver.
+        let name = unsafe { CStr::from_ptr(s) };
+        return name.to_string_lossy().into_owned();
+    }
+    format!("CUresult({code})")
+}
+
+/// Maps a CUresult to `Ok` or to the typed error.
+pub fn check(code: i32, call: &'static str) -> Result<(), DeviceError> {
+    match code {
+        ffi::CUDA_SUCCESS => Ok(()),
+        ffi::CUDA_ERROR_OUT_OF_MEMORY => Err(DeviceError::OutOfMemory),
+        _ => Err(DeviceError::Driver {
+            name: error_name(code),
+            call,
+        }),
+    }
+}
+
+pub(crate) fn stream_handle(stream: StreamId) -> ffi::CuStream {
+    stream.0 as usize as ffi::CuStream
+}
+
+/// Makes a context current on the calling thread for the guard's lifetime.
+///
+/// Cheap when it already is (one `cuCtxGetCurrent`). When the thread had no
+/// context, ours stays current afterwards (what the runtime API would do
+/// lazily anyway); when it had another one, that one is restored on drop, so
+/// that a caller working on another device is not switched under its feet.
+pub(crate) struct CtxGuard {
+    restore: Option<ffi::CuContext>,
+}
+
+impl CtxGuard {
+    pub(crate) fn enter(ctx: ffi::CuContext) -> Result<CtxGuard, DeviceError> {
+        let mut cur: ffi::CuContext = ptr::null_mut();
+        // SAFETY: cuCtxGetCurrent writes one handle into `cur`, a valid local.
+        check(unsafe { ffi::cuCtxGetCurrent(&mut cur) }, "cuCtxGetCurrent")?;
+        if cur == ctx {
+            return Ok(CtxGuard { restore: None });
+        }
+        // SAFETY: `ctx` is a primary context retained by the CudaDevice that
+        // owns it for at least as long as this guard lives.
+        check(unsafe { ffi::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")?;
+        Ok(CtxGuard {
+            restore: (!cur.is_null()).then_some(cur),
+        })
+    }
+}
+
+impl Drop for CtxGuard {
+    fn drop(&mut self) {
+        if let Some(prev) = self.restore {
+            // SAFETY: `prev` was current on this thread when the guard was
+            // made; putting it back is what the caller had. An error here
+            // (context destroyed meanwhile) leaves ours current, which is safe.
+            unsafe { ffi::cuCtxSetCurrent(prev) };
+        }
+    }
+}
+
+/// `cuInit(0)`; idempotent and cheap after the first call.
+pub fn init() -> Result<(), DeviceError> {
+    // SAFETY: cuInit takes flags by value and has no pointer arguments.
+    check(unsafe { ffi::cuInit(0) }, "cuInit")
+}
+
+/// Number of CUDA devices (initialises the driver). An error means no usable driver.
+pub fn device_count() -> Result<i32, DeviceError> {
+    init()?;
+    let mut n = 0;
+    // SAFETY: writes one int into `n`, a valid local.
+    check(unsafe { ffi::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")?;
+    Ok(n)
+}
+
+/// The driver's CUDA version, e.g. 13000 for CUDA 13.0.
+pub fn driver_version() -> Result<i32, DeviceError> {
+    let mut v = 0;
+    // SAFETY: writes one int into `v`, a valid local.
+    check(
+        unsafe { ffi::cuDriverGetVersion(&mut v) },
+        "cuDriverGetVersion",
+    )?;
+    Ok(v)
+}
+
+/// Free and total memory of the current context's device (`cuMemGetInfo_v2`).
+pub fn mem_info() -> Result<MemInfo, DeviceError> {
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: writes two usize values into valid locals.
+    check(
+        unsafe { ffi::cuMemGetInfo_v2(&mut free, &mut total) },
+        "cuMemGetInfo_v2",
+    )?;
+    Ok(MemInfo {
+        free: free as u64,
+        total: total as u64,
+    })
+}
+
+/// Raw `cuMemAlloc_v2` (no caching): the baseline in benchmarks and the
+/// "other user" that fills the device in the out-of-memory tests.
+pub fn mem_alloc(bytes: u64) -> Result<DevicePtr, DeviceError> {
+    let mut p: ffi::CuDevicePtr = 0;
+    // SAFETY: writes one device pointer into `p`, a valid local.
+    check(
+        unsafe { ffi::cuMemAlloc_v2(&mut p, bytes as usize) },
+        "cuMemAlloc_v2",
+    )?;
+    Ok(DevicePtr(p))
+}
+
+/// Raw `cuMemFree_v2`.
+///
+/// # Safety
+/// `ptr` came from [`mem_alloc`] and is freed once; no queued work still uses it.
+pub unsafe fn mem_free(ptr: DevicePtr) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees ptr is a live cuMemAlloc allocation.
+    check(unsafe { ffi::cuMemFree_v2(ptr.0) }, "cuMemFree_v2")
+}
+
+/// `cuMemAllocAsync` from the device's current pool on `stream`.
+pub fn mem_alloc_async(bytes: u64, stream: StreamId) -> Result<DevicePtr, DeviceError> {
+    let mut p: ffi::CuDevicePtr = 0;
+    // SAFETY: writes one device pointer into `p`; the stream handle is passed
+    // through to the driver, which validates it.
+    check(
+        unsafe { ffi::cuMemAllocAsync(&mut p, bytes as usize, stream_handle(stream)) },
+        "cuMemAllocAsync",
+    )?;
+    Ok(DevicePtr(p))
+}
+
+/// `cuMemFreeAsync`.
+///
+/// # Safety
+/// `ptr` came from [`mem_alloc_async`] and is freed once.
+pub unsafe fn mem_free_async(ptr: DevicePtr, stream: StreamId) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees ptr is a live stream-ordered allocation.
+    check(
+        unsafe { ffi::cuMemFreeAsync(ptr.0, stream_handle(stream)) },
+        "cuMemFreeAsync",
+    )
+}
+
+/// Sets the release threshold of `ordinal`'s default memory pool (the pool
+/// `cuMemAllocAsync` draws from). `u64::MAX` keeps freed memory in the pool
+/// instead of trimming it at every synchronisation.
+pub fn set_default_pool_release_threshold(ordinal: i32, bytes: u64) -> Result<(), DeviceError> {
+    let mut dev: ffi::CuDevice = 0;
+    // SAFETY: writes one CUdevice into a valid local.
+    check(
+        unsafe { ffi::cuDeviceGet(&mut dev, ordinal) },
+        "cuDeviceGet",
+    )?;
+    let mut pool: ffi::CuMemPool = ptr::null_mut();
+    // SAFETY: writes one pool handle into a valid local.
+    check(
+        unsafe { ffi::cuDeviceGetDefaultMemPool(&mut pool, dev) },
+        "cuDeviceGetDefaultMemPool",
+    )?;
+    let mut value: u64 = bytes;
+    // SAFETY: the release-threshold attribute is a cuuint64_t read from `value`.
+    check(
+        unsafe {
+            ffi::cuMemPoolSetAttribute(
+                pool,
+                ffi::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut value as *mut u64).cast::<c_void>(),
+            )
+        },
+        "cuMemPoolSetAttribute",
+    )
+}
+
+/// Queues a fill of `words` 32-bit words at `ptr` with `value` on `stream`.
+///
+/// # Safety
+/// `[ptr, ptr + 4·words)` is device memory the caller owns, and no other
+/// stream uses it concurrently (the write would race with it).
+pub unsafe fn memset_d32_async(
+    ptr: DevicePtr,
+    value: u32,
+    words: usize,
+    stream: StreamId,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees the range is owned device memory.
+    check(
+        unsafe { ffi::cuMemsetD32Async(ptr.0, value, words, stream_handle(stream)) },
+        "cuMemsetD32Async",
+    )
+}
+
+/// Queues a fill of `bytes` bytes at `ptr` with `value` on `stream`.
+///
+/// # Safety
+/// As [`memset_d32_async`], for `[ptr, ptr + bytes)`.
+pub unsafe fn memset_d8_async(
+    ptr: DevicePtr,
+    value: u8,
+    bytes: usize,
+    stream: StreamId,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees the range is owned device memory.
+    check(
+        unsafe { ffi::cuMemsetD8Async(ptr.0, value, bytes, stream_handle(stream)) },
+        "cuMemsetD8Async",
+    )
+}
+
+/// Queues a copy of `bytes` host bytes at `src` to `dst` on `stream`.
+///
+/// # Safety
+/// `src` is readable for `bytes` bytes and stays valid and unmodified until
+/// the copy completed (page-locked host memory is read asynchronously);
+/// `dst` is owned device memory of at least `bytes` bytes.
+pub unsafe fn memcpy_htod_async(
+    dst: DevicePtr,
+    src: *const u8,
+    bytes: usize,
+    stream: StreamId,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees both ranges per the contract above.
+    check(
+        unsafe {
+            ffi::cuMemcpyHtoDAsync_v2(dst.0, src.cast::<c_void>(), bytes, stream_handle(stream))
+        },
+        "cuMemcpyHtoDAsync_v2",
+    )
+}
+
+/// Queues a copy of `bytes` bytes at device address `src` to host `dst` on `stream`.
+///
+/// # Safety
+/// `dst` is writable for `bytes` bytes, not otherwise accessed until the copy
+/// completed, and the bytes written form valid values of whatever type the
+/// caller reads them as; `src` is device memory of at least `bytes` bytes.
+pub unsafe fn memcpy_dtoh_async(
+    dst: *mut u8,
+    src: DevicePtr,
+    bytes: usize,
+    stream: StreamId,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees both ranges per the contract above.
+    check(
+        unsafe {
+            ffi::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src.0, bytes, stream_handle(stream))
+        },
+        "cuMemcpyDtoHAsync_v2",
+    )
+}
+
+/// Reads `words` 32-bit words at `src` on `stream` and waits for them.
+///
+/// # Safety
+/// `src` is device memory of at least `4·words` bytes.
+pub unsafe fn read_u32(
+    src: DevicePtr,
+    words: usize,
+    stream: StreamId,
+) -> Result<Vec<u32>, DeviceError> {
+    let mut v = vec![0u32; words];
+    // SAFETY: `v` is a live, exclusively borrowed host buffer of 4·words
+    // bytes, every bit pattern is a valid u32, and we synchronise before it
+    // is read or dropped.
+    unsafe { memcpy_dtoh_async(v.as_mut_ptr().cast::<u8>(), src, words * 4, stream)? };
+    stream_synchronize(stream)?;
+    Ok(v)
+}
+
+/// Blocks until all work queued on `stream` completed.
+pub fn stream_synchronize(stream: StreamId) -> Result<(), DeviceError> {
+    // SAFETY: the stream handle is passed through to the driver, which validates it.
+    check(
+        unsafe { ffi::cuStreamSynchronize(stream_handle(stream)) },
+        "cuStreamSynchronize",
+    )
+}
+
+/// Blocks until all work of the current context completed.
+pub fn ctx_synchronize() -> Result<(), DeviceError> {
+    // SAFETY: no arguments.
+    check(unsafe { ffi::cuCtxSynchronize() }, "cuCtxSynchronize")
+}
+
+/// A non-blocking stream (`CU_STREAM_NON_BLOCKING`: no implicit
+/// synchronisation with the legacy default stream) on a device's primary
+/// context, destroyed on drop.
+///
+/// The stream holds its own retain of the primary context, so it stays valid
+/// (and is destroyed safely) even when the [`CudaDevice`] or allocator it was
+/// made with is dropped first.
+#[derive(Debug)]
+pub struct Stream {
+    raw: ffi::CuStream,
+    dev: ffi::CuDevice,
+}
+
+// SAFETY: a CUstream handle may be used from any thread of the process (the
+// driver API is thread-safe); the handle is only passed to driver calls.
+unsafe impl Send for Stream {}
+// SAFETY: as above; `&Stream` only exposes the handle value and synchronisation.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// Creates a non-blocking stream on `device`'s primary context.
+    pub fn new(device: &CudaDevice) -> Result<Stream, DeviceError> {
+        let _ctx = device.enter()?;
+        let dev = device.raw_device();
+        let mut ctx: ffi::CuContext = ptr::null_mut();
+        // SAFETY: writes one context handle into a valid local; balanced by
+        // the release in Drop (or just below on failure).
+        check(
+            unsafe { ffi::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
+            "cuDevicePrimaryCtxRetain",
+        )?;
+        let mut raw: ffi::CuStream = ptr::null_mut();
+        // SAFETY: writes one stream handle into a valid local; the primary
+        // context is current (guard above).
+        let rc = unsafe { ffi::cuStreamCreate(&mut raw, ffi::CU_STREAM_NON_BLOCKING) };
+        if let Err(e) = check(rc, "cuStreamCreate") {
+            // SAFETY: balances the retain above.
+            unsafe { ffi::cuDevicePrimaryCtxRelease_v2(dev) };
+            return Err(e);
+        }
+        Ok(Stream { raw, dev })
+    }
+
+    /// The stream as the allocator names it (the `CUstream` pointer as an integer).
+    pub fn id(&self) -> StreamId {
+        StreamId(self.raw as usize as u64)
+    }
+
+    /// Blocks until the stream's work completed.
+    pub fn synchronize(&self) -> Result<(), DeviceError> {
+        stream_synchronize(self.id())
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: `raw` was created by cuStreamCreate and is destroyed once,
+        // while our retain keeps its context alive; the driver lets queued
+        // work finish before releasing the stream. Then the retain is balanced.
+        unsafe {
+            ffi::cuStreamDestroy_v2(self.raw);
+            ffi::cuDevicePrimaryCtxRelease_v2(self.dev);
+        }
+    }
+}

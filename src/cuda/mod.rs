@@ -1,0 +1,176 @@
+//! The caching allocator on real GPUs (feature `cuda`).
+//!
+//! - [`CudaDevice`]: the core's [`Device`](cachealloc_core::Device) over the
+//!   CUDA driver API, on the device's primary context.
+//! - [`allocator`]: the process-wide allocator of device N, created on first
+//!   use with the configuration in `CACHEALLOC_CONF`.
+//! - [`CachedBuffer`]: an RAII buffer of `T` for Rust tensor code.
+//! - [`driver`]: thin wrappers over the few raw driver calls that tests,
+//!   benchmarks and examples need (raw `cuMemAlloc`, the stream-ordered pool,
+//!   streams, memsets, copies).
+//!
+//! ```no_run
+//! use cachealloc::cuda::{self, driver::Stream, CachedBuffer};
+//! let alloc = cuda::allocator(0)?;
+//! alloc.device().bind_thread()?;
+//! let stream = Stream::new(alloc.device())?;
+//! let mut buf = CachedBuffer::<f32>::zeroed(alloc, 1 << 20, stream.id())?;
+//! buf.copy_from_host(&vec![1.0; 1 << 20])?;
+//! drop(buf); // back to the cache, reusable at once on `stream`
+//! println!("{}", alloc.fragmentation());
+//! # Ok::<(), cachealloc::cuda::CudaError>(())
+//! ```
+//!
+//! The driver functions are declared in this crate with `i32` results (see
+//! `ffi.rs` for why); the CUDA library is linked through `cust`.
+
+mod buffer;
+mod device;
+pub mod driver;
+mod ffi;
+
+pub use buffer::CachedBuffer;
+pub use device::{CudaDevice, CudaEvent};
+
+use cachealloc_core::{AllocError, CachingAllocator, Config, ConfigError, DeviceError};
+use std::fmt;
+use std::sync::{Mutex, OnceLock};
+
+/// The environment variable holding the allocator configuration
+/// (`key:value,…`, optionally starting with a preset name; see [`Config::parse`]).
+pub const CONF_ENV: &str = "CACHEALLOC_CONF";
+
+/// Devices the registry can hold (ordinals 0..MAX_DEVICES).
+pub const MAX_DEVICES: usize = 64;
+
+/// Why a CUDA-side operation failed.
+#[derive(Debug, Clone)]
+pub enum CudaError {
+    /// A driver call failed (the CUresult name and the call), or the device ran out of memory.
+    Device(DeviceError),
+    /// The caching allocator refused (out of memory with its report, misuse).
+    Alloc(AllocError),
+    /// `CACHEALLOC_CONF` does not parse.
+    Config {
+        /// The variable's value.
+        value: String,
+        /// What is wrong with it.
+        error: ConfigError,
+    },
+    /// No device with this ordinal.
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: i32,
+        /// Devices present.
+        count: i32,
+    },
+    /// A host slice of another length than the buffer.
+    LengthMismatch {
+        /// Values in the buffer.
+        buffer: usize,
+        /// Values in the host slice.
+        host: usize,
+    },
+    /// A 32-bit fill of a buffer whose size is not a multiple of 4 bytes.
+    NotWordSized {
+        /// The buffer's size in bytes.
+        bytes: usize,
+    },
+}
+
+impl fmt::Display for CudaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CudaError::Device(e) => write!(f, "CUDA: {e}"),
+            CudaError::Alloc(e) => e.fmt(f),
+            CudaError::Config { value, error } => {
+                write!(
+                    f,
+                    "{CONF_ENV}={value:?} is not a valid configuration: {error}"
+                )
+            }
+            CudaError::NoSuchDevice { ordinal, count } => {
+                write!(f, "no CUDA device {ordinal} (the driver sees {count})")
+            }
+            CudaError::LengthMismatch { buffer, host } => write!(
+                f,
+                "length mismatch: the buffer holds {buffer} values, the host slice {host}"
+            ),
+            CudaError::NotWordSized { bytes } => {
+                write!(
+                    f,
+                    "a 32-bit fill needs a multiple of 4 bytes, the buffer has {bytes}"
+                )
+            }
+        }
+    }
+}
+
+impl std::error::Error for CudaError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            CudaError::Device(e) => Some(e),
+            CudaError::Alloc(e) => Some(e),
+            CudaError::Config { error, .. } => Some(error),
+            _ => None,
+        }
+    }
+}
+
+impl From<DeviceError> for CudaError {
+    fn from(e: DeviceError) -> Self {
+        CudaError::Device(e)
+    }
+}
+
+impl From<AllocError> for CudaError {
+    fn from(e: AllocError) -> Self {
+        match e {
+            AllocError::Device(d) => CudaError::Device(d),
+            other => CudaError::Alloc(other),
+        }
+    }
+}
+
+/// The configuration from `CACHEALLOC_CONF` (the default policy when unset or empty).
+pub fn config_from_env() -> Result<Config, CudaError> {
+    match std::env::var_os(CONF_ENV) {
+        None => Ok(Config::default()),
+        Some(v) => {
+            let value = v.to_string_lossy().into_owned();
+            Config::parse(&value).map_err(|error| CudaError::Config { value, error })
+        }
+    }
+}
+
+static ALLOCATORS: [OnceLock<CachingAllocator<CudaDevice>>; MAX_DEVICES] =
+    [const { OnceLock::new() }; MAX_DEVICES];
+static INIT: Mutex<()> = Mutex::new(());
+
+/// The process-wide caching allocator of device `device`.
+///
+/// Created on first use (on the device's primary context, configured from
+/// `CACHEALLOC_CONF`) and kept for the life of the process; later calls cost
+/// one atomic load. A failed creation (no driver, no such device, a bad
+/// configuration) is reported and not remembered: a later call tries again.
+pub fn allocator(device: i32) -> Result<&'static CachingAllocator<CudaDevice>, CudaError> {
+    let slot = usize::try_from(device)
+        .ok()
+        .and_then(|i| ALLOCATORS.get(i))
+        .ok_or(CudaError::NoSuchDevice {
+            ordinal: device,
+            count: driver::device_count().unwrap_or(0),
+        })?;
+    if let Some(a) = slot.get() {
+        return Ok(a);
+    }
+    // One creation at a time, so that a device is never initialised twice.
+    let _guard = INIT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(a) = slot.get() {
+        return Ok(a);
+    }
+    let config = config_from_env()?;
+    let dev = CudaDevice::new(device)?;
+    let alloc = CachingAllocator::new(dev, config);
+    Ok(slot.get_or_init(|| alloc))
+}
