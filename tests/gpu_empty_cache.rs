@@ -1,0 +1,116 @@
+//! GPU test: `empty_cache` is real. After everything is freed (some of it
+//! still in use by a second stream), `empty_cache` gives the memory back to
+//! the driver: `cuMemGetInfo`'s free bytes return to what they were before.
+//!
+//! Skips (with a printed reason) when there is no CUDA driver or device.
+
+use cachealloc::core::{CachingAllocator, Config, Device, DevicePtr, StreamId};
+use cachealloc::cuda::driver::{self, Stream};
+use cachealloc::cuda::CudaDevice;
+
+fn gpu_device() -> Option<CudaDevice> {
+    match driver::device_count() {
+        Err(e) => {
+            println!("skipping: no usable CUDA driver ({e})");
+            None
+        }
+        Ok(0) => {
+            println!("skipping: the CUDA driver sees no device");
+            None
+        }
+        Ok(_) => Some(CudaDevice::new(0).expect("device 0")),
+    }
+}
+
+const MIB: u64 = 1 << 20;
+/// How far the driver's free memory may end from where it started.
+const TOLERANCE: u64 = 4 * MIB;
+
+fn fill(ptr: DevicePtr, bytes: u64, stream: StreamId, v: u32) {
+    // SAFETY: the caller owns [ptr, ptr+bytes) and the allocator knows `stream` uses it.
+    unsafe { driver::memset_d32_async(ptr, v, (bytes / 4) as usize, stream) }.unwrap();
+}
+
+#[test]
+fn empty_cache_returns_memory_to_the_driver() {
+    let Some(dev) = gpu_device() else { return };
+    println!("device: {}", dev.name());
+    dev.bind_thread().unwrap();
+    let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
+    // Warm up everything the driver sets up lazily (memset kernels, stream
+    // resources, events) so that it is not counted as the allocator's.
+    let warm = driver::mem_alloc(64 * MIB).unwrap();
+    fill(warm, 64 * MIB, a.id(), 1);
+    fill(warm, 64 * MIB, b.id(), 2);
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+    // SAFETY: allocated above, both streams idle.
+    unsafe { driver::mem_free(warm) }.unwrap();
+    let alloc = CachingAllocator::new(dev, Config::default());
+    let ev = alloc.device().record_event(b.id()).unwrap();
+    alloc.device().wait_event(&ev).unwrap();
+    alloc.device().release_event(ev);
+
+    for round in 1..=2 {
+        let before = driver::mem_info().unwrap();
+        let mut seed = 0x1234_5678_9ABC_DEF0u64 ^ round;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut ptrs = Vec::new();
+        for i in 0..300u64 {
+            // 512 B .. 64 MiB, log-uniform-ish.
+            let bytes = (512u64 << (next() % 18)) + (next() % 4096) * 4;
+            let s = if i % 2 == 0 { a.id() } else { b.id() };
+            let p = alloc.malloc(bytes, s).unwrap();
+            fill(p, bytes / 4 * 4, s, i as u32);
+            if i % 5 == 0 {
+                // Also used by the other stream, with work still queued at free.
+                let o = if s == a.id() { b.id() } else { a.id() };
+                alloc.record_stream(p, o).unwrap();
+                fill(p, bytes / 4 * 4, o, i as u32);
+            }
+            ptrs.push(p);
+        }
+        let usage = alloc.usage();
+        let during = driver::mem_info().unwrap();
+        for p in ptrs {
+            alloc.free(p).unwrap();
+        }
+        let segments = alloc.stats().segment.all().current;
+        let released = alloc.empty_cache().unwrap();
+        let after = driver::mem_info().unwrap();
+        let drift = before.free.abs_diff(after.free);
+        println!(
+            "round {round}: reserved {} MiB in {segments} segments; driver free {} -> {} -> {} MiB; \
+             empty_cache released {} MiB in {} segments; drift {} KiB",
+            usage.reserved / MIB,
+            before.free / MIB,
+            during.free / MIB,
+            after.free / MIB,
+            released.bytes / MIB,
+            released.segments,
+            drift / 1024
+        );
+        assert!(
+            before.free.saturating_sub(during.free) + TOLERANCE >= usage.reserved,
+            "the segments came from the driver"
+        );
+        assert_eq!(
+            released.bytes, usage.reserved,
+            "every segment was entirely free"
+        );
+        assert_eq!(released.segments, segments);
+        assert_eq!(alloc.usage().reserved, 0);
+        assert!(
+            drift <= TOLERANCE,
+            "driver free memory did not come back: {} -> {} bytes",
+            before.free,
+            after.free
+        );
+    }
+    alloc.check_invariants().unwrap();
+}

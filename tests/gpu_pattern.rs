@@ -1,0 +1,176 @@
+//! GPU pattern test: a long random alloc/free sequence over many sizes and two
+//! streams; every live allocation is filled with its own 32-bit pattern
+//! (`cuMemsetD32Async`) and all live allocations are read back at intervals.
+//! Zero mismatches means no two live allocations overlap and no memory was
+//! handed out while a stream could still write to it.
+//!
+//! Skips (with a printed reason) when there is no CUDA driver or device.
+
+use cachealloc::core::{CachingAllocator, Config, DevicePtr, StreamId};
+use cachealloc::cuda::driver::{self, Stream};
+use cachealloc::cuda::CudaDevice;
+use std::collections::BTreeMap;
+
+fn gpu_device() -> Option<CudaDevice> {
+    match driver::device_count() {
+        Err(e) => {
+            println!("skipping: no usable CUDA driver ({e})");
+            None
+        }
+        Ok(0) => {
+            println!("skipping: the CUDA driver sees no device");
+            None
+        }
+        Ok(_) => Some(CudaDevice::new(0).expect("device 0")),
+    }
+}
+
+/// splitmix64: small, deterministic, good enough for test sequences.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    /// Log-uniform in [lo, hi].
+    fn log_uniform(&mut self, lo: u64, hi: u64) -> u64 {
+        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
+        let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
+        ((a + u * (b - a)).exp() as u64).clamp(lo, hi)
+    }
+}
+
+struct Live {
+    ptr: DevicePtr,
+    bytes: u64,
+    pattern: u32,
+    stream: StreamId,
+}
+
+#[test]
+fn pattern_two_streams() {
+    let Some(dev) = gpu_device() else { return };
+    println!("device: {}", dev.name());
+    dev.bind_thread().unwrap();
+    let streams = [Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap()];
+    let ids = [streams[0].id(), streams[1].id()];
+    let alloc = CachingAllocator::new(dev, Config::default());
+
+    const OPS: usize = 20_000;
+    const CHECK_EVERY: usize = 1_000;
+    const MAX_LIVE: usize = 400;
+    let mut rng = Rng(0x5EED_CAFE);
+    let mut live: Vec<Live> = Vec::new();
+    // Host-side view of the live ranges: start -> end, to catch overlaps at once.
+    let mut ranges: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut next_pattern: u32 = 0x1000_0001;
+    let (mut checks, mut mismatches, mut verified_bytes) = (0u64, 0u64, 0u64);
+    let (mut allocs, mut frees, mut cross) = (0u64, 0u64, 0u64);
+
+    let check_all = |live: &[Live], mismatches: &mut u64, verified: &mut u64| {
+        for s in &streams {
+            s.synchronize().unwrap();
+        }
+        for l in live {
+            let words = (l.bytes / 4) as usize;
+            // SAFETY: a live allocation of at least 4·words bytes; the streams are idle.
+            let got = unsafe { driver::read_u32(l.ptr, words, l.stream) }.unwrap();
+            let bad = got.iter().filter(|&&w| w != l.pattern).count() as u64;
+            if bad > 0 {
+                eprintln!(
+                    "MISMATCH: {} of {} words at {} (pattern {:#x})",
+                    bad, words, l.ptr, l.pattern
+                );
+            }
+            *mismatches += bad;
+            *verified += l.bytes;
+        }
+    };
+
+    for op in 1..=OPS {
+        let grow = live.len() < 8 || (live.len() < MAX_LIVE && rng.below(100) < 55);
+        if grow {
+            let bytes = rng.log_uniform(4, 8 << 20) / 4 * 4;
+            let si = rng.below(2) as usize;
+            let ptr = alloc.malloc(bytes, ids[si]).expect("malloc");
+            // No overlap with any live range.
+            if let Some((&s, &e)) = ranges.range(..=ptr.0).next_back() {
+                assert!(e <= ptr.0, "{ptr} inside live [{s:#x}, {e:#x})");
+            }
+            if let Some((&s, _)) = ranges.range(ptr.0..).next() {
+                assert!(ptr.0 + bytes <= s, "{ptr}+{bytes} runs into live {s:#x}");
+            }
+            ranges.insert(ptr.0, ptr.0 + bytes);
+            let pattern = next_pattern;
+            next_pattern = next_pattern.wrapping_mul(2_654_435_761).wrapping_add(7) | 1;
+            // SAFETY: freshly allocated, owned, used by its stream only.
+            unsafe { driver::memset_d32_async(ptr, pattern, (bytes / 4) as usize, ids[si]) }
+                .unwrap();
+            if rng.below(10) == 0 {
+                // Used by the other stream too: the same pattern written there
+                // (benign race: both writes store the same value).
+                let other = ids[1 - si];
+                alloc.record_stream(ptr, other).unwrap();
+                // SAFETY: as above; the allocator now knows of the second stream.
+                unsafe { driver::memset_d32_async(ptr, pattern, (bytes / 4) as usize, other) }
+                    .unwrap();
+                cross += 1;
+            }
+            live.push(Live {
+                ptr,
+                bytes,
+                pattern,
+                stream: ids[si],
+            });
+            allocs += 1;
+        } else {
+            let l = live.swap_remove(rng.below(live.len() as u64) as usize);
+            if rng.below(4) == 0 {
+                // Work still queued when it is freed: the next user of this
+                // memory on the same stream is ordered after it.
+                // SAFETY: still owned until the free below.
+                unsafe {
+                    driver::memset_d32_async(l.ptr, l.pattern, (l.bytes / 4) as usize, l.stream)
+                }
+                .unwrap();
+            }
+            ranges.remove(&l.ptr.0);
+            alloc.free(l.ptr).expect("free");
+            frees += 1;
+        }
+        if op % CHECK_EVERY == 0 {
+            check_all(&live, &mut mismatches, &mut verified_bytes);
+            alloc.check_invariants().expect("invariants");
+            checks += 1;
+        }
+    }
+    check_all(&live, &mut mismatches, &mut verified_bytes);
+    checks += 1;
+    let stats = alloc.stats();
+    for l in live.drain(..) {
+        alloc.free(l.ptr).unwrap();
+    }
+    let released = alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+    println!(
+        "pattern: {OPS} ops ({allocs} allocs, {frees} frees, {cross} used by both streams), \
+         {checks} checks, {:.2} GiB verified, {mismatches} mismatching words; \
+         {} device allocs, {} segments released at the end, {} events pooled",
+        verified_bytes as f64 / (1u64 << 30) as f64,
+        stats.num_device_alloc,
+        released.segments,
+        alloc.device().pooled_events(),
+    );
+    assert_eq!(
+        mismatches, 0,
+        "live allocations overlapped or were reused while in use"
+    );
+    assert_eq!(alloc.usage().reserved, 0, "empty_cache released everything");
+    assert!(cross > 0 && checks >= 20);
+}

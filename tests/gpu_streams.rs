@@ -1,0 +1,247 @@
+//! GPU stream-safety tests: memory used by a second stream is not handed
+//! out again before that stream's work completed; `CachedBuffer` copies;
+//! pooled events; calls from threads that never made a context current.
+//!
+//! Skips (with a printed reason) when there is no CUDA driver or device.
+
+use cachealloc::core::{CachingAllocator, Config, Device, StreamId};
+use cachealloc::cuda::driver::{self, Stream};
+use cachealloc::cuda::{self, CachedBuffer, CudaDevice, CudaError};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
+
+fn gpu_device() -> Option<CudaDevice> {
+    match driver::device_count() {
+        Err(e) => {
+            println!("skipping: no usable CUDA driver ({e})");
+            None
+        }
+        Ok(0) => {
+            println!("skipping: the CUDA driver sees no device");
+            None
+        }
+        Ok(_) => Some(CudaDevice::new(0).expect("device 0")),
+    }
+}
+
+const MIB: u64 = 1 << 20;
+
+/// The tests of this file run one at a time: device-wide calls of one
+/// (cuMemFree may synchronise the device) would skew the timing of another.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Queues `n` fills of `bytes` at `ptr` on `stream`, the last with `last`.
+fn long_work(ptr: cachealloc::DevicePtr, bytes: u64, stream: StreamId, n: u32, last: u32) {
+    for i in 0..n {
+        let v = if i + 1 == n { last } else { i };
+        // SAFETY: the caller owns [ptr, ptr+bytes) and has told the allocator
+        // that `stream` uses it.
+        unsafe { driver::memset_d32_async(ptr, v, (bytes / 4) as usize, stream) }.unwrap();
+    }
+}
+
+fn all_equal(ptr: cachealloc::DevicePtr, bytes: u64, stream: StreamId, want: u32) -> usize {
+    // SAFETY: a live allocation of `bytes` bytes.
+    let got = unsafe { driver::read_u32(ptr, (bytes / 4) as usize, stream) }.unwrap();
+    got.iter().filter(|&&w| w != want).count()
+}
+
+#[test]
+fn cross_stream_block_not_reused_before_work_completes() {
+    let _serial = serial();
+    let Some(dev) = gpu_device() else { return };
+    println!("device: {}", dev.name());
+    dev.bind_thread().unwrap();
+    let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
+    let alloc = CachingAllocator::new(dev, Config::default());
+    let size = 256 * MIB;
+
+    let x = alloc.malloc(size, a.id()).unwrap();
+    // SAFETY: x is ours, used by stream a only so far.
+    unsafe { driver::memset_d32_async(x, 0x1111_1111, (size / 4) as usize, a.id()) }.unwrap();
+    a.synchronize().unwrap();
+
+    // Long work on stream b over x (about 0.5 TB of writes), then free x on a.
+    alloc.record_stream(x, b.id()).unwrap();
+    let t0 = Instant::now();
+    long_work(x, size, b.id(), 2000, 0xB0B0_B0B0);
+    let b_done = alloc.device().record_event(b.id()).unwrap();
+    alloc.free(x).unwrap();
+
+    let y = alloc.malloc(size, a.id()).unwrap();
+    let done_at_malloc = alloc.device().event_completed(&b_done).unwrap();
+    println!(
+        "x = {x}, y = {y}; stream b's work done when y was handed out: {done_at_malloc} ({:.1} ms after queueing)",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    assert!(
+        y != x || done_at_malloc,
+        "x was handed out again while stream b still wrote to it"
+    );
+    assert!(
+        !done_at_malloc,
+        "stream b finished too early for the test to mean anything"
+    );
+    assert_ne!(y, x);
+    // SAFETY: y is ours on stream a.
+    unsafe { driver::memset_d32_async(y, 0xA0A0_A0A0, (size / 4) as usize, a.id()) }.unwrap();
+
+    // After b completes, x is reusable, and holds b's last value (nobody else wrote it).
+    b.synchronize().unwrap();
+    let b_ms = t0.elapsed().as_secs_f64() * 1e3;
+    alloc.device().release_event(b_done);
+    let z = alloc.malloc(size, a.id()).unwrap();
+    println!("stream b finished after {b_ms:.1} ms; z = {z}");
+    assert_eq!(
+        z, x,
+        "the exact-fit block is reused once its events completed"
+    );
+    assert_eq!(
+        all_equal(z, size, a.id(), 0xB0B0_B0B0),
+        0,
+        "x was written by someone else"
+    );
+    assert_eq!(
+        all_equal(y, size, a.id(), 0xA0A0_A0A0),
+        0,
+        "y was written by someone else"
+    );
+    alloc.free(y).unwrap();
+    alloc.free(z).unwrap();
+    alloc.check_invariants().unwrap();
+
+    // The same through CachedBuffer (needs a 'static allocator).
+    let alloc: &'static CachingAllocator<CudaDevice> = Box::leak(Box::new(alloc));
+    let n = (size / 4) as usize;
+    let buf = CachedBuffer::<u32>::zeroed(alloc, n, a.id()).unwrap();
+    let first = buf.device_ptr();
+    buf.synchronize().unwrap();
+    buf.record_stream(b.id()).unwrap();
+    long_work(first, size, b.id(), 2000, 7);
+    let b_done = alloc.device().record_event(b.id()).unwrap();
+    drop(buf);
+    let buf2 = CachedBuffer::<u32>::zeroed(alloc, n, a.id()).unwrap();
+    let done = alloc.device().event_completed(&b_done).unwrap();
+    assert!(buf2.device_ptr() != first || done);
+    assert!(!done);
+    b.synchronize().unwrap();
+    alloc.device().release_event(b_done);
+    let buf3 = CachedBuffer::<u32>::zeroed(alloc, n, a.id()).unwrap();
+    assert_eq!(buf3.device_ptr(), first);
+    let mut host = vec![1u32; n];
+    buf3.copy_to_host(&mut host).unwrap();
+    assert!(host.iter().all(|&w| w == 0));
+    drop((buf2, buf3));
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.usage().reserved, 0);
+}
+
+#[test]
+fn events_are_pooled() {
+    let _serial = serial();
+    let Some(dev) = gpu_device() else { return };
+    dev.bind_thread().unwrap();
+    let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
+    let alloc = CachingAllocator::new(dev, Config::default());
+    for _ in 0..100 {
+        let p = alloc.malloc(MIB, a.id()).unwrap();
+        alloc.record_stream(p, b.id()).unwrap();
+        // SAFETY: p is ours and the allocator knows b uses it.
+        unsafe { driver::memset_d32_async(p, 3, (MIB / 4) as usize, b.id()) }.unwrap();
+        alloc.free(p).unwrap();
+        b.synchronize().unwrap();
+        alloc.process_events().unwrap();
+    }
+    assert_eq!(
+        alloc.device().pooled_events(),
+        1,
+        "one event, recorded and given back 100 times"
+    );
+    alloc.empty_cache().unwrap();
+}
+
+#[test]
+fn cached_buffer_roundtrip_through_the_registry() {
+    let _serial = serial();
+    if gpu_device().is_none() {
+        return;
+    }
+    let alloc = cuda::allocator(0).expect("registry allocator");
+    assert!(
+        std::ptr::eq(alloc, cuda::allocator(0).unwrap()),
+        "one allocator per device"
+    );
+    assert!(matches!(
+        cuda::allocator(-1),
+        Err(CudaError::NoSuchDevice { .. })
+    ));
+    alloc.device().bind_thread().unwrap();
+    let s = Stream::new(alloc.device()).unwrap();
+
+    let data: Vec<f32> = (0..1_000_003).map(|i| i as f32 * 0.5).collect();
+    let buf = CachedBuffer::from_slice(alloc, &data, s.id()).unwrap();
+    assert_eq!(buf.len(), data.len());
+    assert_eq!(buf.as_device_ptr().as_raw(), buf.as_raw());
+    let mut back = vec![0f32; data.len()];
+    buf.copy_to_host(&mut back).unwrap();
+    assert_eq!(back, data);
+    assert!(matches!(
+        buf.copy_to_host(&mut back[1..]),
+        Err(CudaError::LengthMismatch { .. })
+    ));
+
+    let mut z = CachedBuffer::<u64>::zeroed(alloc, 4099, s.id()).unwrap();
+    let mut host = vec![7u64; 4099];
+    z.copy_to_host(&mut host).unwrap();
+    assert!(host.iter().all(|&v| v == 0));
+    z.fill_u32(0xFFFF_FFFF).unwrap();
+    z.copy_to_host(&mut host).unwrap();
+    assert!(host.iter().all(|&v| v == u64::MAX));
+
+    let odd = CachedBuffer::<u8>::zeroed(alloc, 3, s.id()).unwrap();
+    let mut three = [9u8; 3];
+    odd.copy_to_host(&mut three).unwrap();
+    assert_eq!(three, [0; 3]);
+
+    let empty = CachedBuffer::<f32>::zeroed(alloc, 0, s.id()).unwrap();
+    assert!(empty.is_empty() && empty.as_raw() == 0);
+    drop((buf, z, odd, empty));
+    println!("registry allocator: {}", alloc.device().name());
+}
+
+#[test]
+fn calls_from_threads_without_a_current_context() {
+    let _serial = serial();
+    let Some(dev) = gpu_device() else { return };
+    // Deliberately no bind_thread anywhere: every driver call must set the
+    // primary context itself.
+    let alloc = CachingAllocator::new(dev, Config::default());
+    std::thread::scope(|sc| {
+        for t in 0..8u64 {
+            let alloc = &alloc;
+            sc.spawn(move || {
+                let ptrs: Vec<_> = (0..10)
+                    .map(|i| alloc.malloc((30 + t + i) * MIB, StreamId(0)).unwrap())
+                    .collect();
+                for p in ptrs {
+                    alloc.free(p).unwrap();
+                }
+            });
+        }
+    });
+    let info = alloc.device().mem_info().unwrap();
+    let released = alloc.empty_cache().unwrap();
+    println!(
+        "threads: released {} segments ({} MiB); device {} MiB free of {} MiB",
+        released.segments,
+        released.bytes / MIB,
+        info.free / MIB,
+        info.total / MIB
+    );
+    assert!(released.segments >= 10);
+    assert_eq!(alloc.usage().reserved, 0);
+}
