@@ -132,7 +132,38 @@ pub fn configs() -> Vec<(&'static str, Config)> {
             "pytorch-roundup",
             parse("pytorch,roundup_power2_divisions:4"),
         ),
+        ("lowmem", Config::lowmem()),
+        (
+            "default-huge-64",
+            parse("default,huge_size_mb:64,huge_segment_divisions:4"),
+        ),
     ]
+}
+
+/// Deviations from the contract that these tests found and the allocator
+/// does not fix yet. The model tolerates one only while its flag is set;
+/// [`KnownBugs::NONE`] is the strict contract. Drop a flag once it is fixed.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct KnownBugs {
+    /// `malloc` of a size above `MAX_REQUEST` polls pending events (and may
+    /// recycle blocks whose events completed) before it returns `SizeTooLarge`.
+    pub too_large_polls_events: bool,
+    /// Without caching, `empty_cache` does not count in its `Released` the
+    /// segments freed as the events it waits for complete.
+    pub empty_cache_uncounted_releases: bool,
+}
+
+impl KnownBugs {
+    /// The strict contract: tolerate nothing.
+    pub const NONE: KnownBugs = KnownBugs {
+        too_large_polls_events: false,
+        empty_cache_uncounted_releases: false,
+    };
+    /// What the allocator still does wrong (see each field).
+    pub const CURRENT: KnownBugs = KnownBugs {
+        too_large_polls_events: true,
+        empty_cache_uncounted_releases: true,
+    };
 }
 
 /// What a model starts from.
@@ -144,6 +175,38 @@ pub struct Setup {
     pub capacity: u64,
     /// Number of streams used (1 to 3, from [`STREAMS`]).
     pub streams: usize,
+}
+
+/// How strictly a model judges (see [`Model::with_options`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// Known deviations the model tolerates.
+    pub known_bugs: KnownBugs,
+    /// Also run [`CachingAllocator::check_invariants`] after every step.
+    /// Turned off only to show that the model's own checks catch a broken
+    /// allocator without the allocator's help.
+    pub internal_checks: bool,
+}
+
+impl Default for Options {
+    /// The strict contract, with internal checks unless the environment
+    /// variable `MODEL_SKIP_INTERNAL` is set.
+    fn default() -> Self {
+        Options {
+            known_bugs: KnownBugs::NONE,
+            internal_checks: std::env::var_os("MODEL_SKIP_INTERNAL").is_none(),
+        }
+    }
+}
+
+impl Options {
+    /// The default options, tolerating [`KnownBugs::CURRENT`].
+    pub fn tolerating_known_bugs() -> Self {
+        Options {
+            known_bugs: KnownBugs::CURRENT,
+            ..Self::default()
+        }
+    }
 }
 
 /// A size spread log-uniformly: `2^exp` plus `mantissa` modulo `2^exp`.
@@ -191,6 +254,8 @@ pub struct Model {
     /// The allocator under test.
     pub alloc: CachingAllocator<SimulatedDevice>,
     config: Config,
+    known_bugs: KnownBugs,
+    internal_checks: bool,
     streams: Vec<StreamId>,
     live: Vec<Live>,
     freed: Vec<u64>,
@@ -205,15 +270,27 @@ pub struct Model {
     pub ooms: u64,
     /// Number of successful mallocs.
     pub mallocs: u64,
+    /// How often each interesting situation came up (coverage of the sequences).
+    pub coverage: BTreeMap<&'static str, u64>,
 }
 
+/// Whether no block of the segment is in use (merged, that is one free block).
 fn is_free_segment(s: &crate::SegmentSnapshot) -> bool {
-    s.blocks.len() == 1 && s.blocks[0].state == BlockState::Free
+    s.blocks.iter().all(|b| b.state == BlockState::Free)
 }
 
 /// Number of entirely free (releasable) segments in a snapshot.
 pub fn free_segments(snap: &Snapshot) -> usize {
     snap.segments.iter().filter(|s| is_free_segment(s)).count()
+}
+
+/// The statistics group of a pool: `small_pool` (1) or `large_pool` (2; the
+/// huge pool counts with the large one).
+fn group(kind: PoolKind) -> usize {
+    match kind {
+        PoolKind::Small => 1,
+        _ => 2,
+    }
 }
 
 /// Checks that every statistic's `current` equals what the snapshot
@@ -223,13 +300,27 @@ pub fn check_stats_against_snapshot(
     snap: &Snapshot,
     max_split_size: u64,
 ) -> Result<(), String> {
-    let mut expect = MemoryStats::default();
+    // Indices into `stats.arrays()`.
+    const ALLOCATION: usize = 0;
+    const SEGMENT: usize = 1;
+    const ACTIVE: usize = 2;
+    const INACTIVE_SPLIT: usize = 3;
+    const ALLOCATED_BYTES: usize = 4;
+    const RESERVED_BYTES: usize = 5;
+    const ACTIVE_BYTES: usize = 6;
+    const INACTIVE_SPLIT_BYTES: usize = 7;
+    const REQUESTED_BYTES: usize = 8;
+    let mut expect = [[0u64; 3]; 9];
+    let mut add = |array: usize, kind: PoolKind, n: u64| {
+        expect[array][0] += n;
+        expect[array][group(kind)] += n;
+    };
     let mut oversize_allocs = 0;
     let mut oversize_segs = 0;
     for s in &snap.segments {
         let k = s.pool;
-        expect.segment.increase(k, 1);
-        expect.reserved_bytes.increase(k, s.total_size);
+        add(SEGMENT, k, 1);
+        add(RESERVED_BYTES, k, s.total_size);
         if s.total_size >= max_split_size {
             oversize_segs += 1;
         }
@@ -246,25 +337,25 @@ pub fn check_stats_against_snapshot(
             at += b.size;
             match b.state {
                 BlockState::Allocated => {
-                    expect.allocation.increase(k, 1);
-                    expect.allocated_bytes.increase(k, b.size);
-                    expect.active.increase(k, 1);
-                    expect.active_bytes.increase(k, b.size);
-                    expect.requested_bytes.increase(k, b.requested_size);
+                    add(ALLOCATION, k, 1);
+                    add(ALLOCATED_BYTES, k, b.size);
+                    add(ACTIVE, k, 1);
+                    add(ACTIVE_BYTES, k, b.size);
+                    add(REQUESTED_BYTES, k, b.requested_size);
                     allocated += b.size;
                     if b.size >= max_split_size {
                         oversize_allocs += 1;
                     }
                 }
                 BlockState::AwaitingEvents => {
-                    expect.active.increase(k, 1);
-                    expect.active_bytes.increase(k, b.size);
-                    expect.requested_bytes.increase(k, b.requested_size);
+                    add(ACTIVE, k, 1);
+                    add(ACTIVE_BYTES, k, b.size);
+                    add(REQUESTED_BYTES, k, b.requested_size);
                 }
                 BlockState::Free => {
                     if split {
-                        expect.inactive_split.increase(k, 1);
-                        expect.inactive_split_bytes.increase(k, b.size);
+                        add(INACTIVE_SPLIT, k, 1);
+                        add(INACTIVE_SPLIT_BYTES, k, b.size);
                     }
                 }
             }
@@ -284,9 +375,9 @@ pub fn check_stats_against_snapshot(
             ));
         }
     }
-    for ((name, got), (_, want)) in stats.arrays().iter().zip(expect.arrays().iter()) {
+    for (i, (name, got)) in stats.arrays().iter().enumerate() {
         for (g, group) in crate::stats::STAT_GROUPS.iter().enumerate() {
-            let (c, w) = (got.0[g].current, want.0[g].current);
+            let (c, w) = (got.0[g].current, expect[i][g]);
             if c != w {
                 return Err(format!(
                     "stat {name}.{group}.current is {c} but the snapshot recomputes {w}"
@@ -326,8 +417,14 @@ fn overlaps(a: u64, alen: u64, b: u64, blen: u64) -> bool {
 }
 
 impl Model {
-    /// A fresh allocator with `setup.config` on a device of `setup.capacity` bytes.
+    /// A fresh allocator with `setup.config` on a device of `setup.capacity`
+    /// bytes, judged by the strict contract ([`Options::default`]).
     pub fn new(setup: &Setup) -> Self {
+        Self::with_options(setup, Options::default())
+    }
+
+    /// A fresh model judged with `options`.
+    pub fn with_options(setup: &Setup, options: Options) -> Self {
         let dev = SimulatedDevice::new(setup.capacity);
         let alloc = CachingAllocator::new(dev.clone(), setup.config.clone());
         let cap = setup.config.memory_cap.map(|c| c.bytes(setup.capacity));
@@ -336,6 +433,8 @@ impl Model {
             dev,
             alloc,
             config: setup.config.clone(),
+            known_bugs: options.known_bugs,
+            internal_checks: options.internal_checks,
             streams: STREAMS[..n].to_vec(),
             live: Vec::new(),
             freed: Vec::new(),
@@ -347,7 +446,12 @@ impl Model {
             last_snapshot: Snapshot::default(),
             ooms: 0,
             mallocs: 0,
+            coverage: BTreeMap::new(),
         }
+    }
+
+    fn saw(&mut self, what: &'static str) {
+        *self.coverage.entry(what).or_default() += 1;
     }
 
     /// Number of live allocations.
@@ -361,20 +465,6 @@ impl Model {
             counters: self.dev.counters(),
             pending: self.dev.pending_events(),
             snapshot: self.last_snapshot.clone(),
-        }
-    }
-
-    /// The segment size the allocator must ask for to serve `rounded` bytes.
-    fn segment_size(&self, rounded: u64) -> u64 {
-        let c = &self.config;
-        if !c.caching {
-            rounded
-        } else if rounded <= c.small_size {
-            c.small_segment
-        } else if rounded < c.large_threshold {
-            c.medium_segment
-        } else {
-            rounded.div_ceil(c.segment_round) * c.segment_round
         }
     }
 
@@ -440,6 +530,11 @@ impl Model {
             return Ok(()); // the address is live again: not misuse
         }
         let want = self.expected_misuse(ptr, &before.snapshot)?;
+        self.saw(match want {
+            AllocError::InteriorPointer { .. } => "misuse: interior pointer",
+            AllocError::DoubleFree(_) => "misuse: double free",
+            _ => "misuse: unknown pointer",
+        });
         let got = if record {
             self.alloc.record_stream(DevicePtr(ptr), self.streams[0])
         } else {
@@ -482,6 +577,7 @@ impl Model {
                     ));
                 }
                 if !new.is_empty() {
+                    self.saw("free guarded by events");
                     self.guards.push(Guard {
                         addr: l.addr,
                         size: l.span(),
@@ -583,7 +679,18 @@ impl Model {
                     st.reserved_bytes.all().current,
                 );
                 let (sb, sa) = (before.stats.segment.all().current, st.segment.all().current);
-                if r.bytes != rb - ra.min(rb) || r.segments != sb - sa.min(sb) || ra > rb {
+                let uncounted =
+                    !self.config.caching && self.known_bugs.empty_cache_uncounted_releases;
+                let (wb, ws) = (rb - ra.min(rb), sb - sa.min(sb));
+                let wrong = if uncounted {
+                    r.bytes > wb || r.segments > ws
+                } else {
+                    r.bytes != wb || r.segments != ws
+                };
+                if r.segments > 0 {
+                    self.saw("empty_cache released segments");
+                }
+                if wrong || ra > rb {
                     return Err(format!(
                         "empty_cache reported {r:?} but reserved went {rb} → {ra}, segments {sb} → {sa}"
                     ));
@@ -605,6 +712,7 @@ impl Model {
                 }
                 let reserved = self.alloc.usage().reserved;
                 if self.cap.is_some_and(|c| reserved > c) {
+                    self.saw("cap lowered below reserved");
                     self.check_flushed("lowering the cap below reserved memory")?;
                 }
                 Ok(())
@@ -688,19 +796,36 @@ impl Model {
                         l.span()
                     ));
                 }
+                let mut reused_guarded = false;
                 for g in &self.guards {
-                    if overlaps(p.0, rounded, g.addr, g.size)
-                        && g.events.iter().any(|&e| self.dev.is_pending(e))
-                    {
+                    let pending = g.events.iter().any(|&e| self.dev.is_pending(e));
+                    reused_guarded |= !pending && overlaps(p.0, rounded, g.addr, g.size);
+                    if overlaps(p.0, rounded, g.addr, g.size) && pending {
                         return Err(format!(
                             "malloc({size}) returned {p}+{rounded}, overlapping the block {:#x}+{} whose events {:?} have not completed",
                             g.addr, g.size, g.events
                         ));
                     }
                 }
+                if reused_guarded {
+                    self.saw("malloc reuses a block once its events completed");
+                }
+                if self
+                    .guards
+                    .iter()
+                    .any(|g| g.events.iter().any(|&e| self.dev.is_pending(e)))
+                {
+                    self.saw("malloc while a block is guarded");
+                }
                 let st = self.alloc.stats();
                 if st.num_ooms != before.stats.num_ooms {
                     return Err("a successful malloc counted an OOM".into());
+                }
+                if st.num_device_alloc == before.stats.num_device_alloc {
+                    self.saw("malloc from the cache");
+                }
+                if st.num_alloc_retries != before.stats.num_alloc_retries {
+                    self.saw("malloc served after the flush");
                 }
                 self.live.push(Live {
                     addr: p.0,
@@ -714,13 +839,31 @@ impl Model {
             }
             Err(AllocError::ZeroSize) if size == 0 => self.unchanged(before, "malloc(0)"),
             Err(AllocError::SizeTooLarge(s)) if s == size && size > MAX_REQUEST => {
+                let awaiting = before
+                    .snapshot
+                    .segments
+                    .iter()
+                    .flat_map(|s| &s.blocks)
+                    .any(|b| b.state == BlockState::AwaitingEvents);
+                if awaiting && self.known_bugs.too_large_polls_events {
+                    return Ok(());
+                }
                 self.unchanged(before, &format!("malloc({size}) (too large)"))
             }
             Err(AllocError::OutOfMemory(r)) if valid => {
                 self.ooms += 1;
                 let rounded = round_size(size, &self.config.roundup_power2_divisions)
                     .ok_or("model: round_size failed")?;
-                let seg = self.segment_size(rounded);
+                // The segment size is policy; the report names it, within sane bounds.
+                let seg = r.segment_size;
+                let c = &self.config;
+                let own = rounded.div_ceil(c.segment_round) * c.segment_round;
+                let max_seg = c.small_segment.max(c.medium_segment).max(2 * own);
+                if seg < rounded || (!c.caching && seg != rounded) || seg > max_seg {
+                    return Err(format!(
+                        "the OOM report names a {seg}-byte segment for a request rounded to {rounded}"
+                    ));
+                }
                 let st = self.alloc.stats();
                 if st.num_ooms != before.stats.num_ooms + 1 {
                     return Err("an OOM was not counted in num_ooms".into());
@@ -743,6 +886,15 @@ impl Model {
                 let capped = self
                     .cap
                     .is_some_and(|cap| reserved.saturating_add(seg) > cap);
+                if injected {
+                    self.saw("OOM: injected failure");
+                }
+                if device_full {
+                    self.saw("OOM: device full");
+                }
+                if capped {
+                    self.saw("OOM: cap");
+                }
                 if !(injected || device_full || capped) {
                     return Err(format!(
                         "OOM for malloc({size}) (segment {seg}) though the device had {} free, reserved {reserved}, cap {:?}, no injected failure",
@@ -783,9 +935,11 @@ impl Model {
 
     /// Every property that must hold between steps.
     fn check(&mut self, before: &Before) -> Result<(), String> {
-        self.alloc
-            .check_invariants()
-            .map_err(|e| format!("check_invariants: {e}"))?;
+        if self.internal_checks {
+            self.alloc
+                .check_invariants()
+                .map_err(|e| format!("check_invariants: {e}"))?;
+        }
         let snap = self.alloc.snapshot();
         let stats = self.alloc.stats();
         let counters = self.dev.counters();
@@ -904,6 +1058,8 @@ impl Model {
             }
             let kind = if l.rounded <= self.config.small_size {
                 PoolKind::Small
+            } else if l.rounded >= self.config.huge_size {
+                PoolKind::Huge
             } else {
                 PoolKind::Large
             };
@@ -939,9 +1095,20 @@ impl Model {
         }
 
         // Guarded blocks: still awaiting events, untouched, until their events complete.
-        self.guards
-            .retain(|g| g.events.iter().any(|&e| self.dev.is_pending(e)));
+        // (Guards whose events completed stay listed a while, to see reuse.)
+        if self.guards.len() > 64 {
+            let dev = &self.dev;
+            let mut excess = self.guards.len() - 64;
+            self.guards.retain(|g| {
+                let keep = excess == 0 || g.events.iter().any(|&e| dev.is_pending(e));
+                excess -= usize::from(!keep);
+                keep
+            });
+        }
         for g in &self.guards {
+            if !g.events.iter().any(|&e| self.dev.is_pending(e)) {
+                continue;
+            }
             match blocks.get(&g.addr) {
                 Some((_, b)) if b.state == BlockState::AwaitingEvents && b.size == g.size => {}
                 other => {
@@ -967,15 +1134,19 @@ impl Model {
                 .free(DevicePtr(l.addr))
                 .map_err(|e| format!("final free({:#x}): {e}", l.addr))?;
         }
-        self.alloc
-            .check_invariants()
-            .map_err(|e| format!("check_invariants after freeing everything: {e}"))?;
+        if self.internal_checks {
+            self.alloc
+                .check_invariants()
+                .map_err(|e| format!("check_invariants after freeing everything: {e}"))?;
+        }
         self.alloc
             .empty_cache()
             .map_err(|e| format!("final empty_cache: {e}"))?;
-        self.alloc
-            .check_invariants()
-            .map_err(|e| format!("check_invariants after the final empty_cache: {e}"))?;
+        if self.internal_checks {
+            self.alloc
+                .check_invariants()
+                .map_err(|e| format!("check_invariants after the final empty_cache: {e}"))?;
+        }
         let st = self.alloc.stats();
         for (name, a) in st.arrays() {
             if a.0.iter().any(|s| s.current != 0) {
@@ -1012,9 +1183,14 @@ impl Model {
     }
 }
 
-/// Runs `ops` on a fresh model and finishes it; the error names the step.
+/// Runs `ops` on a fresh model (strict contract) and finishes it; the error names the step.
 pub fn run(setup: &Setup, ops: &[Op]) -> Result<Model, String> {
-    let mut m = Model::new(setup);
+    run_with(setup, ops, Options::default())
+}
+
+/// [`run`] with the given options.
+pub fn run_with(setup: &Setup, ops: &[Op], options: Options) -> Result<Model, String> {
+    let mut m = Model::with_options(setup, options);
     for (i, op) in ops.iter().enumerate() {
         m.apply(op).map_err(|e| {
             let mut msg = format!("step {i} {op:?}: {e}\nops so far:\n");
