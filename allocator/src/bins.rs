@@ -5,8 +5,10 @@
 //! level finds the first non-empty class at or above a size in O(1). Inside a
 //! class, blocks are ordered by (size, address), so the answer is exactly
 //! PyTorch's best fit: the smallest block that fits, lowest address on ties.
-//! Classes are narrow (1/32 of a power of two), so the ordered set of a class
-//! stays small and its lookup is cheap.
+//! Classes are narrow (1/32 of a power of two), so a class usually holds a
+//! few blocks: it is a sorted vector (binary search, short moves) until it
+//! grows past [`SPILL`] entries, then an ordered tree, so that a pathological
+//! pile of same-sized free blocks stays O(log n).
 
 use crate::block::BlockId;
 use crate::rounding::MIN_BLOCK;
@@ -20,12 +22,101 @@ const FL_COUNT: usize = 48;
 /// A free block as the bins store it.
 pub(crate) type Entry = (u64, u64, BlockId);
 
+/// Entries above which a class moves from a sorted vector to a tree.
+const SPILL: usize = 128;
+
+/// The blocks of one size class, ordered by (size, address).
+#[derive(Debug)]
+enum Class {
+    Few(Vec<Entry>),
+    Many(BTreeSet<Entry>),
+}
+
+impl Default for Class {
+    fn default() -> Self {
+        Class::Few(Vec::new())
+    }
+}
+
+impl Class {
+    fn insert(&mut self, e: Entry) -> bool {
+        match self {
+            Class::Few(v) => match v.binary_search(&e) {
+                Ok(_) => false,
+                Err(i) => {
+                    v.insert(i, e);
+                    if v.len() > SPILL {
+                        *self = Class::Many(v.drain(..).collect());
+                    }
+                    true
+                }
+            },
+            Class::Many(t) => t.insert(e),
+        }
+    }
+
+    fn remove(&mut self, e: &Entry) -> bool {
+        match self {
+            Class::Few(v) => match v.binary_search(e) {
+                Ok(i) => {
+                    v.remove(i);
+                    true
+                }
+                Err(_) => false,
+            },
+            Class::Many(t) => {
+                let removed = t.remove(e);
+                if t.len() < SPILL / 2 {
+                    *self = Class::Few(std::mem::take(t).into_iter().collect());
+                }
+                removed
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        match self {
+            Class::Few(v) => v.is_empty(),
+            Class::Many(t) => t.is_empty(),
+        }
+    }
+
+    /// The first entry of at least `size` bytes.
+    fn first_at_least(&self, size: u64) -> Option<Entry> {
+        match self {
+            Class::Few(v) => v.get(v.partition_point(|e| e.0 < size)).copied(),
+            Class::Many(t) => t.range((size, 0, BlockId(0))..).next().copied(),
+        }
+    }
+
+    fn first(&self) -> Option<Entry> {
+        match self {
+            Class::Few(v) => v.first().copied(),
+            Class::Many(t) => t.first().copied(),
+        }
+    }
+
+    fn last(&self) -> Option<Entry> {
+        match self {
+            Class::Few(v) => v.last().copied(),
+            Class::Many(t) => t.last().copied(),
+        }
+    }
+
+    fn iter(&self) -> Box<dyn DoubleEndedIterator<Item = &Entry> + '_> {
+        match self {
+            Class::Few(v) => Box::new(v.iter()),
+            Class::Many(t) => Box::new(t.iter()),
+        }
+    }
+}
+
 /// The bins of one pool.
 #[derive(Debug)]
 pub(crate) struct Bins {
     fl_bitmap: u64,
     sl_bitmap: [u32; FL_COUNT],
-    classes: Box<[BTreeSet<Entry>]>,
+    classes: Box<[Class]>,
     len: usize,
     bytes: u64,
 }
@@ -35,7 +126,7 @@ impl Default for Bins {
         Bins {
             fl_bitmap: 0,
             sl_bitmap: [0; FL_COUNT],
-            classes: (0..FL_COUNT * SL_COUNT).map(|_| BTreeSet::new()).collect(),
+            classes: (0..FL_COUNT * SL_COUNT).map(|_| Class::default()).collect(),
             len: 0,
             bytes: 0,
         }
@@ -104,10 +195,7 @@ impl Bins {
     pub fn best_fit(&self, size: u64) -> Option<Entry> {
         let (fl, sl) = class_of(size);
         if self.sl_bitmap[fl] & (1 << sl) != 0 {
-            if let Some(&e) = self.classes[flat(fl, sl)]
-                .range((size, 0, BlockId(0))..)
-                .next()
-            {
+            if let Some(e) = self.classes[flat(fl, sl)].first_at_least(size) {
                 return Some(e);
             }
         }
@@ -123,7 +211,7 @@ impl Bins {
             let fl = above_fl.trailing_zeros() as usize;
             (fl, self.sl_bitmap[fl].trailing_zeros() as usize)
         };
-        self.classes[flat(fl, sl)].first().copied()
+        self.classes[flat(fl, sl)].first()
     }
 
     /// The largest free block (highest address among equals).
@@ -133,12 +221,12 @@ impl Bins {
         }
         let fl = 63 - self.fl_bitmap.leading_zeros() as usize;
         let sl = 31 - self.sl_bitmap[fl].leading_zeros() as usize;
-        self.classes[flat(fl, sl)].last().copied()
+        self.classes[flat(fl, sl)].last()
     }
 
     /// All free blocks, ascending by (size, address).
     pub fn iter(&self) -> impl DoubleEndedIterator<Item = &Entry> {
-        self.classes.iter().flat_map(|c| c.iter())
+        self.classes.iter().flat_map(Class::iter)
     }
 }
 
@@ -174,6 +262,27 @@ mod tests {
         assert_eq!(b.best_fit(512), Some((2048, 200, BlockId(2))));
         assert_eq!(b.len(), 3);
         assert_eq!(b.bytes(), 4096 + 2048 + (1 << 30));
+    }
+
+    #[test]
+    fn a_crowded_class_spills_to_a_tree_and_back() {
+        let mut b = Bins::default();
+        let n = 3 * SPILL as u32;
+        for i in (0..n).rev() {
+            b.insert(4096, u64::from(i) * 8192, BlockId(i));
+        }
+        assert_eq!(b.len(), n as usize);
+        assert_eq!(b.best_fit(4096), Some((4096, 0, BlockId(0))));
+        for i in 0..n - 10 {
+            assert!(b.remove(4096, u64::from(i) * 8192, BlockId(i)));
+            assert_eq!(b.best_fit(4096).map(|e| e.2), Some(BlockId(i + 1)));
+        }
+        assert!(!b.remove(4096, 0, BlockId(0)));
+        assert_eq!(b.iter().count(), 10);
+        assert_eq!(
+            b.largest(),
+            Some((4096, u64::from(n - 1) * 8192, BlockId(n - 1)))
+        );
     }
 
     proptest! {
