@@ -492,34 +492,9 @@ impl<E> State<E> {
             Err(DeviceError::OutOfMemory) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
-        let seg = SegmentId(self.segments.len() as u32); // placeholder, fixed below
-        let id = BlockId(self.blocks.insert(Block {
-            addr: ptr.0,
-            size,
-            requested: 0,
-            prev: None,
-            next: None,
-            segment: seg,
-            pool,
-            state: BlockState::Free,
-            stream_uses: Vec::new(),
-            pending_events: 0,
-            gc_base: 0,
-            freed_at: self.clock,
-        }));
-        let seg = SegmentId(self.segments.insert(Segment {
-            addr: ptr.0,
-            size,
-            stream,
-            pool,
-            head: id,
-            pages: None,
-            page_size: 0,
-        }));
-        self.blocks.get_mut(id.0).segment = seg;
-        self.segment_by_addr.insert(ptr.0, seg);
+        let seg = self.add_segment(ptr, size, stream, pool, None);
+        let id = self.segments.get(seg.0).head;
         let kind = pool.kind();
-        self.stats.segment.increase(kind, 1);
         self.stats.reserved_bytes.increase(kind, size);
         self.stats.num_device_alloc += 1;
         if size >= self.config.max_split_size {
@@ -527,6 +502,35 @@ impl<E> State<E> {
         }
         self.high_water = self.high_water.max(self.reserved());
         Ok(Some(id))
+    }
+
+    /// Records a new segment (plain, or expandable with `page_size`) as one
+    /// free block; the block is in the bins only if the caller puts it there.
+    fn add_segment(
+        &mut self,
+        ptr: DevicePtr,
+        size: u64,
+        stream: StreamId,
+        pool: PoolId,
+        page_size: Option<u64>,
+    ) -> SegmentId {
+        let seg = SegmentId(self.segments.insert(Segment {
+            addr: ptr.0,
+            size,
+            stream,
+            pool,
+            head: BlockId(u32::MAX),
+            pages: page_size.map(|_| BTreeMap::new()),
+            page_size: page_size.unwrap_or(0),
+        }));
+        let head = BlockId(
+            self.blocks
+                .insert(Block::free(ptr.0, size, seg, pool, self.clock)),
+        );
+        self.segments.get_mut(seg.0).head = head;
+        self.segment_by_addr.insert(ptr.0, seg);
+        self.stats.segment.increase(pool.kind(), 1);
+        seg
     }
 
     fn should_split(&self, kind: PoolKind, rounded: u64, remaining: u64) -> bool {
@@ -555,18 +559,10 @@ impl<E> State<E> {
         let final_size = if self.should_split(kind, rounded, remaining) {
             let gc_base = self.lookups[pool.index()];
             let rest = BlockId(self.blocks.insert(Block {
-                addr: addr + rounded,
-                size: remaining,
-                requested: 0,
                 prev: Some(id),
                 next,
-                segment,
-                pool,
-                state: BlockState::Free,
-                stream_uses: Vec::new(),
-                pending_events: 0,
                 gc_base,
-                freed_at: self.clock,
+                ..Block::free(addr + rounded, remaining, segment, pool, self.clock)
             }));
             if let Some(n) = next {
                 self.blocks.get_mut(n.0).prev = Some(rest);

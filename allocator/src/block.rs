@@ -98,6 +98,24 @@ pub(crate) struct Block {
 }
 
 impl Block {
+    /// A free block of `size` bytes at `addr`, with no neighbours yet.
+    pub fn free(addr: u64, size: u64, segment: SegmentId, pool: PoolId, now: u64) -> Self {
+        Block {
+            addr,
+            size,
+            requested: 0,
+            prev: None,
+            next: None,
+            segment,
+            pool,
+            state: BlockState::Free,
+            stream_uses: Vec::new(),
+            pending_events: 0,
+            gc_base: 0,
+            freed_at: now,
+        }
+    }
+
     /// A split block is one that shares its segment with another block.
     pub fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()

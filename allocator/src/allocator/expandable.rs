@@ -18,10 +18,9 @@
 //! page and releases the pool.
 
 use super::State;
-use crate::block::{Block, BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId};
+use crate::block::{BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::AllocError;
-use std::collections::BTreeMap;
 
 /// Largest virtual range reserved per (stream, pool): 1 TiB.
 const MAX_RANGE: u64 = 1 << 40;
@@ -112,34 +111,10 @@ impl<E> State<E> {
         let size = range_size(self.range_size, page_size);
         let ptr = dev.vmm_reserve(size)?;
         self.stats.num_vmm_reserve += 1;
-        let seg = SegmentId(self.segments.insert(Segment {
-            addr: ptr.0,
-            size,
-            stream,
-            pool,
-            head: BlockId(u32::MAX),
-            pages: Some(BTreeMap::new()),
-            page_size,
-        }));
-        let id = BlockId(self.blocks.insert(Block {
-            addr: ptr.0,
-            size,
-            requested: 0,
-            prev: None,
-            next: None,
-            segment: seg,
-            pool,
-            state: BlockState::Free,
-            stream_uses: Vec::new(),
-            pending_events: 0,
-            gc_base: 0,
-            freed_at: self.clock,
-        }));
-        self.segments.get_mut(seg.0).head = id;
-        self.segment_by_addr.insert(ptr.0, seg);
-        self.bins_mut(pool).insert(size, ptr.0, id);
+        let seg = self.add_segment(ptr, size, stream, pool, Some(page_size));
+        let head = self.segments.get(seg.0).head;
+        self.bins_mut(pool).insert(size, ptr.0, head);
         self.ranges[pool.index()] = Some(seg);
-        self.stats.segment.increase(pool.kind(), 1);
         Ok(seg)
     }
 
