@@ -1,0 +1,94 @@
+//! The `config` target: arbitrary strings into the configuration parser.
+//!
+//! - [`Config::parse`] returns an error or a configuration, never panics;
+//!   an error's message names the offending key, value, item or preset;
+//! - a parsed configuration's `to_conf_string()` parses back to an equal
+//!   configuration, and writes the same string again;
+//! - `parse_size` answers any string with a size or a message quoting it;
+//! - an allocator built with any configuration the parser accepts serves a
+//!   fixed sequence of requests (small, large, huge, absurd; two streams,
+//!   a cross-stream use, `empty_cache`) on a 1 GiB simulated device with every
+//!   invariant intact, and holds nothing after everything is freed. The
+//!   sequence runs under the shared model checker when it covers the
+//!   configuration (see [`crate::ops::model_covers`]).
+
+use crate::ops::run_setup;
+use cachealloc_core::testing::{Op, Setup};
+use cachealloc_core::{parse_size, Config, ConfigError};
+
+const MIB: u64 = 1 << 20;
+
+/// The requests every accepted configuration must serve.
+pub fn fixed_ops() -> Vec<Op> {
+    let m = |size, stream| Op::Malloc { size, stream };
+    vec![
+        m(1, 0),
+        m(512, 1),
+        m(MIB, 0),
+        m(MIB + 1, 0),
+        m(3 * MIB, 1),
+        m(12 * MIB, 0),
+        m(25 * MIB, 0),
+        m(300 * MIB, 1),
+        Op::RecordStream { slot: 0, stream: 1 },
+        Op::Free { slot: 0 },
+        m(700, 0),
+        Op::Free { slot: 2 },
+        Op::Free { slot: 0 },
+        Op::EmptyCache,
+        m(0, 0),
+        m(u64::MAX, 0),
+        m(2048 * MIB, 0),
+        m(64 * MIB, 1),
+        Op::CompleteEvent { index: 0 },
+        Op::Free { slot: 3 },
+        Op::Free { slot: 1 },
+        m(20 * MIB, 0),
+        Op::EmptyCache,
+    ]
+}
+
+/// The whole body of the `config` target.
+pub fn check(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    let text = text.as_ref();
+
+    if let Err(msg) = parse_size(text) {
+        assert!(
+            msg.contains(&format!("`{text}`")),
+            "parse_size error does not quote its input: {msg}"
+        );
+    }
+
+    let config = match Config::parse(text) {
+        Ok(c) => c,
+        Err(e) => {
+            let msg = e.to_string();
+            let named = match &e {
+                ConfigError::UnknownKey(k) => k,
+                ConfigError::UnknownPreset(p) => p,
+                ConfigError::Syntax(item) => item,
+                ConfigError::BadValue { key, .. } => key,
+            };
+            assert!(
+                msg.contains(&format!("`{named}`")),
+                "{e:?}: the message does not name `{named}`: {msg}"
+            );
+            return;
+        }
+    };
+    let conf = config.to_conf_string();
+    let back = Config::parse(&conf)
+        .unwrap_or_else(|e| panic!("{text:?} parsed, but its conf string {conf:?} does not: {e}"));
+    assert_eq!(back, config, "{text:?} → {conf:?} parses back differently");
+    assert_eq!(back.to_conf_string(), conf, "to_conf_string is not stable");
+
+    let setup = Setup {
+        config,
+        capacity: 1 << 30,
+        streams: 2,
+    };
+    if let Err(e) = run_setup(&setup, &fixed_ops()) {
+        panic!("config {text:?} ({conf}): {e}");
+    }
+}

@@ -1,0 +1,202 @@
+//! The `trace` target: arbitrary bytes as a trace — an error, never a panic.
+//!
+//! Byte 0 is the mode, the rest the trace text. Always: the core's
+//! [`TraceReader`] reads the text to its end or first error; an error names a
+//! line that exists; a trace that reads cleanly writes back (with
+//! [`TraceWriter`]) to text that reads back to the same events. Then, by the
+//! low two bits of the mode, the text goes through `cachealloc::trace_file`
+//! (which only opens paths, so it is written to a scratch file first):
+//!
+//! - 0: the bytes as they are (plain, or corrupt gzip when they start with
+//!   the gzip magic); a plain file reads exactly as the core reader read it;
+//! - 1: gzip-compressed; reads exactly as the core reader read the text;
+//! - 2: gzip-compressed and cut short; must be an error, never a short trace;
+//! - 3: the bytes as they are, and a trace that read cleanly is replayed on
+//!   a 1 GiB simulated device under a preset chosen by bits 2–4 of the mode:
+//!   an error (huge sizes, ...) or a result, never a panic.
+//!
+//! Every error a file gives must start with the file's path.
+
+use cachealloc::trace_file::{self, FileError};
+use cachealloc_core::replay::{replay, ReplayOptions};
+use cachealloc_core::{Config, TraceError, TraceEvent, TraceReader, TraceWriter};
+use flate2::write::GzEncoder;
+use flate2::Compression;
+use std::io::Write;
+use std::path::PathBuf;
+
+/// What a reader made of a trace: its events up to the first error, and the
+/// error's line and kind (`None` if it read cleanly).
+#[derive(Debug, PartialEq)]
+pub struct Outcome {
+    /// Events read before the error (or all of them).
+    pub events: Vec<TraceEvent>,
+    /// The error's line and a kind tag (`io`, `syntax`, `reused`, `unknown`).
+    pub error: Option<(u64, &'static str)>,
+}
+
+fn kind(e: &TraceError) -> &'static str {
+    match e {
+        TraceError::Io { .. } => "io",
+        TraceError::Syntax { .. } => "syntax",
+        TraceError::IdReused { .. } => "reused",
+        TraceError::UnknownId { .. } => "unknown",
+    }
+}
+
+/// Reads `text` with the core's reader, checking what holds for any error.
+pub fn read_core(text: &[u8]) -> Outcome {
+    let mut reader = TraceReader::new(text);
+    let mut events = Vec::new();
+    let lines = text.split(|&b| b == b'\n').count() as u64;
+    loop {
+        match reader.next_event() {
+            Ok(Some(e)) => events.push(e),
+            Ok(None) => {
+                return Outcome {
+                    events,
+                    error: None,
+                }
+            }
+            Err(e) => {
+                let line = e.line();
+                assert!(
+                    line >= 1 && line <= lines,
+                    "error on line {line} of a text of {lines} lines: {e}"
+                );
+                let msg = e.to_string();
+                assert!(
+                    msg.starts_with(&format!("line {line}: ")),
+                    "the message does not name the line: {msg}"
+                );
+                return Outcome {
+                    events,
+                    error: Some((line, kind(&e))),
+                };
+            }
+        }
+    }
+}
+
+fn scratch_path() -> PathBuf {
+    std::env::temp_dir().join(format!("cachealloc-fuzz-trace-{}", std::process::id()))
+}
+
+/// Reads the file at `path` with `trace_file`, checking that errors name the file.
+pub fn read_file(path: &std::path::Path) -> Outcome {
+    let mut events = Vec::new();
+    let check = |e: &FileError| {
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with(&format!("{}: ", path.display())),
+            "the message does not name the file: {msg}"
+        );
+    };
+    let mut reader = match trace_file::open(path) {
+        Ok(r) => r,
+        Err(e) => {
+            check(&e);
+            panic!("a readable scratch file failed to open: {e}");
+        }
+    };
+    loop {
+        match reader.next_event() {
+            Ok(Some(e)) => events.push(e),
+            Ok(None) => {
+                return Outcome {
+                    events,
+                    error: None,
+                }
+            }
+            Err(e) => {
+                check(&e);
+                let te = e
+                    .trace_error()
+                    .expect("a content error carries the reader's error");
+                return Outcome {
+                    events,
+                    error: Some((te.line(), kind(te))),
+                };
+            }
+        }
+    }
+}
+
+fn gzip(text: &[u8]) -> Vec<u8> {
+    let mut enc = GzEncoder::new(Vec::new(), Compression::fast());
+    enc.write_all(text).expect("in-memory write");
+    enc.finish().expect("in-memory gzip")
+}
+
+/// The whole body of the `trace` target.
+pub fn check(data: &[u8]) {
+    let Some((&mode, text)) = data.split_first() else {
+        return;
+    };
+    let core = read_core(text);
+
+    // A clean trace writes back to text that reads back the same.
+    if core.error.is_none() {
+        let mut w = TraceWriter::new(Vec::new()).expect("in-memory writer");
+        for e in &core.events {
+            w.write(e).expect("in-memory write");
+        }
+        let out = w.finish().expect("in-memory writer");
+        let again = read_core(&out);
+        assert_eq!(
+            again,
+            core,
+            "written back as {:?}",
+            String::from_utf8_lossy(&out)
+        );
+    }
+
+    let path = scratch_path();
+    let file = match mode & 3 {
+        1 | 2 => gzip(text),
+        _ => text.to_vec(),
+    };
+    let file = if mode & 3 == 2 && file.len() > 2 {
+        // Cut somewhere in [2, len): the magic stays, the data ends early.
+        let cut = 2 + usize::from(mode >> 2) * (file.len() - 2) / 64;
+        file[..cut.min(file.len() - 1)].to_vec()
+    } else {
+        file
+    };
+    std::fs::write(&path, &file).expect("scratch file");
+    let got = read_file(&path);
+    match mode & 3 {
+        0 | 3 if !file.starts_with(&[0x1f, 0x8b]) => {
+            assert_eq!(
+                got, core,
+                "a plain file reads as the core reader reads its text"
+            )
+        }
+        1 => assert_eq!(
+            got, core,
+            "a gzip file reads as the core reader reads its text"
+        ),
+        2 => assert!(
+            got.error.is_some(),
+            "a gzip file cut at {} of {} bytes read as a complete trace of {} events",
+            file.len(),
+            gzip(text).len(),
+            got.events.len()
+        ),
+        _ => {}
+    }
+
+    if mode & 3 == 3 && core.error.is_none() {
+        let presets = Config::PRESETS;
+        let name = presets[usize::from(mode >> 2) % presets.len()];
+        let config = Config::preset(name).expect("a named preset");
+        let opts = ReplayOptions {
+            capacity: Some(1 << 30),
+            timeline_points: 16,
+            report_at_peak: true,
+            progress: None,
+        };
+        let events = &core.events;
+        let _ = replay(|| Ok(events.iter().cloned().map(Ok)), &config, opts);
+    }
+}
