@@ -1,1 +1,126 @@
-fn main() {}
+//! Host cost of the caching allocator on the simulated device (issue 2).
+//!
+//! - `cached_pair/<config>/<size>`: one `malloc` + `free` pair served from
+//!   the cache (the segment is allocated once, before measuring).
+//! - `random_256_slots/<config>`: one op per iteration on 256 slots: a random
+//!   slot is freed if live, else filled with a log-uniform 512 B–8 MiB
+//!   request; pre-warmed so that the cache holds the segments it needs.
+//!
+//! Run: `cargo bench -p cachealloc-core --bench hot_path`
+//! (add `-- --warm-up-time 1 --measurement-time 3` for a quicker run).
+
+use cachealloc_core::{CachingAllocator, Config, DevicePtr, SimulatedDevice, StreamId};
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
+
+const S0: StreamId = StreamId(0);
+const SLOTS: usize = 256;
+
+/// xorshift64: deterministic and cheap (no dependency).
+struct XorShift(u64);
+
+impl XorShift {
+    #[inline]
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    /// Log-uniform from 512 B to 8 MiB.
+    #[inline]
+    fn size(&mut self) -> u64 {
+        let r = self.next();
+        let e = 9 + (r % 14); // 2^9 … 2^22
+        let base = 1u64 << e;
+        base + ((r >> 8) & (base - 1))
+    }
+}
+
+fn configs() -> [(&'static str, Config); 2] {
+    [
+        ("default", Config::default()),
+        ("pytorch", Config::pytorch()),
+    ]
+}
+
+fn cached_pair(c: &mut Criterion) {
+    let mut g = c.benchmark_group("cached_pair");
+    for (name, config) in configs() {
+        for (label, size) in [
+            ("512B", 512u64),
+            ("64KiB", 64 << 10),
+            ("1MiB", 1 << 20),
+            ("16MiB", 16 << 20),
+            ("256MiB", 256 << 20),
+        ] {
+            let dev = SimulatedDevice::unlimited();
+            let a = CachingAllocator::new(dev.clone(), config.clone());
+            let p = a.malloc(size, S0).unwrap();
+            a.free(p).unwrap();
+            g.bench_with_input(BenchmarkId::new(name, label), &size, |b, &size| {
+                b.iter(|| {
+                    let p = a.malloc(black_box(size), S0).unwrap();
+                    a.free(black_box(p)).unwrap();
+                })
+            });
+            assert_eq!(
+                dev.counters().allocs,
+                1,
+                "the pair must stay on the cached path"
+            );
+        }
+    }
+    g.finish();
+}
+
+struct Slots {
+    alloc: CachingAllocator<SimulatedDevice>,
+    slots: Vec<Option<DevicePtr>>,
+    rng: XorShift,
+}
+
+impl Slots {
+    fn new(config: Config) -> Self {
+        Slots {
+            alloc: CachingAllocator::new(SimulatedDevice::unlimited(), config),
+            slots: vec![None; SLOTS],
+            rng: XorShift(0x2545_f491_4f6c_dd1d),
+        }
+    }
+
+    #[inline]
+    fn op(&mut self) {
+        let r = self.rng.next();
+        let slot = &mut self.slots[(r >> 32) as usize % SLOTS];
+        match slot.take() {
+            Some(p) => self.alloc.free(p).unwrap(),
+            None => *slot = Some(self.alloc.malloc(self.rng.size(), S0).unwrap()),
+        }
+    }
+}
+
+fn random_256_slots(c: &mut Criterion) {
+    let mut g = c.benchmark_group("random_256_slots");
+    for (name, config) in configs() {
+        let mut s = Slots::new(config);
+        for _ in 0..200_000 {
+            s.op();
+        }
+        let warm = s.alloc.device().counters();
+        g.bench_function(name, |b| b.iter(|| s.op()));
+        let after = s.alloc.device().counters();
+        eprintln!(
+            "random_256_slots/{name}: {} device allocs and {} frees during measurement, reserved {} MiB",
+            after.allocs - warm.allocs,
+            after.frees - warm.frees,
+            s.alloc.usage().reserved >> 20
+        );
+    }
+    g.finish();
+}
+
+criterion_group!(benches, cached_pair, random_256_slots);
+criterion_main!(benches);
