@@ -353,12 +353,13 @@ impl<E> State<E> {
         size: u64,
         stream: StreamId,
     ) -> Result<DevicePtr, AllocError> {
+        // Misuse is answered before anything changes.
+        let rounded = round_size(size, &self.config.roundup_power2_divisions)
+            .ok_or(AllocError::SizeTooLarge(size))?;
         if self.pending_blocks > 0 {
             self.process_events(dev)?;
         }
         self.clock += 1;
-        let rounded = round_size(size, &self.config.roundup_power2_divisions)
-            .ok_or(AllocError::SizeTooLarge(size))?;
         let kind = if rounded <= self.config.small_size {
             PoolKind::Small
         } else if rounded >= self.config.huge_size {
@@ -702,6 +703,30 @@ impl<E> State<E> {
             (b.size, std::mem::take(&mut b.requested), b.pool)
         };
         let kind = pool.kind();
+        let (net_blocks, net_bytes) = self.merge_into_bins(id);
+        let s = &mut self.stats;
+        match net_blocks.signum() {
+            1 => s.inactive_split.increase(kind, net_blocks as u64),
+            -1 => s.inactive_split.decrease(kind, net_blocks.unsigned_abs()),
+            _ => {}
+        }
+        match net_bytes.signum() {
+            1 => s.inactive_split_bytes.increase(kind, net_bytes as u64),
+            -1 => s
+                .inactive_split_bytes
+                .decrease(kind, net_bytes.unsigned_abs()),
+            _ => {}
+        }
+        s.active.decrease(kind, 1);
+        s.active_bytes.decrease(kind, orig_size);
+        s.requested_bytes.decrease(kind, requested);
+    }
+
+    /// Merges the free block `id` with its free neighbours and files the
+    /// result in the bins. Returns the change in inactive split blocks and
+    /// bytes (zero in expandable segments, where they are not counted).
+    fn merge_into_bins(&mut self, id: BlockId) -> (i64, i64) {
+        let pool = self.blocks.get(id.0).pool;
         let mut net_blocks: i64 = 0;
         let mut net_bytes: i64 = 0;
         for before in [true, false] {
@@ -746,24 +771,9 @@ impl<E> State<E> {
             net_bytes += size as i64;
         }
         if self.segments.get(segment.0).is_expandable() {
-            (net_blocks, net_bytes) = (0, 0);
+            return (0, 0);
         }
-        let s = &mut self.stats;
-        match net_blocks.signum() {
-            1 => s.inactive_split.increase(kind, net_blocks as u64),
-            -1 => s.inactive_split.decrease(kind, net_blocks.unsigned_abs()),
-            _ => {}
-        }
-        match net_bytes.signum() {
-            1 => s.inactive_split_bytes.increase(kind, net_bytes as u64),
-            -1 => s
-                .inactive_split_bytes
-                .decrease(kind, net_bytes.unsigned_abs()),
-            _ => {}
-        }
-        s.active.decrease(kind, 1);
-        s.active_bytes.decrease(kind, orig_size);
-        s.requested_bytes.decrease(kind, requested);
+        (net_blocks, net_bytes)
     }
 
     fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
@@ -887,18 +897,23 @@ impl<E> State<E> {
 
     /// Waits for events and releases every entirely free segment.
     fn release_cached<D: Device<Event = E>>(&mut self, dev: &D) -> Result<Released, AllocError> {
+        // Counted from the stats, so that segments released on the way (a
+        // no-caching block whose event the wait completed) are included.
+        let before = (
+            self.stats.reserved_bytes.all().freed,
+            self.stats.segment.all().freed,
+        );
         self.wait_all_events(dev)?;
-        let mut released = Released::default();
         for (_, seg) in self.free_segments() {
-            released.bytes += self.release_segment(dev, seg)?;
-            released.segments += 1;
+            self.release_segment(dev, seg)?;
         }
         if self.granularity.is_some() {
-            let (bytes, ranges) = self.release_expandable(dev)?;
-            released.bytes += bytes;
-            released.segments += ranges;
+            self.release_expandable(dev)?;
         }
-        Ok(released)
+        Ok(Released {
+            bytes: self.stats.reserved_bytes.all().freed - before.0,
+            segments: self.stats.segment.all().freed - before.1,
+        })
     }
 
     /// Releases entirely free segments totalling at least `need` bytes: the

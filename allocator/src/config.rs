@@ -330,7 +330,7 @@ impl Config {
                     "largest" => ReleaseOrder::Largest,
                     "oldest" => ReleaseOrder::Oldest,
                     "all" => ReleaseOrder::All,
-                    _ => return Err(bad("expected smallest_fit, largest or oldest")),
+                    _ => return Err(bad("expected oldest, smallest_fit, largest or all")),
                 }
             }
             "huge_segment_divisions" => {

@@ -161,8 +161,8 @@ impl KnownBugs {
     };
     /// What the allocator still does wrong (see each field).
     pub const CURRENT: KnownBugs = KnownBugs {
-        too_large_polls_events: true,
-        empty_cache_uncounted_releases: true,
+        too_large_polls_events: false,
+        empty_cache_uncounted_releases: false,
     };
 }
 

@@ -27,7 +27,7 @@ const S1: StreamId = StreamId(1);
 /// neighbours stay unmerged, which `check_invariants` rejects, and a page
 /// straddling them is never idle (never unmapped) while they stay apart.
 #[test]
-#[ignore = "bug: expandable malloc puts its block back unmerged when mapping fails after a recycling round freed a neighbour"]
+
 fn expandable_failed_mapping_merges_neighbours_freed_meanwhile() {
     let dev = SimulatedDevice::new(2048 * MIB);
     let alloc = CachingAllocator::new(dev.clone(), Config::expandable());

@@ -325,7 +325,6 @@ fn cap_lowered_below_use() {
 /// misuse, yet `malloc` first polls events and recycles the block whose
 /// event completed, so the failing call changes the stats.
 #[test]
-#[ignore = "known bug: malloc(> MAX_REQUEST) processes events before it fails"]
 fn strict_too_large_malloc_changes_nothing() {
     let ops = [
         Op::Malloc {
@@ -347,7 +346,6 @@ fn strict_too_large_malloc_changes_nothing() {
 /// the segment freed when `empty_cache` waits for its event is not counted
 /// in the `Released` it returns.
 #[test]
-#[ignore = "known bug: no-caching empty_cache under-reports what it released"]
 fn strict_no_caching_empty_cache_reports_all_it_released() {
     let ops = [
         Op::Malloc {

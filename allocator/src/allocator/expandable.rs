@@ -87,8 +87,9 @@ impl<E> State<E> {
             if mapped.is_ok() {
                 return Ok(id);
             }
+            // Back to the bins, merged with any neighbour a recycling round freed meanwhile.
             self.blocks.get_mut(id.0).state = BlockState::Free;
-            self.bins_mut(pool).insert(bsize, addr, id);
+            self.merge_into_bins(id);
             if let Err(e) = mapped {
                 if !matches!(e, AllocError::OutOfMemory(_)) {
                     return Err(e);
@@ -363,21 +364,18 @@ impl<E> State<E> {
 
     /// `empty_cache` for expandable segments: once the device is idle, unmap
     /// every idle page and release the whole pool; free the ranges left with
-    /// no block and no page. Returns (bytes, ranges) released.
+    /// no block and no page.
     pub(super) fn release_expandable<D: Device<Event = E>>(
         &mut self,
         dev: &D,
-    ) -> Result<(u64, u64), AllocError> {
+    ) -> Result<(), AllocError> {
         dev.synchronize()?;
         self.unmap_idle_pages(dev, None, u64::MAX)?;
-        let mut bytes = 0;
         while let Some((h, kind, size)) = self.page_pool.pop() {
             dev.vmm_release_page(h)?;
             self.stats.num_page_release += 1;
             self.stats.reserved_bytes.decrease(kind, size);
-            bytes += size;
         }
-        let mut ranges = 0;
         for i in 0..self.ranges.len() {
             let Some(seg) = self.ranges[i] else { continue };
             let s = self.segments.get(seg.0);
@@ -396,9 +394,8 @@ impl<E> State<E> {
             self.segment_by_addr.remove(&addr);
             self.ranges[i] = None;
             self.stats.segment.decrease(pool.kind(), 1);
-            ranges += 1;
         }
-        Ok((bytes, ranges))
+        Ok(())
     }
 
     /// Bytes of mapped pages lying entirely inside `[start, end)` (idle if that is a free block).
