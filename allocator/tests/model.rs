@@ -321,9 +321,10 @@ fn cap_lowered_below_use() {
     assert_eq!(m.ooms, 2);
 }
 
-/// Known bug (`KnownBugs::too_large_polls_events`): a too-large request is
-/// misuse, yet `malloc` first polls events and recycles the block whose
-/// event completed, so the failing call changes the stats.
+/// Regression (fixed in f7943d0; `KnownBugs::too_large_polls_events`): a
+/// too-large request is misuse, yet `malloc` polled events first and
+/// recycled the block whose event completed, so the failing call changed
+/// the stats.
 #[test]
 fn strict_too_large_malloc_changes_nothing() {
     let ops = [
@@ -342,9 +343,9 @@ fn strict_too_large_malloc_changes_nothing() {
     testing::run(&setup(Config::pytorch(), 1 << 30), &ops).unwrap();
 }
 
-/// Known bug (`KnownBugs::empty_cache_uncounted_releases`): without caching,
-/// the segment freed when `empty_cache` waits for its event is not counted
-/// in the `Released` it returns.
+/// Regression (fixed in f7943d0; `KnownBugs::empty_cache_uncounted_releases`):
+/// without caching, the segment freed when `empty_cache` waited for its
+/// event was not counted in the `Released` it returned.
 #[test]
 fn strict_no_caching_empty_cache_reports_all_it_released() {
     let ops = [
