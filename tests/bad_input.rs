@@ -337,10 +337,9 @@ fn bad_configs_name_the_key_and_value() {
     }
 }
 
-/// `release_order` accepts `all`, but its error message does not list it.
-/// (A fix is in a colleague's working tree; un-ignore once it is committed.)
+/// The `release_order` error lists every value it accepts (it once
+/// omitted `all`; fixed in f7943d0).
 #[test]
-#[ignore = "bug (allocator/src/config.rs): the release_order error does not list `all`"]
 fn release_order_error_lists_every_accepted_value() {
     let o = run(&[
         "replay",

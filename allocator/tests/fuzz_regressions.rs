@@ -14,7 +14,7 @@ const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(1);
 
 /// Found by the `ops` target (expandable preset, 2 GiB device; shrunk from
-/// 1000 ops to these).
+/// 1000 ops to these). Fixed in f7943d0.
 ///
 /// Root cause (`allocator/src/allocator/expandable.rs`, `malloc_expandable`):
 /// the block picked for a request is taken out of the bins and marked
@@ -27,7 +27,6 @@ const S1: StreamId = StreamId(1);
 /// neighbours stay unmerged, which `check_invariants` rejects, and a page
 /// straddling them is never idle (never unmapped) while they stay apart.
 #[test]
-
 fn expandable_failed_mapping_merges_neighbours_freed_meanwhile() {
     let dev = SimulatedDevice::new(2048 * MIB);
     let alloc = CachingAllocator::new(dev.clone(), Config::expandable());
@@ -52,6 +51,51 @@ fn expandable_failed_mapping_merges_neighbours_freed_meanwhile() {
     alloc.free(a).unwrap();
     if let Some(c) = c {
         alloc.free(c).unwrap();
+    }
+    alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.usage().reserved, 0);
+    assert_eq!(dev.outstanding(), 0);
+}
+
+/// Found by the `ops` target (expandable preset, 64 MiB device, injected
+/// failures; shrunk from 1000 ops to 21, then rebuilt by hand without
+/// injected failures) after the fix above.
+///
+/// Root cause: the same window as above, on the path where mapping
+/// succeeds. While the picked block (here the free 2 MiB block whose page
+/// `empty_cache` unmapped) is out of the bins and marked allocated, the
+/// recycling round of `gather_pages` (the device is full) frees the block
+/// after it, whose event completed; that block cannot merge with the picked
+/// one. Mapping then succeeds with the page the round unmapped, and the
+/// picked block is split: its free remainder goes into the bins without
+/// merging with that neighbour. Two free neighbours stay unmerged.
+#[test]
+#[ignore = "bug: expandable split remainder is not merged with a neighbour freed by the recycling round of the same malloc"]
+fn expandable_split_remainder_merges_neighbour_freed_meanwhile() {
+    let dev = SimulatedDevice::new(6 * MIB);
+    let alloc = CachingAllocator::new(dev.clone(), Config::expandable());
+    // Three 2 MiB blocks tile the first 6 MiB of stream 0's large range.
+    let a = alloc.malloc(2 * MIB, S0).unwrap();
+    let x = alloc.malloc(2 * MIB, S0).unwrap();
+    let b = alloc.malloc(2 * MIB, S0).unwrap();
+    // x goes free and its page back to the device.
+    alloc.free(x).unwrap();
+    alloc.empty_cache().unwrap();
+    // A small-pool page fills the device again.
+    let small = alloc.malloc(MIB, S0).unwrap();
+    assert_eq!(dev.used(), dev.capacity());
+    // b, next to x, is used by stream 1: freed, it awaits an event.
+    alloc.record_stream(b, S1).unwrap();
+    alloc.free(b).unwrap();
+    alloc.check_invariants().unwrap();
+    // The request takes x (best fit) and needs its page: the device is full,
+    // so a recycling round runs, which frees b (next to x) and unmaps b's
+    // page; x is mapped with it and split.
+    let c = alloc.malloc(MIB + 512, S0).unwrap();
+    alloc.check_invariants().unwrap();
+    for p in [a, small, c] {
+        alloc.free(p).unwrap();
     }
     alloc.empty_cache().unwrap();
     alloc.check_invariants().unwrap();
