@@ -13,5 +13,10 @@ pub use cachealloc_core::{
 
 pub mod trace_file;
 
+/// The C ABI (`libcachealloc.so`, feature `cuda`): see the module documentation.
+/// Without `cuda` it is compiled for its unit tests only.
+#[cfg(any(feature = "cuda", test))]
+pub mod capi;
+
 #[cfg(feature = "cuda")]
 pub mod cuda;
