@@ -1,0 +1,374 @@
+"""Run PyTorch on cachealloc: load libcachealloc.so as PyTorch's CUDA allocator.
+
+    import cachealloc_torch as ca
+    ca.enable()                      # before CUDA is first used
+    import torch
+    ...train...
+    print(ca.memory_summary())       # like torch.cuda.memory_summary()
+    stats = ca.memory_stats()        # like torch.cuda.memory_stats(): same keys
+    torch.cuda.empty_cache()         # empties cachealloc's cache (the reset hook)
+
+No build step: ctypes and torch only. The library is the package's cdylib
+built with `--features cuda` (`cargo build --release --features cuda` gives
+target/release/libcachealloc.so; scripts/build-gpu-bundle.sh puts it in
+gpu-bundle/lib/). Configure it with CACHEALLOC_CONF (same syntax as
+PYTORCH_CUDA_ALLOC_CONF, optionally starting with a preset name:
+`default`, `pytorch`, `expandable`, ...), set before the first allocation.
+
+With a pluggable allocator PyTorch's own memory_stats(), memory_summary(),
+max_memory_reserved() etc. raise; use the functions of this module instead.
+torch.cuda.empty_cache(), torch.cuda.set_per_process_memory_fraction() and
+Tensor.record_stream() work as usual (they reach cachealloc through the hooks).
+See docs/PYTORCH.md.
+"""
+
+import ctypes
+import json
+import os
+from collections import OrderedDict
+
+__all__ = [
+    "enable", "is_enabled", "library_path", "memory_stats", "memory_summary",
+    "memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved",
+    "reset_peak_memory_stats", "fragmentation", "fragmentation_stats", "snapshot",
+    "record_trace", "stop_trace", "empty_cache", "info", "notices", "last_error",
+    "error_count", "CacheallocError",
+]
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_lib = None
+_lib_path = None
+_allocator = None
+_oom_exceptions = False
+
+# c10::detail::torchCheckFail(const char* func, const char* file, uint32_t line, const char* msg):
+# throws c10::Error, which Python sees as RuntimeError. Exported by libc10.so for years.
+_TORCH_CHECK_FAIL = "_ZN3c106detail14torchCheckFailEPKcS2_jS2_"
+
+
+class CacheallocError(RuntimeError):
+    """A cachealloc call failed; the message is the library's last error."""
+
+
+def _candidates(path):
+    if path:
+        yield path, "argument"
+        return
+    env = os.environ.get("CACHEALLOC_LIB")
+    if env:
+        yield env, "CACHEALLOC_LIB"
+        return
+    yield os.path.join(_REPO, "gpu-bundle", "lib", "libcachealloc.so"), "gpu-bundle"
+    yield os.path.join(_REPO, "target", "release", "libcachealloc.so"), "target/release"
+
+
+def library_path(path=None):
+    """The .so enable() would load: `path`, else $CACHEALLOC_LIB, else
+    gpu-bundle/lib/libcachealloc.so, else target/release/libcachealloc.so."""
+    tried = []
+    for p, where in _candidates(path):
+        if os.path.isfile(p):
+            return os.path.abspath(p)
+        tried.append(f"{p} ({where})")
+    raise FileNotFoundError(
+        "libcachealloc.so not found; tried: " + ", ".join(tried)
+        + ". Build it with `cargo build --release --features cuda` or scripts/build-gpu-bundle.sh, "
+        "or pass enable(path=...) / set CACHEALLOC_LIB.")
+
+
+def _declare(lib):
+    c_int, c_int64, c_uint64 = ctypes.c_int, ctypes.c_int64, ctypes.c_uint64
+    vp, cp = ctypes.c_void_p, ctypes.c_char_p
+    sigs = {
+        "cachealloc_alloc": (vp, [ctypes.c_ssize_t, c_int, vp]),
+        "cachealloc_free": (None, [vp, ctypes.c_ssize_t, c_int, vp]),
+        "cachealloc_init": (None, [c_int]),
+        "cachealloc_reset": (None, []),
+        "cachealloc_set_memory_fraction": (None, [ctypes.c_double, c_int]),
+        "cachealloc_record_stream": (None, [vp, vp]),
+        "cachealloc_empty_cache": (c_int64, [c_int]),
+        "cachealloc_reset_peak_stats": (c_int, [c_int]),
+        "cachealloc_stats_json": (vp, [c_int]),
+        "cachealloc_fragmentation": (vp, [c_int]),
+        "cachealloc_fragmentation_json": (vp, [c_int]),
+        "cachealloc_snapshot_json": (vp, [c_int]),
+        "cachealloc_info_json": (vp, [c_int]),
+        "cachealloc_record_trace_start": (c_int, [c_int, cp]),
+        "cachealloc_record_trace_stop": (c_int64, [c_int]),
+        "cachealloc_last_error": (vp, []),
+        "cachealloc_clear_error": (None, []),
+        "cachealloc_error_count": (c_uint64, []),
+        "cachealloc_string_free": (None, [vp]),
+        "cachealloc_set_oom_handler": (None, [vp]),
+    }
+    missing = [n for n in sigs if not hasattr(lib, n)]
+    if missing:
+        raise CacheallocError(
+            f"{_lib_path} lacks {', '.join(missing)}: it was built without `--features cuda`")
+    for name, (res, args) in sigs.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
+
+
+def _addr(fn):
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _install_oom_handler(torch, lib):
+    """Makes a failed allocation raise RuntimeError in Python (see docs/PYTORCH.md)."""
+    c10 = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    try:
+        fn = getattr(ctypes.CDLL(c10), _TORCH_CHECK_FAIL)
+    except (OSError, AttributeError) as e:
+        return f"no OOM exceptions ({type(e).__name__}: {e}); a failed allocation returns NULL"
+    lib.cachealloc_set_oom_handler(_addr(fn))
+    return None
+
+
+def enable(path=None, oom_exceptions=True):
+    """Installs cachealloc as PyTorch's CUDA allocator, with all its hooks.
+
+    Must run before CUDA is first used in the process (before any tensor is
+    put on the GPU, torch.cuda.init(), torch.cuda.mem_get_info(), ...).
+    `path`: the .so (default: see library_path()). With `oom_exceptions`
+    (default) a failed allocation raises RuntimeError("cachealloc ...: out of
+    memory: ...") in Python, through PyTorch's own error function; without it
+    the failed allocation returns NULL, which PyTorch does not check.
+    Returns the path of the library loaded. Calling it again is a no-op.
+    """
+    global _lib, _lib_path, _allocator, _oom_exceptions
+    import torch
+    so = library_path(path)
+    if _lib is not None:
+        if so != _lib_path:
+            raise CacheallocError(f"cachealloc is already enabled from {_lib_path}")
+        return _lib_path
+    if torch.cuda.is_initialized():
+        raise CacheallocError(
+            "cachealloc_torch.enable() must run before CUDA is first used in this process "
+            "(PyTorch cannot swap its allocator once CUDA is initialised): call it at the "
+            "top of the program, before creating any CUDA tensor or calling torch.cuda.init().")
+    _lib_path = so
+    lib = ctypes.CDLL(so)
+    _declare(lib)
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(so, "cachealloc_alloc", "cachealloc_free")
+    raw = alloc.allocator()
+    raw.set_init_fn(_addr(lib.cachealloc_init))
+    raw.set_reset_fn(_addr(lib.cachealloc_reset))
+    raw.set_memory_fraction_fn(_addr(lib.cachealloc_set_memory_fraction))
+    raw.set_record_stream_fn(_addr(lib.cachealloc_record_stream))
+    torch.cuda.memory.change_current_allocator(alloc)
+    _oom_exceptions = False
+    if oom_exceptions:
+        why = _install_oom_handler(torch, lib)
+        if why:
+            import warnings
+            warnings.warn("cachealloc: " + why)
+        else:
+            _oom_exceptions = True
+    _lib, _allocator = lib, alloc
+    return so
+
+
+def is_enabled():
+    """Whether enable() has installed cachealloc in this process."""
+    return _lib is not None
+
+
+def _need():
+    if _lib is None:
+        raise CacheallocError("cachealloc is not enabled: call cachealloc_torch.enable() first")
+    return _lib
+
+
+def _device(device):
+    import torch
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, torch.device):
+        return device.index if device.index is not None else torch.cuda.current_device()
+    if isinstance(device, str):
+        return _device(torch.device(device))
+    return int(device)
+
+
+def last_error():
+    """The calling thread's last cachealloc error message, or None."""
+    lib = _need()
+    p = lib.cachealloc_last_error()
+    if not p:
+        return None
+    try:
+        return ctypes.string_at(p).decode("utf-8", "replace")
+    finally:
+        lib.cachealloc_string_free(p)
+
+
+def error_count():
+    """Errors cachealloc recorded so far (all threads): bad frees, OOMs, ..."""
+    return int(_need().cachealloc_error_count())
+
+
+def _fail(what):
+    raise CacheallocError(f"{what} failed: {last_error() or 'unknown error'}")
+
+
+def _string(fn, device, what):
+    lib = _need()
+    p = fn(_device(device))
+    if not p:
+        _fail(what)
+    try:
+        return ctypes.string_at(p).decode("utf-8", "replace")
+    finally:
+        lib.cachealloc_string_free(p)
+
+
+def memory_stats(device=None):
+    """torch.cuda.memory_stats() for cachealloc: same keys (plus num_map, num_unmap, ...)."""
+    d = json.loads(_string(_need().cachealloc_stats_json, device, "memory_stats"))
+    return OrderedDict(sorted(d.items()))
+
+
+def memory_allocated(device=None):
+    return memory_stats(device)["allocated_bytes.all.current"]
+
+
+def max_memory_allocated(device=None):
+    return memory_stats(device)["allocated_bytes.all.peak"]
+
+
+def memory_reserved(device=None):
+    return memory_stats(device)["reserved_bytes.all.current"]
+
+
+def max_memory_reserved(device=None):
+    return memory_stats(device)["reserved_bytes.all.peak"]
+
+
+def reset_peak_memory_stats(device=None):
+    if _need().cachealloc_reset_peak_stats(_device(device)) != 0:
+        _fail("reset_peak_memory_stats")
+
+
+def fragmentation(device=None):
+    """The fragmentation report as text (reserved - allocated, inactive split
+    bytes, largest free block, external fragmentation, least used segments)."""
+    return _string(_need().cachealloc_fragmentation, device, "fragmentation")
+
+
+def fragmentation_stats(device=None):
+    """The fragmentation figures as a dict."""
+    return json.loads(_string(_need().cachealloc_fragmentation_json, device, "fragmentation"))
+
+
+def snapshot(device=None):
+    """Every segment and block, shaped like torch.cuda.memory._snapshot()["segments"]."""
+    return json.loads(_string(_need().cachealloc_snapshot_json, device, "snapshot"))
+
+
+def info(device=None):
+    """Configuration in force, notices (e.g. an expandable fallback), cap, device name."""
+    return json.loads(_string(_need().cachealloc_info_json, device, "info"))
+
+
+def notices(device=None):
+    """Things to know about the configuration in force (e.g. a fallback)."""
+    return info(device)["notices"]
+
+
+def empty_cache(device=None):
+    """Releases every entirely free segment; returns bytes released. With
+    device=None, every device in use (torch.cuda.empty_cache() does the same)."""
+    lib = _need()
+    devices = [_device(device)] if device is not None else info()["devices_in_use"]
+    total = 0
+    for d in devices:
+        n = lib.cachealloc_empty_cache(d)
+        if n < 0:
+            _fail(f"empty_cache(device {d})")
+        total += n
+    return total
+
+
+def record_trace(path, device=None):
+    """Starts recording the device's allocations and frees into a trace file
+    (the plain trace format; gzip if `path` ends in .gz) for `cachealloc replay`."""
+    if _need().cachealloc_record_trace_start(_device(device), os.fsencode(path)) != 0:
+        _fail("record_trace")
+
+
+def stop_trace(device=None):
+    """Stops the recording; returns the number of events written."""
+    n = _need().cachealloc_record_trace_stop(_device(device))
+    if n < 0:
+        _fail("stop_trace")
+    return n
+
+
+def _fmt_bytes(n):
+    units = ["B  ", "KiB", "MiB", "GiB", "TiB", "PiB"]
+    v, i = float(n), 0
+    while abs(v) >= 99999.5 and i + 1 < len(units):
+        v /= 1024
+        i += 1
+    return f"{v:6.0f} {units[i]}"
+
+
+def _fmt_count(n):
+    units = ["   ", "K  ", "M  ", "G  "]
+    v, i = float(n), 0
+    while abs(v) >= 99999.5 and i + 1 < len(units):
+        v /= 1000
+        i += 1
+    return f"{v:6.0f} {units[i]}"
+
+
+def memory_summary(device=None, abbreviated=False):
+    """A readable table of memory_stats(), laid out like torch.cuda.memory_summary()."""
+    d = _device(device)
+    s = memory_stats(d)
+    w = 75  # inner width: a 23-wide name column and four 12-wide value columns
+
+    def row(name, cells):
+        return "|" + f" {name:<22}" + "|" + "|".join(f" {c:>10} " for c in cells) + "|"
+
+    line = "|" + "-" * w + "|"
+    dline = "|" + "=" * w + "|"
+    out = [dline, "|" + f"cachealloc CUDA memory summary, device ID {d}".center(w) + "|", line,
+           "|" + f"CUDA OOMs: {s['num_ooms']}".center(37) + "|"
+           + f"flush-and-retry: {s['num_alloc_retries']}".center(w - 38) + "|",
+           dline,
+           "|" + "Metric".center(23) + "|"
+           + "|".join(h.center(12) for h in ("Cur Usage", "Peak Usage", "Tot Alloc", "Tot Freed"))
+           + "|"]
+    rows = [
+        ("allocated_bytes", "Allocated memory", _fmt_bytes),
+        ("active_bytes", "Active memory", _fmt_bytes),
+        ("requested_bytes", "Requested memory", _fmt_bytes),
+        ("reserved_bytes", "GPU reserved memory", _fmt_bytes),
+        ("inactive_split_bytes", "Non-releasable memory", _fmt_bytes),
+        ("allocation", "Allocations", _fmt_count),
+        ("active", "Active allocs", _fmt_count),
+        ("segment", "GPU reserved segments", _fmt_count),
+        ("inactive_split", "Non-releasable allocs", _fmt_count),
+    ]
+    pools = [("all", None)] if abbreviated else [
+        ("all", None), ("large_pool", "      from large pool"), ("small_pool", "      from small pool")]
+    fields = ("current", "peak", "allocated", "freed")
+    for key, title, fmt in rows:
+        out.append(line)
+        for pool, label in pools:
+            out.append(row(title if label is None else label,
+                           [fmt(s[f"{key}.{pool}.{f}"]) for f in fields]))
+    out.append(line)
+    for key, title in (("oversize_allocations", "Oversize allocations"),
+                       ("oversize_segments", "Oversize GPU segments")):
+        out.append(row(title, [_fmt_count(s[f"{key}.{f}"]) for f in fields]))
+    out.append(line)
+    extra = (f"device allocs {s['num_device_alloc']}, frees {s['num_device_free']}, "
+             f"syncs {s['num_sync_all_streams']}, maps {s.get('num_map', 0)}, "
+             f"unmaps {s.get('num_unmap', 0)}")
+    out.append("| " + f"{extra:<{w - 1}}" + "|")
+    out.append(dline)
+    return "\n".join(out)
