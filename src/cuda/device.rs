@@ -6,12 +6,19 @@ use cachealloc_core::{Device, DeviceError, DevicePtr, MemInfo, StreamId};
 use parking_lot::Mutex;
 use std::os::raw::c_char;
 use std::ptr;
+use std::sync::OnceLock;
 
 /// A device of the process, through its **primary context**, so that the
 /// pointers it hands out are valid for cust, PyTorch and any runtime-API
 /// code of the process (they all use the primary context).
 ///
-/// Segments come from `cuMemAlloc_v2` / `cuMemFree_v2`; events are created
+/// Segments come from `cuMemAlloc_v2` / `cuMemFree_v2`. Expandable segments
+/// use the virtual memory API: `cuMemAddressReserve`/`cuMemAddressFree` for
+/// the ranges, `cuMemCreate`/`cuMemRelease` for physical pages (pinned device
+/// memory, no shareable handle), `cuMemMap` + `cuMemSetAccess` (read/write for
+/// this device) and `cuMemUnmap`. Memory of expandable segments cannot be
+/// shared with `cudaIpcGetMemHandle`/`cuIpcGetMemHandle` (the driver refuses
+/// VMM allocations there). Events are created
 /// with `CU_EVENT_DISABLE_TIMING` and pooled (a freed block guarded by other
 /// streams costs a `cuEventRecord`, not a `cuEventCreate`). Every method may
 /// be called from any thread: it makes the primary context current on the
@@ -23,6 +30,8 @@ pub struct CudaDevice {
     ctx: ffi::CuContext,
     name: String,
     events: Mutex<Vec<CudaEvent>>,
+    /// The VMM page granularity, or why the VMM API is unusable; asked once.
+    vmm: OnceLock<Result<u64, String>>,
 }
 
 // SAFETY: the driver API is thread-safe; the context handle is only passed to
@@ -89,6 +98,7 @@ impl CudaDevice {
             ctx,
             name,
             events: Mutex::new(Vec::new()),
+            vmm: OnceLock::new(),
         })
     }
 
@@ -123,6 +133,38 @@ impl CudaDevice {
     /// Makes the primary context current for the guard's lifetime.
     pub(crate) fn enter(&self) -> Result<CtxGuard, DeviceError> {
         CtxGuard::enter(self.ctx)
+    }
+
+    /// The page granularity of the virtual memory API on this device, or why
+    /// that API cannot be used (no VMM support, or a driver error). Asked of
+    /// the driver once; [`Device::vmm_granularity`] is its `Ok` value.
+    ///
+    /// This is `CU_MEM_ALLOC_GRANULARITY_MINIMUM`, not `…_RECOMMENDED`:
+    /// the allocator's pages are its unit of recycling (small-pool pages are
+    /// exactly one granule), so the finest legal size keeps idle memory
+    /// lowest; larger pages for the large pool, where fewer map calls matter,
+    /// are chosen by `Config::expandable_page`. On H100/H200 both are 2 MiB
+    /// (`benches/gpu_vmm.rs` prints them).
+    pub fn vmm_support(&self) -> Result<u64, String> {
+        self.vmm
+            .get_or_init(|| {
+                let _ctx = self.enter().map_err(|e| e.to_string())?;
+                match driver::vmm_supported(self.ordinal) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        return Err(
+                            "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0".into(),
+                        )
+                    }
+                    Err(e) => return Err(e.to_string()),
+                }
+                match driver::allocation_granularity(self.ordinal, false) {
+                    Ok(g) if g > 0 && g.is_power_of_two() => Ok(g),
+                    Ok(g) => Err(format!("unusable allocation granularity {g}")),
+                    Err(e) => Err(e.to_string()),
+                }
+            })
+            .clone()
     }
 
     /// Events created so far and idle in the pool (for tests).
@@ -205,6 +247,50 @@ impl Device for CudaDevice {
     fn synchronize(&self) -> Result<(), DeviceError> {
         let _ctx = self.enter()?;
         driver::ctx_synchronize()
+    }
+
+    fn vmm_granularity(&self) -> Option<u64> {
+        self.vmm_support().ok()
+    }
+
+    fn vmm_reserve(&self, bytes: u64) -> Result<DevicePtr, DeviceError> {
+        let g = self
+            .vmm_granularity()
+            .ok_or(DeviceError::Unsupported("virtual memory reserve"))?;
+        let _ctx = self.enter()?;
+        driver::mem_address_reserve(bytes, g)
+    }
+
+    fn vmm_free_range(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
+        let _ctx = self.enter()?;
+        // SAFETY: the allocator frees only ranges this device reserved, whole,
+        // once, after unmapping every page in them.
+        unsafe { driver::mem_address_free(ptr, bytes) }
+    }
+
+    fn vmm_create_page(&self, bytes: u64) -> Result<u64, DeviceError> {
+        let _ctx = self.enter()?;
+        driver::mem_create(bytes, self.ordinal)
+    }
+
+    fn vmm_release_page(&self, page: u64) -> Result<(), DeviceError> {
+        let _ctx = self.enter()?;
+        // SAFETY: the allocator releases only pages this device created, once,
+        // and only unmapped ones.
+        unsafe { driver::mem_release(page) }
+    }
+
+    fn vmm_map(&self, ptr: DevicePtr, page: u64, bytes: u64) -> Result<(), DeviceError> {
+        let _ctx = self.enter()?;
+        driver::mem_map(ptr, page, bytes, self.ordinal)
+    }
+
+    fn vmm_unmap(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
+        let _ctx = self.enter()?;
+        // SAFETY: the allocator unmaps whole pages it mapped, and only after
+        // the device was synchronised with no block on them in use, so no
+        // queued work can still touch them (the trait's contract).
+        unsafe { driver::mem_unmap(ptr, bytes) }
     }
 }
 

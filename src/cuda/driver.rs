@@ -204,6 +204,178 @@ pub fn set_default_pool_release_threshold(ordinal: i32, bytes: u64) -> Result<()
     )
 }
 
+/// Whether device `ordinal` supports the virtual memory management API
+/// (`CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`).
+pub fn vmm_supported(ordinal: i32) -> Result<bool, DeviceError> {
+    let mut dev: ffi::CuDevice = 0;
+    // SAFETY: writes one CUdevice into a valid local.
+    check(
+        unsafe { ffi::cuDeviceGet(&mut dev, ordinal) },
+        "cuDeviceGet",
+    )?;
+    let mut v = 0;
+    // SAFETY: writes one int into `v`, a valid local; the attribute exists
+    // since CUDA 10.2 (older drivers answer CUDA_ERROR_INVALID_VALUE).
+    check(
+        unsafe {
+            ffi::cuDeviceGetAttribute(
+                &mut v,
+                ffi::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                dev,
+            )
+        },
+        "cuDeviceGetAttribute",
+    )?;
+    Ok(v != 0)
+}
+
+/// The allocation properties of pinned device memory on device `ordinal`,
+/// no shareable handle, no compression.
+fn device_alloc_prop(ordinal: i32) -> ffi::CuMemAllocationProp {
+    ffi::CuMemAllocationProp {
+        type_: ffi::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requested_handle_types: ffi::CU_MEM_HANDLE_TYPE_NONE,
+        location: ffi::CuMemLocation {
+            type_: ffi::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ordinal,
+        },
+        win32_handle_meta_data: ptr::null_mut(),
+        alloc_flags: ffi::CuMemAllocFlags::default(),
+    }
+}
+
+/// Physical page granularity of device `ordinal` for [`mem_create`]
+/// (`cuMemGetAllocationGranularity`): the minimum when `recommended` is
+/// false (what sizes and mapping addresses must be multiples of), else the
+/// driver's recommendation for performance. 2 MiB for both on H100/H200.
+pub fn allocation_granularity(ordinal: i32, recommended: bool) -> Result<u64, DeviceError> {
+    let prop = device_alloc_prop(ordinal);
+    let option = if recommended {
+        ffi::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    } else {
+        ffi::CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    };
+    let mut g = 0usize;
+    // SAFETY: `prop` is a fully initialised CUmemAllocationProp with the
+    // layout of cuda.h (asserted in ffi.rs); the driver reads it and writes
+    // one size_t into `g`.
+    check(
+        unsafe { ffi::cuMemGetAllocationGranularity(&mut g, &prop, option) },
+        "cuMemGetAllocationGranularity",
+    )?;
+    Ok(g as u64)
+}
+
+/// Reserves `bytes` of virtual address space aligned to `alignment`
+/// (`cuMemAddressReserve`); no memory backs it until [`mem_map`].
+pub fn mem_address_reserve(bytes: u64, alignment: u64) -> Result<DevicePtr, DeviceError> {
+    let mut p: ffi::CuDevicePtr = 0;
+    // SAFETY: writes one device pointer into `p`, a valid local; no fixed
+    // address is requested (addr 0), flags must be 0.
+    check(
+        unsafe { ffi::cuMemAddressReserve(&mut p, bytes as usize, alignment as usize, 0, 0) },
+        "cuMemAddressReserve",
+    )?;
+    Ok(DevicePtr(p))
+}
+
+/// Frees a virtual range (`cuMemAddressFree`).
+///
+/// # Safety
+/// `[ptr, ptr + bytes)` is exactly a range from [`mem_address_reserve`],
+/// freed once, with nothing mapped in it any more.
+pub unsafe fn mem_address_free(ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees the range is ours, whole and unmapped.
+    check(
+        unsafe { ffi::cuMemAddressFree(ptr.0, bytes as usize) },
+        "cuMemAddressFree",
+    )
+}
+
+/// Creates a physical allocation of `bytes` (a multiple of the granularity)
+/// on device `ordinal` (`cuMemCreate`, pinned device memory); returns its
+/// handle. `CUDA_ERROR_OUT_OF_MEMORY` is [`DeviceError::OutOfMemory`].
+pub fn mem_create(bytes: u64, ordinal: i32) -> Result<u64, DeviceError> {
+    let prop = device_alloc_prop(ordinal);
+    let mut h: ffi::CuMemHandle = 0;
+    // SAFETY: `prop` is fully initialised with cuda.h's layout; the driver
+    // writes one handle into `h`, a valid local; flags must be 0.
+    check(
+        unsafe { ffi::cuMemCreate(&mut h, bytes as usize, &prop, 0) },
+        "cuMemCreate",
+    )?;
+    Ok(h)
+}
+
+/// Releases a physical allocation (`cuMemRelease`). Its memory goes back to
+/// the driver once no mapping of it is left.
+///
+/// # Safety
+/// `handle` came from [`mem_create`] and is released once.
+pub unsafe fn mem_release(handle: u64) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees a live handle, released once.
+    check(unsafe { ffi::cuMemRelease(handle) }, "cuMemRelease")
+}
+
+/// Maps the whole of physical allocation `handle` (`bytes` long) at `ptr`
+/// (`cuMemMap`) and makes it readable and writable from device `ordinal`
+/// (`cuMemSetAccess`). If the access cannot be set, the mapping is undone.
+pub fn mem_map(ptr: DevicePtr, handle: u64, bytes: u64, ordinal: i32) -> Result<(), DeviceError> {
+    // SAFETY: maps into a reserved range; the driver validates the range,
+    // the handle, the size and that nothing is mapped there yet. Mapping
+    // makes new memory reachable and invalidates nothing.
+    check(
+        unsafe { ffi::cuMemMap(ptr.0, bytes as usize, 0, handle, 0) },
+        "cuMemMap",
+    )?;
+    let desc = ffi::CuMemAccessDesc {
+        location: ffi::CuMemLocation {
+            type_: ffi::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ordinal,
+        },
+        flags: ffi::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: one fully initialised CUmemAccessDesc, read by the driver;
+    // the range is the one just mapped.
+    let rc = unsafe { ffi::cuMemSetAccess(ptr.0, bytes as usize, &desc, 1) };
+    if let Err(e) = check(rc, "cuMemSetAccess") {
+        // SAFETY: the range was mapped just above and was never accessible,
+        // so no work can use it.
+        unsafe { ffi::cuMemUnmap(ptr.0, bytes as usize) };
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Unmaps `[ptr, ptr + bytes)` (`cuMemUnmap`); the physical allocation
+/// stays alive until released.
+///
+/// # Safety
+/// The range is exactly one or more whole mappings of [`mem_map`], and no
+/// queued or running work still accesses it (unmapping does not wait for
+/// the GPU; an access after it faults).
+pub unsafe fn mem_unmap(ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees whole mappings no work still uses.
+    check(
+        unsafe { ffi::cuMemUnmap(ptr.0, bytes as usize) },
+        "cuMemUnmap",
+    )
+}
+
+/// An IPC handle for the allocation containing `ptr` (`cuIpcGetMemHandle`),
+/// for another process to open. Works for `cuMemAlloc` memory (plain
+/// segments); the driver refuses memory of the virtual memory API
+/// (expandable segments).
+pub fn ipc_mem_handle(ptr: DevicePtr) -> Result<[u8; 64], DeviceError> {
+    let mut h = ffi::CuIpcMemHandle([0; 64]);
+    // SAFETY: the driver writes 64 bytes into `h`, a valid local, or fails.
+    check(
+        unsafe { ffi::cuIpcGetMemHandle(&mut h, ptr.0) },
+        "cuIpcGetMemHandle",
+    )?;
+    Ok(h.0)
+}
+
 /// Queues a fill of `words` 32-bit words at `ptr` with `value` on `stream`.
 ///
 /// # Safety

@@ -172,5 +172,15 @@ pub fn allocator(device: i32) -> Result<&'static CachingAllocator<CudaDevice>, C
     let config = config_from_env()?;
     let dev = CudaDevice::new(device)?;
     let alloc = CachingAllocator::new(dev, config);
+    // E.g. expandable segments requested on a driver without the VMM API:
+    // the allocator falls back to plain segments, and the user should know.
+    for notice in alloc.notices() {
+        eprintln!("cachealloc (device {device}): {notice}");
+    }
+    if alloc.config().expandable_segments && !alloc.is_expandable() {
+        if let Err(why) = alloc.device().vmm_support() {
+            eprintln!("cachealloc (device {device}): virtual memory API unusable: {why}");
+        }
+    }
     Ok(slot.get_or_init(|| alloc))
 }
