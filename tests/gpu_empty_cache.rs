@@ -1,12 +1,15 @@
 //! GPU test: `empty_cache` is real. After everything is freed (some of it
 //! still in use by a second stream), `empty_cache` gives the memory back to
 //! the driver: `cuMemGetInfo`'s free bytes return to what they were before.
+//! Runs on plain segments (`cuMemFree`) and on expandable segments (pages
+//! unmapped, `cuMemRelease`d, virtual ranges freed).
 //!
 //! Skips (with a printed reason) when there is no CUDA driver or device.
 
 use cachealloc::core::{CachingAllocator, Config, Device, DevicePtr, StreamId};
 use cachealloc::cuda::driver::{self, Stream};
 use cachealloc::cuda::CudaDevice;
+use std::sync::Mutex;
 
 fn gpu_device() -> Option<CudaDevice> {
     match driver::device_count() {
@@ -31,10 +34,23 @@ fn fill(ptr: DevicePtr, bytes: u64, stream: StreamId, v: u32) {
     unsafe { driver::memset_d32_async(ptr, v, (bytes / 4) as usize, stream) }.unwrap();
 }
 
+/// One test at a time: each compares the driver's free memory before and after.
+static SERIAL: Mutex<()> = Mutex::new(());
+
 #[test]
 fn empty_cache_returns_memory_to_the_driver() {
+    empty_cache_with(Config::default());
+}
+
+#[test]
+fn empty_cache_returns_memory_to_the_driver_expandable() {
+    empty_cache_with(Config::expandable());
+}
+
+fn empty_cache_with(config: Config) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let Some(dev) = gpu_device() else { return };
-    println!("device: {}", dev.name());
+    println!("device: {}; config {}", dev.name(), config.name);
     dev.bind_thread().unwrap();
     let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
     // Warm up everything the driver sets up lazily (memset kernels, stream
@@ -46,7 +62,26 @@ fn empty_cache_returns_memory_to_the_driver() {
     b.synchronize().unwrap();
     // SAFETY: allocated above, both streams idle.
     unsafe { driver::mem_free(warm) }.unwrap();
-    let alloc = CachingAllocator::new(dev, Config::default());
+    if let (true, Ok(g)) = (config.expandable_segments, dev.vmm_support()) {
+        // And the virtual memory API's own lazy set-up (one page, mapped and used).
+        let range = dev.vmm_reserve(64 * g).unwrap();
+        let page = dev.vmm_create_page(g).unwrap();
+        dev.vmm_map(range, page, g).unwrap();
+        fill(range, g, a.id(), 3);
+        a.synchronize().unwrap();
+        dev.vmm_unmap(range, g).unwrap();
+        dev.vmm_release_page(page).unwrap();
+        dev.vmm_free_range(range, 64 * g).unwrap();
+    }
+    let expandable = config.expandable_segments;
+    let alloc = CachingAllocator::new(dev, config);
+    if expandable && !alloc.is_expandable() {
+        println!(
+            "skipping: no expandable segments here: {:?}",
+            alloc.notices()
+        );
+        return;
+    }
     let ev = alloc.device().record_event(b.id()).unwrap();
     alloc.device().wait_event(&ev).unwrap();
     alloc.device().release_event(ev);
@@ -80,20 +115,24 @@ fn empty_cache_returns_memory_to_the_driver() {
         for p in ptrs {
             alloc.free(p).unwrap();
         }
-        let segments = alloc.stats().segment.all().current;
+        let stats = alloc.stats();
+        let segments = stats.segment.all().current;
         let released = alloc.empty_cache().unwrap();
         let after = driver::mem_info().unwrap();
         let drift = before.free.abs_diff(after.free);
         println!(
             "round {round}: reserved {} MiB in {segments} segments; driver free {} -> {} -> {} MiB; \
-             empty_cache released {} MiB in {} segments; drift {} KiB",
+             empty_cache released {} MiB in {} segments; drift {} KiB \
+             ({} pages created, {} maps so far)",
             usage.reserved / MIB,
             before.free / MIB,
             during.free / MIB,
             after.free / MIB,
             released.bytes / MIB,
             released.segments,
-            drift / 1024
+            drift / 1024,
+            stats.num_page_create,
+            stats.num_map,
         );
         assert!(
             before.free.saturating_sub(during.free) + TOLERANCE >= usage.reserved,

@@ -4,6 +4,10 @@
 //! Zero mismatches means no two live allocations overlap and no memory was
 //! handed out while a stream could still write to it.
 //!
+//! It runs twice: on plain segments (`Config::default()`) and on expandable
+//! segments (`Config::expandable()`, CUDA virtual memory API), where pages are
+//! also unmapped and re-mapped elsewhere during the run.
+//!
 //! Skips (with a printed reason) when there is no CUDA driver or device.
 
 use cachealloc::core::{CachingAllocator, Config, DevicePtr, StreamId};
@@ -55,12 +59,29 @@ struct Live {
 
 #[test]
 fn pattern_two_streams() {
+    pattern_two_streams_with(Config::default());
+}
+
+#[test]
+fn pattern_two_streams_expandable() {
+    pattern_two_streams_with(Config::expandable());
+}
+
+fn pattern_two_streams_with(config: Config) {
     let Some(dev) = gpu_device() else { return };
-    println!("device: {}", dev.name());
+    println!("device: {}; config {}", dev.name(), config.name);
     dev.bind_thread().unwrap();
     let streams = [Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap()];
     let ids = [streams[0].id(), streams[1].id()];
-    let alloc = CachingAllocator::new(dev, Config::default());
+    let expandable = config.expandable_segments;
+    let alloc = CachingAllocator::new(dev, config);
+    if expandable && !alloc.is_expandable() {
+        println!(
+            "skipping: no expandable segments here: {:?}",
+            alloc.notices()
+        );
+        return;
+    }
 
     const OPS: usize = 20_000;
     const CHECK_EVERY: usize = 1_000;
@@ -161,9 +182,16 @@ fn pattern_two_streams() {
     println!(
         "pattern: {OPS} ops ({allocs} allocs, {frees} frees, {cross} used by both streams), \
          {checks} checks, {:.2} GiB verified, {mismatches} mismatching words; \
-         {} device allocs, {} segments released at the end, {} events pooled",
+         {} device allocs, {} pages created, {} maps, {} unmaps during the run \
+         ({} with empty_cache), {} device syncs; \
+         {} segments released at the end, {} events pooled",
         verified_bytes as f64 / (1u64 << 30) as f64,
         stats.num_device_alloc,
+        stats.num_page_create,
+        stats.num_map,
+        stats.num_unmap,
+        alloc.stats().num_unmap,
+        stats.num_sync_all_streams,
         released.segments,
         alloc.device().pooled_events(),
     );
@@ -173,4 +201,8 @@ fn pattern_two_streams() {
     );
     assert_eq!(alloc.usage().reserved, 0, "empty_cache released everything");
     assert!(cross > 0 && checks >= 20);
+    if expandable {
+        assert_eq!(stats.num_device_alloc, 0, "no plain segment");
+        assert!(stats.num_map > 0, "pages were mapped");
+    }
 }

@@ -1,6 +1,8 @@
 //! GPU stream-safety tests: memory used by a second stream is not handed
 //! out again before that stream's work completed; `CachedBuffer` copies;
 //! pooled events; calls from threads that never made a context current.
+//! The cross-stream test and the threads test run on plain segments and on
+//! expandable segments (`Config::expandable()`, CUDA virtual memory API).
 //!
 //! Skips (with a printed reason) when there is no CUDA driver or device.
 
@@ -50,19 +52,52 @@ fn all_equal(ptr: cachealloc::DevicePtr, bytes: u64, stream: StreamId, want: u32
     got.iter().filter(|&&w| w != want).count()
 }
 
+/// The allocator under test, or `None` (with a printed reason) where the
+/// configuration asks for expandable segments and the device has no VMM API.
+fn allocator_with(dev: CudaDevice, config: Config) -> Option<CachingAllocator<CudaDevice>> {
+    let expandable = config.expandable_segments;
+    let alloc = CachingAllocator::new(dev, config);
+    if expandable && !alloc.is_expandable() {
+        println!(
+            "skipping: no expandable segments here: {:?}",
+            alloc.notices()
+        );
+        return None;
+    }
+    Some(alloc)
+}
+
 #[test]
 fn cross_stream_block_not_reused_before_work_completes() {
+    cross_stream_with(Config::default());
+}
+
+#[test]
+fn cross_stream_block_not_reused_before_work_completes_expandable() {
+    cross_stream_with(Config::expandable());
+}
+
+fn cross_stream_with(config: Config) {
     let _serial = serial();
     let Some(dev) = gpu_device() else { return };
-    println!("device: {}", dev.name());
+    println!("device: {}; config {}", dev.name(), config.name);
     dev.bind_thread().unwrap();
     let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
-    let alloc = CachingAllocator::new(dev, Config::default());
+    let Some(alloc) = allocator_with(dev, config) else {
+        return;
+    };
     let size = 256 * MIB;
 
     let x = alloc.malloc(size, a.id()).unwrap();
     // SAFETY: x is ours, used by stream a only so far.
     unsafe { driver::memset_d32_async(x, 0x1111_1111, (size / 4) as usize, a.id()) }.unwrap();
+    // Ballast: a second block of the same size, freed at once. Its memory
+    // stays cached (a segment, or mapped pages), so the next request is
+    // served without growing. Otherwise expandable segments would grow past
+    // the peak and first run a recycling round, which synchronises the
+    // device and would end stream b's work before the check below.
+    let ballast = alloc.malloc(size, a.id()).unwrap();
+    alloc.free(ballast).unwrap();
     a.synchronize().unwrap();
 
     // Long work on stream b over x (about 0.5 TB of writes), then free x on a.
@@ -113,6 +148,11 @@ fn cross_stream_block_not_reused_before_work_completes() {
     alloc.free(y).unwrap();
     alloc.free(z).unwrap();
     alloc.check_invariants().unwrap();
+    assert_eq!(
+        alloc.stats().num_sync_all_streams,
+        0,
+        "no device-wide wait: the safety came from the events"
+    );
 
     // The same through CachedBuffer (needs a 'static allocator).
     let alloc: &'static CachingAllocator<CudaDevice> = Box::leak(Box::new(alloc));
@@ -136,8 +176,13 @@ fn cross_stream_block_not_reused_before_work_completes() {
     buf3.copy_to_host(&mut host).unwrap();
     assert!(host.iter().all(|&w| w == 0));
     drop((buf2, buf3));
+    let stats = alloc.stats();
     alloc.empty_cache().unwrap();
     assert_eq!(alloc.usage().reserved, 0);
+    println!(
+        "{} device allocs, {} pages created, {} maps, {} unmaps",
+        stats.num_device_alloc, stats.num_page_create, stats.num_map, stats.num_unmap
+    );
 }
 
 #[test]
@@ -215,11 +260,23 @@ fn cached_buffer_roundtrip_through_the_registry() {
 
 #[test]
 fn calls_from_threads_without_a_current_context() {
+    calls_from_threads_with(Config::default());
+}
+
+#[test]
+fn calls_from_threads_without_a_current_context_expandable() {
+    calls_from_threads_with(Config::expandable());
+}
+
+fn calls_from_threads_with(config: Config) {
     let _serial = serial();
     let Some(dev) = gpu_device() else { return };
-    // Deliberately no bind_thread anywhere: every driver call must set the
-    // primary context itself.
-    let alloc = CachingAllocator::new(dev, Config::default());
+    // Deliberately no bind_thread anywhere: every driver call (the VMM ones
+    // of expandable segments included) must set the primary context itself.
+    let expandable = config.expandable_segments;
+    let Some(alloc) = allocator_with(dev, config) else {
+        return;
+    };
     std::thread::scope(|sc| {
         for t in 0..8u64 {
             let alloc = &alloc;
@@ -236,12 +293,19 @@ fn calls_from_threads_without_a_current_context() {
     let info = alloc.device().mem_info().unwrap();
     let released = alloc.empty_cache().unwrap();
     println!(
-        "threads: released {} segments ({} MiB); device {} MiB free of {} MiB",
+        "threads ({}): released {} segments ({} MiB); device {} MiB free of {} MiB",
+        alloc.config().name,
         released.segments,
         released.bytes / MIB,
         info.free / MIB,
         info.total / MIB
     );
-    assert!(released.segments >= 10);
+    if expandable {
+        // One virtual range (one stream, large pool), its pages all released.
+        assert_eq!(released.segments, 1);
+        assert!(released.bytes >= 30 * MIB);
+    } else {
+        assert!(released.segments >= 10);
+    }
     assert_eq!(alloc.usage().reserved, 0);
 }
