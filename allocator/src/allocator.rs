@@ -557,6 +557,7 @@ impl<E> State<E> {
         let tracked = !self.segments.get(segment.0).is_expandable();
         let kind = pool.kind();
         let remaining = size - rounded;
+        self.blocks.get_mut(id.0).state = BlockState::Allocated;
         let final_size = if self.should_split(kind, rounded, remaining) {
             let gc_base = self.lookups[pool.index()];
             let rest = BlockId(self.blocks.insert(Block {
@@ -571,7 +572,9 @@ impl<E> State<E> {
             let b = self.blocks.get_mut(id.0);
             b.next = Some(rest);
             b.size = rounded;
-            self.bins_mut(pool).insert(remaining, addr + rounded, rest);
+            // In an expandable segment a recycling round may have freed the
+            // next block while this one was being mapped: merge with it.
+            self.merge_into_bins(rest);
             if !tracked {
             } else if already_split {
                 self.stats.inactive_split_bytes.decrease(kind, rounded);

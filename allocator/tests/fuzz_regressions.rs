@@ -71,7 +71,7 @@ fn expandable_failed_mapping_merges_neighbours_freed_meanwhile() {
 /// picked block is split: its free remainder goes into the bins without
 /// merging with that neighbour. Two free neighbours stay unmerged.
 #[test]
-#[ignore = "bug: expandable split remainder is not merged with a neighbour freed by the recycling round of the same malloc"]
+
 fn expandable_split_remainder_merges_neighbour_freed_meanwhile() {
     let dev = SimulatedDevice::new(6 * MIB);
     let alloc = CachingAllocator::new(dev.clone(), Config::expandable());
