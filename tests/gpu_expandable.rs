@@ -61,9 +61,12 @@ fn mismatches(ptr: DevicePtr, bytes: u64, s: StreamId, v: u32) -> usize {
     got.iter().filter(|&&w| w != v).count()
 }
 
+/// `config` under a cap, with 2 MiB pages in every pool (the arithmetic of
+/// these tests counts 2 MiB pages; the preset's large-pool pages are 8 MiB).
 fn capped(config: Config, cap: u64) -> Config {
     Config {
         memory_cap: Some(MemoryCap::Bytes(cap)),
+        expandable_page: 2 * MIB,
         ..config
     }
 }

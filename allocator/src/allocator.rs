@@ -13,6 +13,7 @@ use crate::config::{Config, MemoryCap, ReleaseOrder};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::{AllocError, OomReport};
 use crate::fasthash::FastMap;
+use crate::pages::PageMap;
 use crate::report::{BlockSnapshot, FragmentationReport, SegmentSnapshot, SegmentUse, Snapshot};
 use crate::rounding::round_size;
 use crate::stats::MemoryStats;
@@ -521,7 +522,7 @@ impl<E> State<E> {
             stream,
             pool,
             head: BlockId(u32::MAX),
-            pages: page_size.map(|_| BTreeMap::new()),
+            pages: page_size.map(|_| PageMap::default()),
             page_size: page_size.unwrap_or(0),
         }));
         let head = BlockId(

@@ -5,7 +5,7 @@
 //! without any lookup. Ids are slab indices, distinct types from addresses.
 
 use crate::device::StreamId;
-use std::collections::BTreeMap;
+use crate::pages::PageMap;
 
 /// Index of a block record in the allocator's block slab.
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
@@ -133,7 +133,7 @@ pub(crate) struct Segment {
     /// The lowest block of the segment.
     pub head: BlockId,
     /// For an expandable segment: its mapped pages, page index → physical page handle.
-    pub pages: Option<BTreeMap<u32, u64>>,
+    pub pages: Option<PageMap>,
     /// For an expandable segment: the bytes of each page (0 for a plain segment).
     pub page_size: u64,
 }

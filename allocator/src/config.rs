@@ -131,7 +131,7 @@ impl Config {
             release_min_idle: 0,
             idle_slack: 0.01,
             recycle_batch: 0.05,
-            expandable_page: 2 * MIB,
+            expandable_page: 8 * MIB,
             expandable_segments: false,
         }
     }

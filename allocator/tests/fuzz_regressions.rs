@@ -74,7 +74,12 @@ fn expandable_failed_mapping_merges_neighbours_freed_meanwhile() {
 
 fn expandable_split_remainder_merges_neighbour_freed_meanwhile() {
     let dev = SimulatedDevice::new(6 * MIB);
-    let alloc = CachingAllocator::new(dev.clone(), Config::expandable());
+    // 2 MiB pages in every pool (the preset's large-pool pages are 8 MiB).
+    let config = Config {
+        expandable_page: 2 * MIB,
+        ..Config::expandable()
+    };
+    let alloc = CachingAllocator::new(dev.clone(), config);
     // Three 2 MiB blocks tile the first 6 MiB of stream 0's large range.
     let a = alloc.malloc(2 * MIB, S0).unwrap();
     let x = alloc.malloc(2 * MIB, S0).unwrap();

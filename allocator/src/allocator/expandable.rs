@@ -136,7 +136,7 @@ impl<E> State<E> {
             let pages = s.pages.as_ref().expect("expandable");
             let first = ((start - base) / ps) as u32;
             let last = ((end - 1 - base) / ps) as u32;
-            (first..=last).filter(|p| !pages.contains_key(p)).collect()
+            pages.missing(first, last)
         };
         if missing.is_empty() {
             return Ok(());
@@ -352,7 +352,7 @@ impl<E> State<E> {
                 .pages
                 .as_mut()
                 .expect("expandable")
-                .remove(&p)
+                .remove(p)
                 .expect("page was mapped");
             self.page_pool.push((h, s.pool.kind(), ps));
             self.stats.num_unmap += 1;
@@ -420,7 +420,7 @@ impl<E> State<E> {
         let first = ((start - seg.addr) / ps) as u32;
         let last = ((end - 1 - seg.addr) / ps) as u32;
         pages
-            .range(first..=last)
+            .range(first..last + 1)
             .map(|(&p, _)| {
                 let lo = (seg.addr + u64::from(p) * ps).max(start);
                 let hi = (seg.addr + u64::from(p + 1) * ps).min(end);

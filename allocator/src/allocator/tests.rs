@@ -508,9 +508,36 @@ mod expandable {
 
     const PAGE: u64 = 2 * MIB;
 
+    /// The expandable preset with 2 MiB pages in every pool (the arithmetic below counts pages).
+    fn small_pages() -> Config {
+        Config {
+            expandable_page: PAGE,
+            ..Config::expandable()
+        }
+    }
+
+    #[test]
+    fn large_pool_pages_are_the_configured_multiple() {
+        let (dev, a) = new(Config::expandable());
+        a.malloc(3 * MIB, S0).unwrap();
+        assert_eq!(
+            a.usage().reserved,
+            8 * MIB,
+            "one 8 MiB page in the large pool"
+        );
+        a.malloc(512 * 1024, S0).unwrap();
+        assert_eq!(
+            a.usage().reserved,
+            10 * MIB,
+            "the small pool maps 2 MiB pages"
+        );
+        assert_eq!(dev.counters().vmm_creates, 2);
+        ok(&a);
+    }
+
     #[test]
     fn pages_are_mapped_under_blocks_only() {
-        let (dev, a) = new(Config::expandable());
+        let (dev, a) = new(small_pages());
         assert!(a.is_expandable());
         let p = a.malloc(5 * MIB / 2, S0).unwrap();
         assert_eq!(
@@ -552,7 +579,7 @@ mod expandable {
 
     #[test]
     fn idle_pages_move_instead_of_growing_past_the_peak() {
-        let (dev, a) = new(Config::expandable());
+        let (dev, a) = new(small_pages());
         let x = a.malloc(10 * MIB, S0).unwrap();
         let y = a.malloc(10 * MIB, S0).unwrap();
         a.free(x).unwrap();
@@ -577,7 +604,7 @@ mod expandable {
 
     #[test]
     fn cap_recycles_then_fails_with_a_report() {
-        let (_, a) = new(Config::expandable());
+        let (_, a) = new(small_pages());
         a.set_memory_cap(Some(MemoryCap::Bytes(16 * MIB))).unwrap();
         let x = a.malloc(8 * MIB, S0).unwrap();
         let _y = a.malloc(8 * MIB, S0).unwrap();
@@ -608,7 +635,7 @@ mod expandable {
     #[test]
     fn device_full_recycles_idle_pages_of_other_pools() {
         let dev = SimulatedDevice::new(8 * MIB);
-        let a = CachingAllocator::new(dev.clone(), Config::expandable());
+        let a = CachingAllocator::new(dev.clone(), small_pages());
         let small = a.malloc(512 * 1024, S0).unwrap(); // small pool: one page
         let large = a.malloc(6 * MIB, S0).unwrap(); // large pool: three pages
         a.free(small).unwrap();
@@ -623,7 +650,7 @@ mod expandable {
     #[test]
     fn pages_of_blocks_awaiting_events_are_not_recycled() {
         let dev = SimulatedDevice::new(4 * MIB);
-        let a = CachingAllocator::new(dev.clone(), Config::expandable());
+        let a = CachingAllocator::new(dev.clone(), small_pages());
         let p = a.malloc(4 * MIB, S0).unwrap();
         a.record_stream(p, S1).unwrap();
         a.free(p).unwrap();
@@ -681,7 +708,7 @@ mod expandable {
 
     #[test]
     fn snapshot_and_report_count_mapped_bytes_only() {
-        let (_, a) = new(Config::expandable());
+        let (_, a) = new(small_pages());
         let _p = a.malloc(3 * MIB, S0).unwrap();
         let snap = a.snapshot();
         assert_eq!(snap.segments.len(), 1);
