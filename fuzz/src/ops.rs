@@ -38,7 +38,8 @@ pub fn model_covers(config: &Config) -> bool {
 }
 
 /// Whether to judge by the strict contract (`CACHEALLOC_FUZZ_STRICT=1`):
-/// no known bug tolerated, neither by the model nor by [`run_unmodelled`].
+/// no known bug tolerated by the model (nor by [`run_unmodelled`], should
+/// it ever need to tolerate one).
 pub fn strict() -> bool {
     static STRICT: OnceLock<bool> = OnceLock::new();
     *STRICT.get_or_init(|| std::env::var_os("CACHEALLOC_FUZZ_STRICT").is_some_and(|v| v == "1"))
@@ -87,18 +88,6 @@ pub fn run_setup(setup: &Setup, ops: &[Op]) -> Result<(), String> {
     }
 }
 
-/// Known bug of expandable segments (`allocator/tests/fuzz_regressions.rs`,
-/// `expandable_split_remainder_merges_neighbour_freed_meanwhile`): a block
-/// freed by the recycling round of a malloc (its events completed) cannot
-/// merge with the block being carved, which is out of the bins meanwhile;
-/// the free remainder of the carved block then sits next to it unmerged.
-/// (The same with a failed mapping is fixed.) Tolerated (the run stops there)
-/// when the op ran a recycling round (`num_sync_all_streams` went up),
-/// unless `CACHEALLOC_FUZZ_STRICT=1`; delete this once the bug is fixed.
-fn known_expandable_unmerged(error: &str, syncs_before: u64, syncs_after: u64) -> bool {
-    !strict() && syncs_after > syncs_before && error.starts_with("free neighbours left unmerged")
-}
-
 struct Live {
     size: u64,
     span: u64,
@@ -128,7 +117,6 @@ pub fn run_unmodelled(setup: &Setup, ops: &[Op]) -> Result<(), String> {
             "{what} returned {other:?}, expected a misuse error"
         )),
     };
-    let mut syncs = 0;
     for (i, op) in ops.iter().enumerate() {
         let step = |e: String| format!("step {i} {op:?}: {e}\nops: {ops:?}");
         match *op {
@@ -245,13 +233,9 @@ pub fn run_unmodelled(setup: &Setup, ops: &[Op]) -> Result<(), String> {
             Op::FailAbove(limit) => dev.fail_allocations_above(limit),
             Op::ResetPeak => alloc.reset_peak_stats(),
         }
-        if let Err(e) = alloc.check_invariants() {
-            if known_expandable_unmerged(&e, syncs, alloc.stats().num_sync_all_streams) {
-                return Ok(()); // a known bug: nothing more to learn from this input
-            }
-            return Err(step(format!("check_invariants: {e}")));
-        }
-        syncs = alloc.stats().num_sync_all_streams;
+        alloc
+            .check_invariants()
+            .map_err(|e| step(format!("check_invariants: {e}")))?;
     }
     // Leak check: free everything, empty the cache, nothing may be left.
     for a in order {
