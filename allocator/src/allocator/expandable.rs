@@ -25,9 +25,20 @@ use crate::error::AllocError;
 /// Largest virtual range reserved per (stream, pool): 1 TiB.
 const MAX_RANGE: u64 = 1 << 40;
 
+/// Virtual bytes reserved per expandable segment, per byte of device memory.
+/// Address space is cheap and holes in it cost no memory once their pages
+/// move, but a range only as large as the device would run out of address
+/// space before the device runs out of memory.
+const RANGE_PER_DEVICE_BYTE: u64 = 4;
+
 /// The size of the virtual range of each expandable segment on a device of `total` bytes.
 pub(super) fn range_size(total: u64, page: u64) -> u64 {
-    total.min(MAX_RANGE).div_ceil(page).max(1) * page
+    total
+        .saturating_mul(RANGE_PER_DEVICE_BYTE)
+        .min(MAX_RANGE)
+        .div_ceil(page)
+        .max(1)
+        * page
 }
 
 /// A physical page in hand while a block's pages are gathered.

@@ -722,3 +722,26 @@ mod expandable {
         assert_eq!(a.stats().inactive_split_bytes.all().current, 0);
     }
 }
+
+#[test]
+fn expandable_range_outgrows_the_device_so_holes_do_not_exhaust_address_space() {
+    // 64 MiB device; 2 MiB pages. Fill it with 2 MiB blocks, free every
+    // other one: 32 MiB of memory is idle but scattered in 2 MiB holes. A
+    // 30 MiB block needs contiguous *address space* only: the range is
+    // larger than the device, so it fits after the live blocks and takes
+    // the idle pages.
+    let dev = SimulatedDevice::new(64 * MIB);
+    let config = Config {
+        expandable_page: 2 * MIB,
+        ..Config::expandable()
+    };
+    let a = CachingAllocator::new(dev.clone(), config);
+    let blocks: Vec<DevicePtr> = (0..32).map(|_| a.malloc(2 * MIB, S0).unwrap()).collect();
+    for p in blocks.iter().step_by(2) {
+        a.free(*p).unwrap();
+    }
+    let big = a.malloc(30 * MIB, S0).unwrap();
+    assert!(big.0 >= blocks[31].0 + 2 * MIB);
+    assert!(dev.used() <= 64 * MIB);
+    ok(&a);
+}
