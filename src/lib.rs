@@ -7,8 +7,8 @@
 
 pub use cachealloc_core as core;
 pub use cachealloc_core::{
-    AllocError, CachingAllocator, Config, Device, DevicePtr, FragmentationReport, MemoryCap, MemoryStats, Released,
-    SimulatedDevice, Snapshot, StreamId,
+    AllocError, CachingAllocator, Config, Device, DevicePtr, FragmentationReport, MemoryCap,
+    MemoryStats, Released, SimulatedDevice, Snapshot, StreamId,
 };
 
 pub mod trace_file;
