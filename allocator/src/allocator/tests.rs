@@ -654,12 +654,27 @@ mod expandable {
         let p = a.malloc(4 * MIB, S0).unwrap();
         a.record_stream(p, S1).unwrap();
         a.free(p).unwrap();
-        // The only pages belong to a block stream 1 may still use; the ladder
-        // waits for its event (a retry), and only then reuses them.
+        // The only pages belong to a block stream 1 may still use: the new
+        // block goes elsewhere in the range, and its pages come from p's only
+        // after a recycling round waited for the device (and so for stream 1).
+        let events = dev.pending_events();
+        assert_eq!(events.len(), 1);
         let q = a.malloc(4 * MIB, S0).unwrap();
-        assert_eq!(q, p);
-        assert_eq!(a.stats().num_alloc_retries, 1);
-        assert!(dev.pending_events().is_empty());
+        assert_ne!(
+            q, p,
+            "p's block was still awaiting its event when q was placed"
+        );
+        assert!(
+            dev.pending_events().is_empty(),
+            "the event completed before p's pages moved"
+        );
+        assert_eq!(a.stats().num_sync_all_streams, 1);
+        assert_eq!(
+            dev.counters().vmm_creates,
+            2,
+            "no page beyond the device: p's two pages moved"
+        );
+        assert_eq!(a.stats().num_unmap, 2);
         ok(&a);
     }
 
