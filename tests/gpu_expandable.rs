@@ -19,25 +19,14 @@ use cachealloc::cuda::driver::{self, Stream};
 use cachealloc::cuda::CudaDevice;
 use std::sync::{Mutex, MutexGuard};
 
+/// Device 0 if it has the virtual memory API; otherwise says why and skips.
 fn gpu_device() -> Option<CudaDevice> {
-    match driver::device_count() {
-        Err(e) => {
-            println!("skipping: no usable CUDA driver ({e})");
+    let dev = cachealloc::cuda::first_device_or_skip()?;
+    match dev.vmm_support() {
+        Ok(_) => Some(dev),
+        Err(why) => {
+            println!("skipping: no virtual memory API on this device ({why})");
             None
-        }
-        Ok(0) => {
-            println!("skipping: the CUDA driver sees no device");
-            None
-        }
-        Ok(_) => {
-            let dev = CudaDevice::new(0).expect("device 0");
-            match dev.vmm_support() {
-                Ok(_) => Some(dev),
-                Err(why) => {
-                    println!("skipping: no virtual memory API on this device ({why})");
-                    None
-                }
-            }
         }
     }
 }

@@ -12,22 +12,9 @@
 
 use cachealloc::core::{CachingAllocator, Config, DevicePtr, StreamId};
 use cachealloc::cuda::driver::{self, Stream};
-use cachealloc::cuda::CudaDevice;
 use std::collections::BTreeMap;
 
-fn gpu_device() -> Option<CudaDevice> {
-    match driver::device_count() {
-        Err(e) => {
-            println!("skipping: no usable CUDA driver ({e})");
-            None
-        }
-        Ok(0) => {
-            println!("skipping: the CUDA driver sees no device");
-            None
-        }
-        Ok(_) => Some(CudaDevice::new(0).expect("device 0")),
-    }
-}
+use cachealloc::cuda::first_device_or_skip as gpu_device;
 
 /// splitmix64: small, deterministic, good enough for test sequences.
 struct Rng(u64);

@@ -12,19 +12,7 @@ use cachealloc::cuda::{self, CachedBuffer, CudaDevice, CudaError};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
-fn gpu_device() -> Option<CudaDevice> {
-    match driver::device_count() {
-        Err(e) => {
-            println!("skipping: no usable CUDA driver ({e})");
-            None
-        }
-        Ok(0) => {
-            println!("skipping: the CUDA driver sees no device");
-            None
-        }
-        Ok(_) => Some(CudaDevice::new(0).expect("device 0")),
-    }
-}
+use cachealloc::cuda::first_device_or_skip as gpu_device;
 
 const MIB: u64 = 1 << 20;
 

@@ -184,3 +184,20 @@ pub fn allocator(device: i32) -> Result<&'static CachingAllocator<CudaDevice>, C
     }
     Ok(slot.get_or_init(|| alloc))
 }
+
+/// Device 0, for tests, examples and benchmarks that need a GPU: `None`,
+/// with the reason printed, when there is no usable CUDA driver or no device,
+/// so that they skip instead of failing on machines without a GPU.
+pub fn first_device_or_skip() -> Option<CudaDevice> {
+    match driver::device_count() {
+        Err(e) => {
+            println!("skipping: no usable CUDA driver ({e})");
+            None
+        }
+        Ok(0) => {
+            println!("skipping: the CUDA driver sees no device");
+            None
+        }
+        Ok(_) => Some(CudaDevice::new(0).expect("device 0")),
+    }
+}
