@@ -1,7 +1,9 @@
 //! `cachealloc compare`: traces × configurations, one table.
 
 use super::format::{grouped, record, size, trace_name, Align, Table};
-use super::{configs_or, jobs, report_error, threads, CliError, CompareArgs, ConfigArg};
+use super::{
+    configs_or, jobs, report_error, threads, trace_config_jobs, CliError, CompareArgs, ConfigArg,
+};
 use cachealloc::core::replay::{ReplayOptions, ReplayResult};
 use cachealloc::trace_file::{replay_file_with_progress, FileError};
 use serde_json::Value;
@@ -13,24 +15,8 @@ const DEFAULT_CONFIGS: &[&str] = &["pytorch", "default", "expandable", "no-cachi
 
 pub fn run(args: CompareArgs) -> Result<(), CliError> {
     let configs = configs_or(args.configs, DEFAULT_CONFIGS);
-    let jobs: Vec<(&PathBuf, &ConfigArg)> = args
-        .traces
-        .iter()
-        .flat_map(|t| configs.iter().map(move |c| (t, c)))
-        .collect();
+    let (jobs, trace_width, config_width) = trace_config_jobs(&args.traces, &configs);
     let capacity = args.capacity;
-
-    let trace_width = args
-        .traces
-        .iter()
-        .map(|t| trace_name(t).chars().count())
-        .max()
-        .unwrap_or(5);
-    let config_width = configs
-        .iter()
-        .map(|c| c.label.chars().count())
-        .max()
-        .unwrap_or(6);
     let table = Table::new(&[
         ("trace", trace_width, Align::Left),
         ("config", config_width, Align::Left),

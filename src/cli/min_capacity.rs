@@ -2,7 +2,10 @@
 //! runs to the end without out-of-memory, by bisection on the capacity.
 
 use super::format::{gib, grouped, record, size, trace_name, Align, Table};
-use super::{configs_or, jobs, report_error, threads, CliError, ConfigArg, MinCapacityArgs};
+use super::{
+    configs_or, jobs, report_error, threads, trace_config_jobs, CliError, ConfigArg,
+    MinCapacityArgs,
+};
 use cachealloc::core::replay::{ReplayOptions, ReplayResult};
 use cachealloc::trace_file::replay_file_with_progress;
 use serde_json::{json, Value};
@@ -153,23 +156,7 @@ pub fn bisect<E>(
 
 pub fn run(args: MinCapacityArgs) -> Result<(), CliError> {
     let configs = configs_or(args.configs, DEFAULT_CONFIGS);
-    let jobs: Vec<(&PathBuf, &ConfigArg)> = args
-        .traces
-        .iter()
-        .flat_map(|t| configs.iter().map(move |c| (t, c)))
-        .collect();
-
-    let trace_width = args
-        .traces
-        .iter()
-        .map(|t| trace_name(t).chars().count())
-        .max()
-        .unwrap_or(5);
-    let config_width = configs
-        .iter()
-        .map(|c| c.label.chars().count())
-        .max()
-        .unwrap_or(6);
+    let (jobs, trace_width, config_width) = trace_config_jobs(&args.traces, &configs);
     let table = Table::new(&[
         ("trace", trace_width, Align::Left),
         ("config", config_width, Align::Left),

@@ -206,6 +206,29 @@ fn configs_or(given: Vec<ConfigArg>, defaults: &[&str]) -> Vec<ConfigArg> {
     }
 }
 
+/// Every (trace, configuration) pair, traces outermost, with the widths of
+/// the trace and configuration columns of a table listing them.
+fn trace_config_jobs<'a>(
+    traces: &'a [PathBuf],
+    configs: &'a [ConfigArg],
+) -> (Vec<(&'a PathBuf, &'a ConfigArg)>, usize, usize) {
+    let jobs = traces
+        .iter()
+        .flat_map(|t| configs.iter().map(move |c| (t, c)))
+        .collect();
+    let trace_width = traces
+        .iter()
+        .map(|t| format::trace_name(t).chars().count())
+        .max()
+        .unwrap_or(5);
+    let config_width = configs
+        .iter()
+        .map(|c| c.label.chars().count())
+        .max()
+        .unwrap_or(6);
+    (jobs, trace_width, config_width)
+}
+
 /// How many worker threads to use for `jobs` jobs.
 fn threads(requested: Option<u32>, jobs: usize) -> usize {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
