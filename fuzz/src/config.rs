@@ -84,12 +84,16 @@ pub fn check(data: &[u8]) {
     assert_eq!(back.to_conf_string(), conf, "to_conf_string is not stable");
 
     // The model's final check serves one small request on the emptied
-    // allocator, so every segment size must fit the device: a device of
-    // 1 GiB, or four of the largest fixed segment where that is larger (the
-    // simulated address space holds about 127 TiB). A configuration whose
+    // allocator, so every segment (and expandable page) size must fit the
+    // device: a device of 1 GiB, or four of the largest fixed segment or
+    // page where that is larger (the simulated address space holds about
+    // 127 TiB). A configuration whose
     // segments fit no device only ever answers out-of-memory, a path the
     // `ops` target covers.
-    let largest = config.small_segment.max(config.medium_segment);
+    let mut largest = config.small_segment.max(config.medium_segment);
+    if config.expandable_segments {
+        largest = largest.max(config.expandable_page);
+    }
     if largest > 16 << 40 {
         return;
     }
