@@ -17,24 +17,125 @@ use crate::stats::MemoryStats;
 use crate::trace::{TraceError, TraceEvent};
 use std::time::Instant;
 
-/// One point of the memory timeline.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct TimelinePoint {
-    /// Index of the event after which the values were taken.
-    pub event: u64,
-    /// Allocated bytes.
-    pub allocated: u64,
-    /// Reserved bytes.
-    pub reserved: u64,
-    /// Requested bytes.
-    pub requested: u64,
+/// Allocated, reserved and requested bytes over a replay, as `(event, bytes)`
+/// points: for every bucket of consecutive events, the lowest and the highest
+/// value with the events they occurred at, so a plot shows every spike.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Timeline {
+    /// Bytes allocated to callers.
+    pub allocated: Vec<(u64, u64)>,
+    /// Bytes held from the device.
+    pub reserved: Vec<(u64, u64)>,
+    /// Bytes callers asked for.
+    pub requested: Vec<(u64, u64)>,
+}
+
+/// The lowest and highest (event, value) of one series within a bucket.
+#[derive(Copy, Clone, Debug)]
+struct Extremes {
+    min: (u64, u64),
+    max: (u64, u64),
+}
+
+impl Extremes {
+    fn new(event: u64, value: u64) -> Self {
+        Extremes {
+            min: (event, value),
+            max: (event, value),
+        }
+    }
+
+    fn add(&mut self, event: u64, value: u64) {
+        if value < self.min.1 {
+            self.min = (event, value);
+        }
+        if value > self.max.1 {
+            self.max = (event, value);
+        }
+    }
+
+    fn merge(&mut self, other: &Extremes) {
+        self.add(other.min.0, other.min.1);
+        self.add(other.max.0, other.max.1);
+    }
+
+    /// The one or two points, in the order they happened.
+    fn push_to(&self, out: &mut Vec<(u64, u64)>) {
+        let (a, b) = if self.min.0 <= self.max.0 {
+            (self.min, self.max)
+        } else {
+            (self.max, self.min)
+        };
+        out.push(a);
+        if b.0 != a.0 {
+            out.push(b);
+        }
+    }
+}
+
+/// Buckets of aligned runs of events; when there are too many, neighbours
+/// merge and the bucket length doubles, so memory stays bounded on a
+/// stream of unknown length.
+struct TimelineBuilder {
+    buckets: Vec<[Extremes; 3]>,
+    len: u64,
+    keep: usize,
+}
+
+impl TimelineBuilder {
+    fn new(keep: usize) -> Self {
+        TimelineBuilder {
+            buckets: Vec::with_capacity(2 * keep),
+            len: 1,
+            keep,
+        }
+    }
+
+    fn add(&mut self, event: u64, values: [u64; 3]) {
+        if (event / self.len) as usize >= self.buckets.len() {
+            if self.buckets.len() >= 2 * self.keep {
+                let merged = self
+                    .buckets
+                    .chunks(2)
+                    .map(|pair| {
+                        let mut m = pair[0];
+                        if let Some(b) = pair.get(1) {
+                            m.iter_mut().zip(b).for_each(|(x, y)| x.merge(y));
+                        }
+                        m
+                    })
+                    .collect();
+                self.buckets = merged;
+                self.len *= 2;
+            }
+            if (event / self.len) as usize >= self.buckets.len() {
+                self.buckets.push(values.map(|v| Extremes::new(event, v)));
+                return;
+            }
+        }
+        let last = self.buckets.last_mut().expect("a bucket exists");
+        last.iter_mut()
+            .zip(values)
+            .for_each(|(e, v)| e.add(event, v));
+    }
+
+    fn finish(self) -> Timeline {
+        let mut t = Timeline::default();
+        for [a, r, q] in &self.buckets {
+            a.push_to(&mut t.allocated);
+            r.push_to(&mut t.reserved);
+            q.push_to(&mut t.requested);
+        }
+        t
+    }
 }
 
 /// Options of a replay.
 pub struct ReplayOptions<'a> {
     /// Capacity of the simulated device (`None`: 1 PiB, in effect unlimited).
     pub capacity: Option<u64>,
-    /// About how many timeline points to keep.
+    /// About how many buckets of events the timeline keeps (each gives the
+    /// lowest and highest value of each series).
     pub timeline_points: usize,
     /// Whether to make the second pass for the fragmentation report at the peak.
     pub report_at_peak: bool,
@@ -66,6 +167,8 @@ pub struct ReplayResult {
     pub peak_requested: u64,
     /// Index of the event after which reserved memory first reached its peak.
     pub peak_reserved_event: u64,
+    /// Index of the event after which allocated memory first reached its peak.
+    pub peak_allocated_event: u64,
     /// Final statistics.
     pub stats: MemoryStats,
     /// Events at which an allocation needed the full flush-and-retry.
@@ -74,8 +177,8 @@ pub struct ReplayResult {
     pub oom_events: Vec<u64>,
     /// Fragmentation at the peak of reserved memory (if asked for).
     pub fragmentation_at_peak: Option<FragmentationReport>,
-    /// Allocated / reserved / requested bytes over the trace.
-    pub timeline: Vec<TimelinePoint>,
+    /// Allocated / reserved / requested bytes over the trace, spikes kept.
+    pub timeline: Timeline,
     /// Wall-clock seconds of the first (measuring) pass.
     pub seconds: f64,
 }
@@ -145,10 +248,9 @@ where
 {
     let start = Instant::now();
     let mut result = ReplayResult::default();
-    let mut stride = 1u64;
-    let keep = opts.timeline_points.max(2);
+    let mut timeline = TimelineBuilder::new(opts.timeline_points.max(1));
     let mut run = Run::new(config, opts.capacity);
-    let mut peak_reserved = 0;
+    let (mut peak_reserved, mut peak_allocated) = (0, 0);
     for event in open()? {
         let event = event?;
         let index = result.events;
@@ -167,22 +269,11 @@ where
             peak_reserved = usage.reserved;
             result.peak_reserved_event = index;
         }
-        if index % stride == 0 {
-            result.timeline.push(TimelinePoint {
-                event: index,
-                allocated: usage.allocated,
-                reserved: usage.reserved,
-                requested: usage.requested,
-            });
-            if result.timeline.len() >= 2 * keep {
-                let mut i = 0;
-                result.timeline.retain(|_| {
-                    i += 1;
-                    i % 2 == 1
-                });
-                stride *= 2;
-            }
+        if usage.allocated > peak_allocated {
+            peak_allocated = usage.allocated;
+            result.peak_allocated_event = index;
         }
+        timeline.add(index, [usage.allocated, usage.reserved, usage.requested]);
         if index % 65536 == 0 {
             if let Some(p) = opts.progress.as_mut() {
                 p(result.events);
@@ -197,13 +288,7 @@ where
     result.peak_allocated = result.stats.allocated_bytes.all().peak;
     result.peak_reserved = result.stats.reserved_bytes.all().peak;
     result.peak_requested = result.stats.requested_bytes.all().peak;
-    let usage = run.alloc.usage();
-    result.timeline.push(TimelinePoint {
-        event: result.events.saturating_sub(1),
-        allocated: usage.allocated,
-        reserved: usage.reserved,
-        requested: usage.requested,
-    });
+    result.timeline = timeline.finish();
     if opts.report_at_peak && result.events > 0 {
         let mut again = Run::new(config, opts.capacity);
         for (i, event) in open()?.enumerate() {
@@ -342,10 +427,13 @@ mod tests {
     }
 
     #[test]
-    fn timeline_is_thinned_but_keeps_the_ends() {
+    fn timeline_keeps_spikes_and_both_ends() {
         let mut text = String::new();
         for i in 0..10_000 {
             text += &format!("a {i} {} 0\nf {i}\n", 512 * (1 + i % 50));
+            if i == 3333 {
+                text += "a 99999 1073741824 0\nf 99999\n";
+            }
         }
         let opts = ReplayOptions {
             timeline_points: 100,
@@ -357,12 +445,26 @@ mod tests {
             opts,
         )
         .unwrap();
-        assert!(
-            r.timeline.len() <= 201 && r.timeline.len() >= 100,
-            "{}",
-            r.timeline.len()
+        let t = &r.timeline;
+        for series in [&t.allocated, &t.reserved, &t.requested] {
+            assert!(
+                series.len() <= 400 && series.len() >= 100,
+                "{}",
+                series.len()
+            );
+            assert!(series.windows(2).all(|w| w[0].0 < w[1].0), "in event order");
+            // The first and last buckets are at the ends (their extremes need not be the end events).
+            assert!(series[0].0 < r.events / 50);
+            assert!(series.last().unwrap().0 > r.events - r.events / 50);
+        }
+        let max = |s: &[(u64, u64)]| s.iter().map(|p| p.1).max().unwrap();
+        assert_eq!(
+            max(&t.allocated),
+            r.peak_allocated,
+            "the one-event spike is kept"
         );
-        assert_eq!(r.timeline[0].event, 0);
-        assert_eq!(r.timeline.last().unwrap().event, 19_999);
+        assert_eq!(max(&t.reserved), r.peak_reserved);
+        assert_eq!(r.peak_allocated_event, 2 * 3333 + 2);
+        assert_eq!(r.peak_allocated, 1 << 30);
     }
 }

@@ -10,7 +10,6 @@ mod min_capacity;
 mod plot;
 mod progress;
 mod replay;
-mod timeline;
 
 use cachealloc::core::{parse_size, Config};
 use clap::{Args, Parser, Subcommand};

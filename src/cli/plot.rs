@@ -3,7 +3,6 @@
 //! panel with the legend and the key figures.
 
 use super::format::{grouped, size};
-use super::timeline::Timeline;
 use cachealloc::core::replay::ReplayResult;
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -22,16 +21,15 @@ const RETRY: RGBColor = RGBColor(255, 127, 14);
 const OOM: RGBColor = RGBColor(214, 39, 40);
 const CAPACITY: RGBColor = RGBColor(120, 120, 120);
 
-/// Writes the plot of `r` (its lines from `t`) to `path`.
+/// Writes the plot of `r` to `path`.
 pub fn write(
     path: &Path,
     title: &str,
     r: &ReplayResult,
-    t: &Timeline,
     capacity: Option<u64>,
 ) -> Result<(), String> {
     let root = SVGBackend::new(path, SIZE).into_drawing_area();
-    draw(&root, title, r, t, capacity).map_err(|e| e.to_string())?;
+    draw(&root, title, r, capacity).map_err(|e| e.to_string())?;
     root.present().map_err(|e| e.to_string())
 }
 
@@ -39,9 +37,9 @@ fn draw<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     title: &str,
     r: &ReplayResult,
-    t: &Timeline,
     capacity: Option<u64>,
 ) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    let t = &r.timeline;
     root.fill(&WHITE)?;
     let root = root.titled(title, ("sans-serif", 22))?;
     let (plot_area, panel) = root.split_horizontally(SIZE.0 - PANEL);
@@ -139,7 +137,7 @@ fn draw<DB: DrawingBackend>(
             "peak reserved",
         ),
         (
-            t.peak_allocated_event,
+            r.peak_allocated_event,
             r.peak_allocated,
             ALLOCATED,
             "peak allocated",
@@ -259,7 +257,7 @@ fn format_axis(v: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cachealloc::core::replay::TimelinePoint;
+    use cachealloc::core::replay::Timeline;
 
     #[test]
     fn axis_numbers() {
@@ -275,32 +273,28 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("cachealloc-plot-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("p.svg");
-        let timeline: Vec<TimelinePoint> = (0..100)
-            .map(|i| TimelinePoint {
-                event: i * 10,
-                allocated: i << 24,
-                reserved: i << 25,
-                requested: i << 23,
-            })
-            .collect();
+        let points = |shift: u32| {
+            (0..100u64)
+                .map(|i| (i * 10, i << shift))
+                .collect::<Vec<_>>()
+        };
+        let timeline = Timeline {
+            allocated: points(24),
+            reserved: points(25),
+            requested: points(23),
+        };
         let r = ReplayResult {
             events: 1000,
             peak_allocated: 99 << 24,
             peak_reserved: 99 << 25,
             peak_reserved_event: 990,
+            peak_allocated_event: 990,
             retry_events: vec![500, 600],
             oom_events: vec![600],
             timeline,
             ..Default::default()
         };
-        let t = Timeline {
-            allocated: r.timeline.iter().map(|p| (p.event, p.allocated)).collect(),
-            reserved: r.timeline.iter().map(|p| (p.event, p.reserved)).collect(),
-            requested: r.timeline.iter().map(|p| (p.event, p.requested)).collect(),
-            peak_allocated_event: 990,
-            ..Default::default()
-        };
-        write(&path, "test", &r, &t, Some(4 << 30)).unwrap();
+        write(&path, "test", &r, Some(4 << 30)).unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
         assert!(svg.starts_with("<svg"));
         for needle in [

@@ -2,7 +2,7 @@
 
 use super::format::{grouped, human, rate, record, size, trace_name};
 use super::progress::Progress;
-use super::{plot, timeline, CliError, ReplayArgs};
+use super::{plot, CliError, ReplayArgs};
 use cachealloc::core::replay::{ReplayOptions, ReplayResult};
 use cachealloc::trace_file::replay_file_with_progress;
 use serde_json::{json, Value};
@@ -10,14 +10,14 @@ use std::fmt::Write as _;
 use std::io::{self, Write};
 
 /// Buckets of events in a plot (each gives its lowest and highest point).
-const PLOT_BUCKETS: u64 = 1500;
+const PLOT_BUCKETS: usize = 1500;
 
 pub fn run(args: ReplayArgs) -> Result<(), CliError> {
     let name = trace_name(&args.trace);
     let mut progress = Progress::new(&format!("replay {}", short_name(&args.trace)));
     let options = ReplayOptions {
         capacity: args.capacity,
-        timeline_points: 2,
+        timeline_points: if args.plot.is_some() { PLOT_BUCKETS } else { 2 },
         report_at_peak: true,
         progress: None,
     };
@@ -27,15 +27,8 @@ pub fn run(args: ReplayArgs) -> Result<(), CliError> {
     progress.finish();
 
     if let Some(path) = &args.plot {
-        let detail = timeline::detailed(
-            &args.trace,
-            &args.config.config,
-            args.capacity,
-            result.events,
-            PLOT_BUCKETS,
-        )?;
         let title = format!("{name} — config {}", args.config.label);
-        plot::write(path, &title, &result, &detail, args.capacity).map_err(|e| {
+        plot::write(path, &title, &result, args.capacity).map_err(|e| {
             CliError::Message(format!("{}: cannot write the plot: {e}", path.display()))
         })?;
     }
