@@ -64,6 +64,8 @@ struct SimState {
     capacity: u64,
     used: u64,
     next_addr: u64,
+    /// Released address space below `next_addr`: start → bytes.
+    holes: BTreeMap<u64, u64>,
     segments: BTreeMap<u64, u64>,
     fail_next: u64,
     fail_above: Option<u64>,
@@ -94,6 +96,7 @@ impl SimulatedDevice {
                 capacity,
                 used: 0,
                 next_addr: TOP_ADDRESS,
+                holes: BTreeMap::new(),
                 segments: BTreeMap::new(),
                 fail_next: 0,
                 fail_above: None,
@@ -216,15 +219,47 @@ impl SimulatedDevice {
         Ok(())
     }
 
+    /// Address space for `bytes`: below the last segment while there is room
+    /// (so addresses descend, as on the H200), else the highest released
+    /// hole that fits (so long runs reuse what they gave back).
     fn carve(s: &mut SimState, bytes: u64, align: u64) -> Result<u64, DeviceError> {
-        let addr = s
+        if let Some(addr) = s
             .next_addr
             .checked_sub(bytes)
             .map(|a| a & !(align - 1))
             .filter(|&a| a >= align)
-            .ok_or(DeviceError::OutOfMemory)?;
-        s.next_addr = addr;
+        {
+            s.next_addr = addr;
+            return Ok(addr);
+        }
+        let fit = s.holes.iter().rev().find_map(|(&start, &len)| {
+            let addr = (start + len).checked_sub(bytes)? & !(align - 1);
+            (addr >= start).then_some((start, len, addr))
+        });
+        let (start, len, addr) = fit.ok_or(DeviceError::OutOfMemory)?;
+        s.holes.remove(&start);
+        if addr > start {
+            s.holes.insert(start, addr - start);
+        }
+        if addr + bytes < start + len {
+            s.holes.insert(addr + bytes, start + len - addr - bytes);
+        }
         Ok(addr)
+    }
+
+    /// Gives address space back (merged with neighbouring holes).
+    fn uncarve(s: &mut SimState, mut addr: u64, mut bytes: u64) {
+        if let Some((&prev, &len)) = s.holes.range(..addr).next_back() {
+            if prev + len == addr {
+                s.holes.remove(&prev);
+                addr = prev;
+                bytes += len;
+            }
+        }
+        if let Some(len) = s.holes.remove(&(addr + bytes)) {
+            bytes += len;
+        }
+        s.holes.insert(addr, bytes);
     }
 }
 
@@ -257,6 +292,7 @@ impl Device for SimulatedDevice {
         match s.segments.get(&ptr.0) {
             Some(&size) if size == bytes => {
                 s.segments.remove(&ptr.0);
+                Self::uncarve(&mut s, ptr.0, size);
                 s.used -= size;
                 s.counters.frees += 1;
                 Ok(())
@@ -337,6 +373,7 @@ impl Device for SimulatedDevice {
             });
         }
         s.ranges.remove(&ptr.0);
+        Self::uncarve(&mut s, ptr.0, bytes);
         Ok(())
     }
 
@@ -429,6 +466,23 @@ mod tests {
             }
         );
         assert_eq!(d.outstanding(), 1);
+    }
+
+    #[test]
+    fn released_address_space_is_reused_once_the_top_is_used_up() {
+        let d = SimulatedDevice::unlimited();
+        let tib = 1u64 << 40;
+        let mut segs = Vec::new();
+        while let Ok(p) = d.allocate(tib) {
+            segs.push(p);
+        }
+        assert!(segs.len() > 100, "{} segments of 1 TiB", segs.len());
+        d.free(segs[10], tib).unwrap();
+        d.free(segs[11], tib).unwrap();
+        // Two neighbouring holes merge: a 2 TiB segment fits where they were.
+        let p = d.allocate(2 * tib).unwrap();
+        assert_eq!(p, segs[11]);
+        assert_eq!(d.allocate(tib), Err(DeviceError::OutOfMemory));
     }
 
     #[test]

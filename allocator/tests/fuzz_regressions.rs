@@ -123,7 +123,6 @@ fn expandable_split_remainder_merges_neighbour_freed_meanwhile() {
 /// the default (unlimited) device: "event 126: the allocator failed:
 /// device error: device out of memory".
 #[test]
-#[ignore = "bug: expandable range reservation failure is AllocError::Device, not served or reported as out of memory"]
 fn expandable_range_reservation_failure_is_not_a_bare_device_error() {
     let dev = SimulatedDevice::unlimited();
     let alloc = CachingAllocator::new(dev.clone(), Config::expandable());

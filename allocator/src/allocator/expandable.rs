@@ -22,14 +22,14 @@ use crate::block::{BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::AllocError;
 
-/// Largest virtual range reserved per (stream, pool): 1 TiB.
-const MAX_RANGE: u64 = 1 << 40;
+/// Largest virtual range reserved per (stream, pool): 256 GiB.
+const MAX_RANGE: u64 = 1 << 38;
 
 /// Virtual bytes reserved per expandable segment, per byte of device memory.
 /// Address space is cheap and holes in it cost no memory once their pages
 /// move, but a range only as large as the device would run out of address
 /// space before the device runs out of memory.
-const RANGE_PER_DEVICE_BYTE: u64 = 4;
+const RANGE_PER_DEVICE_BYTE: u64 = 2;
 
 /// The size of the virtual range of each expandable segment on a device of `total` bytes.
 pub(super) fn range_size(total: u64, page: u64) -> u64 {
@@ -75,7 +75,26 @@ impl<E> State<E> {
     ) -> Result<BlockId, AllocError> {
         let seg = match self.ranges[pool.index()] {
             Some(seg) => seg,
-            None => self.reserve_range(dev, pool, stream)?,
+            None => match self.reserve_range(dev, pool, stream) {
+                Ok(seg) => seg,
+                // Out of address space: release the ranges (and pages) the
+                // cache can spare, then try once more before out-of-memory.
+                Err(AllocError::Device(DeviceError::OutOfMemory)) => {
+                    self.stats.num_alloc_retries += 1;
+                    self.release_cached(dev)?;
+                    match self.reserve_range(dev, pool, stream) {
+                        Ok(seg) => seg,
+                        Err(AllocError::Device(DeviceError::OutOfMemory)) => {
+                            self.stats.num_ooms += 1;
+                            return Err(AllocError::OutOfMemory(Box::new(
+                                self.oom_report(dev, size, rounded),
+                            )));
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                Err(e) => return Err(e),
+            },
         };
         for attempt in 0..2 {
             if attempt == 1 {

@@ -760,3 +760,37 @@ fn expandable_range_outgrows_the_device_so_holes_do_not_exhaust_address_space() 
     assert!(dev.used() <= 64 * MIB);
     ok(&a);
 }
+
+#[test]
+fn expandable_out_of_address_space_is_out_of_memory_and_recovers() {
+    // Each (stream, pool) reserves a 256 GiB range; the simulated address
+    // space holds a few hundred. Past that, a malloc on a new stream must be
+    // an out-of-memory error (after the flush), not a bare device error.
+    let (dev, a) = new(Config::expandable());
+    let mut live = Vec::new();
+    let mut first_oom = None;
+    for s in 0..1000 {
+        match a.malloc(4096, StreamId(s)) {
+            Ok(p) => live.push(p),
+            Err(AllocError::OutOfMemory(_)) => {
+                first_oom = Some(s);
+                break;
+            }
+            Err(e) => panic!("stream {s}: {e}"),
+        }
+    }
+    let s = first_oom.expect("address space runs out");
+    assert_eq!(a.stats().num_ooms, 1);
+    assert_eq!(a.stats().num_alloc_retries, 1, "the flush ran first");
+    ok(&a);
+    // Free one stream's block: the flush releases its empty range, and the
+    // new stream gets one.
+    a.free(live.pop().unwrap()).unwrap();
+    live.push(a.malloc(4096, StreamId(s)).unwrap());
+    ok(&a);
+    for p in live {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(dev.outstanding(), 0);
+}
