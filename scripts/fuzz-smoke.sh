@@ -29,10 +29,12 @@ for target in ops trace config; do
     mkdir -p "$work/$target"
     cp fuzz/corpus/"$target"/seed-* "$work/$target/"
     log="$work/$target.log"
+    dict=()
+    [ -f "fuzz/dict/$target.dict" ] && dict=(-dict="$PWD/fuzz/dict/$target.dict")
     echo "fuzz-smoke: $target for ${seconds}s" >&2
     if ! cargo +nightly fuzz run "${flags[@]}" "$target" "$work/$target" -- \
         -max_total_time="$seconds" -max_len=4096 -timeout=10 -rss_limit_mb=2048 \
-        -print_final_stats=1 >"$log" 2>&1; then
+        -print_final_stats=1 "${dict[@]}" >"$log" 2>&1; then
         tail -40 "$log" >&2
         echo "fuzz-smoke: $target FAILED; the input is in fuzz/artifacts/$target/" >&2
         exit 1
