@@ -1,6 +1,7 @@
 //! Regression tests for what the fuzzers found (`fuzz/`, docs/FUZZING.md),
 //! each shrunk to a few calls on the public API. A test of a bug not fixed
-//! yet is `#[ignore = "bug: …"]`: un-ignore it with the fix.
+//! yet is `#[ignore = "bug: …"]`: un-ignore it with the fix. (All three
+//! below are fixed.)
 //!
 //! (Two more bugs the fuzzers hit were found first by the model tests and
 //! have their strict tests there: `strict_too_large_malloc_changes_nothing`
@@ -60,7 +61,7 @@ fn expandable_failed_mapping_merges_neighbours_freed_meanwhile() {
 
 /// Found by the `ops` target (expandable preset, 64 MiB device, injected
 /// failures; shrunk from 1000 ops to 21, then rebuilt by hand without
-/// injected failures) after the fix above.
+/// injected failures) after the fix above. Fixed in 0374cf2.
 ///
 /// Root cause: the same window as above, on the path where mapping
 /// succeeds. While the picked block (here the free 2 MiB block whose page
@@ -71,7 +72,6 @@ fn expandable_failed_mapping_merges_neighbours_freed_meanwhile() {
 /// picked block is split: its free remainder goes into the bins without
 /// merging with that neighbour. Two free neighbours stay unmerged.
 #[test]
-
 fn expandable_split_remainder_merges_neighbour_freed_meanwhile() {
     let dev = SimulatedDevice::new(6 * MIB);
     // 2 MiB pages in every pool (the preset's large-pool pages are 8 MiB).
@@ -109,7 +109,8 @@ fn expandable_split_remainder_merges_neighbour_freed_meanwhile() {
 }
 
 /// Found by the `config` target (`expandable,expandable_page_mb:40000000`,
-/// in the CI smoke), then reduced by hand to plain `expandable`.
+/// in the CI smoke), then reduced by hand to plain `expandable`. Fixed in
+/// 8ee330a.
 ///
 /// Root cause (`allocator/src/allocator/expandable.rs`, `reserve_range`):
 /// each (stream, pool) reserves a virtual range as large as the device
