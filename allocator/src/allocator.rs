@@ -87,6 +87,12 @@ struct State<E> {
     ranges: Vec<Option<SegmentId>>,
     /// Virtual size of each expandable segment.
     range_size: u64,
+    /// Expandable: markers (operation count, one event per stream), oldest first.
+    markers: VecDeque<(u64, Vec<E>)>,
+    /// Expandable: operation count of the last marker recorded.
+    last_marker: u64,
+    /// Expandable: blocks freed before this operation count are quiescent.
+    quiescent_before: u64,
     /// Physical pages unmapped but kept (reserved), with the pool kind their bytes are counted under.
     page_pool: Vec<(u64, PoolKind, u64)>,
     /// Things the user should know about the configuration (e.g. a fallback).
@@ -144,6 +150,9 @@ impl<D: Device> CachingAllocator<D> {
                 ranges: Vec::new(),
                 range_size,
                 page_pool: Vec::new(),
+                markers: VecDeque::new(),
+                last_marker: 0,
+                quiescent_before: 0,
                 notices,
             }),
         }

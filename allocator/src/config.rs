@@ -95,6 +95,11 @@ pub struct Config {
     /// Expandable segments: idle pages stay mapped while reserved memory is
     /// at most `1 + idle_slack` times the peak allocated bytes.
     pub idle_slack: f64,
+    /// Expandable segments: past `1 + idle_slack` times the peak allocated
+    /// bytes, idle pages that no queued work can touch move without any wait;
+    /// past `1 + idle_slack_hard`, the allocator waits for the device to
+    /// recycle the rest (a device-wide synchronize) rather than grow.
+    pub idle_slack_hard: f64,
     /// Expandable segments: a recycling round unmaps the pages needed now plus
     /// this fraction of the peak allocated bytes (longest idle first), so
     /// that the next mappings need no new round (each round waits for the device).
@@ -130,6 +135,7 @@ impl Config {
             oversize_ratio: 0,
             release_min_idle: 0,
             idle_slack: 0.01,
+            idle_slack_hard: 0.02,
             recycle_batch: 0.05,
             expandable_page: 8 * MIB,
             expandable_segments: false,
@@ -311,6 +317,13 @@ impl Config {
                 }
                 self.expandable_page = m;
             }
+            "idle_slack_hard" => {
+                let f: f64 = value.parse().map_err(|_| bad("expected a number"))?;
+                if !(0.0..=10.0).contains(&f) {
+                    return Err(bad("must be between 0 and 10"));
+                }
+                self.idle_slack_hard = f;
+            }
             "recycle_batch" => {
                 let f: f64 = value.parse().map_err(|_| bad("expected a number"))?;
                 if !(0.0..=1000.0).contains(&f) {
@@ -392,7 +405,7 @@ impl Config {
         let mut s = format!(
             "{},caching:{},small_segment_mb:{},medium_segment_mb:{},large_threshold_mb:{},segment_round_mb:{},\
              large_split_remainder_mb:{},max_split_size_mb:{},huge_size_mb:{},huge_segment_divisions:{},\
-             oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},idle_slack:{},recycle_batch:{},expandable_page_mb:{},\
+             oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},idle_slack:{},idle_slack_hard:{},recycle_batch:{},expandable_page_mb:{},\
              expandable_segments:{}",
             self.name,
             py_bool(self.caching),
@@ -409,6 +422,7 @@ impl Config {
             release_order,
             self.release_min_idle,
             self.idle_slack,
+            self.idle_slack_hard,
             self.recycle_batch,
             self.expandable_page / MIB,
             py_bool(self.expandable_segments),
@@ -581,7 +595,7 @@ impl fmt::Display for ConfigError {
         match self {
             ConfigError::UnknownKey(k) => write!(
                 f,
-                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, idle_slack, recycle_batch, expandable_page_mb)"
+                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb)"
             ),
             ConfigError::UnknownPreset(p) => {
                 write!(f, "unknown configuration `{p}` (presets: {}; or key:value,…)", Config::PRESETS.join(", "))

@@ -22,6 +22,11 @@ use crate::block::{BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::AllocError;
 
+/// Operations between two markers (see `maybe_record_marker`).
+const MARKER_INTERVAL: u64 = 128;
+/// Markers outstanding at most.
+const MAX_MARKERS: usize = 8;
+
 /// Largest virtual range reserved per (stream, pool): 256 GiB.
 const MAX_RANGE: u64 = 1 << 38;
 
@@ -51,7 +56,9 @@ pub(super) struct Page {
 
 /// Where idle pages are looked for besides the bins: the part of the block
 /// being carved that stays free after the split.
-type Tail = (SegmentId, u64, u64);
+/// (segment, start, end, idle since): the part of the block being carved
+/// that stays free after the split, and when that block became free.
+type Tail = (SegmentId, u64, u64, u64);
 
 impl<E> State<E> {
     /// Page size of the expandable segments of a pool kind.
@@ -73,6 +80,7 @@ impl<E> State<E> {
         size: u64,
         rounded: u64,
     ) -> Result<BlockId, AllocError> {
+        self.maybe_record_marker(dev);
         let seg = match self.ranges[pool.index()] {
             Some(seg) => seg,
             None => match self.reserve_range(dev, pool, stream) {
@@ -112,8 +120,10 @@ impl<E> State<E> {
             // While its pages are gathered the block is out of the bins (so not
             // idle) and marked in use (so a block freed meanwhile does not merge it).
             self.bins_mut(pool).remove(bsize, addr, id);
-            self.blocks.get_mut(id.0).state = BlockState::Allocated;
-            let mapped = self.map_range(dev, seg, addr, addr + rounded, addr + bsize);
+            let b = self.blocks.get_mut(id.0);
+            b.state = BlockState::Allocated;
+            let since = b.freed_at;
+            let mapped = self.map_range(dev, seg, addr, addr + rounded, (addr + bsize, since));
             if mapped.is_ok() {
                 return Ok(id);
             }
@@ -158,7 +168,7 @@ impl<E> State<E> {
         seg: SegmentId,
         start: u64,
         end: u64,
-        block_end: u64,
+        (block_end, since): (u64, u64),
     ) -> Result<(), AllocError> {
         let s = self.segments.get(seg.0);
         let (base, ps, kind) = (s.addr, s.page_size, s.pool.kind());
@@ -172,9 +182,13 @@ impl<E> State<E> {
             return Ok(());
         }
         let mut gathered = Vec::with_capacity(missing.len());
-        if let Err(e) =
-            self.gather_pages(dev, ps, missing.len(), (seg, end, block_end), &mut gathered)
-        {
+        if let Err(e) = self.gather_pages(
+            dev,
+            ps,
+            missing.len(),
+            (seg, end, block_end, since),
+            &mut gathered,
+        ) {
             self.return_pages(dev, ps, gathered)?;
             return Err(e);
         }
@@ -214,14 +228,19 @@ impl<E> State<E> {
         tail: Tail,
         out: &mut Vec<Page>,
     ) -> Result<(), AllocError> {
-        let peak = self.stats.allocated_bytes.all().peak;
-        let soft_limit = if self.config.release_before_grow {
-            peak.saturating_add((peak as f64 * self.config.idle_slack) as u64)
+        let peak = self.stats.allocated_bytes.all().peak as f64;
+        let (soft_limit, hard_limit) = if self.config.release_before_grow {
+            let soft = (peak * (1.0 + self.config.idle_slack)) as u64;
+            (
+                soft,
+                soft.max((peak * (1.0 + self.config.idle_slack_hard)) as u64),
+            )
         } else {
-            u64::MAX
+            (u64::MAX, u64::MAX)
         };
         let cap = self.cap.unwrap_or(u64::MAX);
-        let mut recycled = false;
+        // 0: nothing recycled yet; 1: quiescent idle pages taken; 2: waited for the device.
+        let mut stage = 0;
         loop {
             while out.len() < k {
                 let Some(i) = self.page_pool.iter().rposition(|p| p.2 == ps) else {
@@ -237,9 +256,16 @@ impl<E> State<E> {
                 return Ok(());
             }
             let grow = (k - out.len()) as u64 * ps;
-            if self.reserved() + grow > soft_limit.min(cap) && !recycled {
-                self.recycle(dev, tail, grow)?;
-                recycled = true;
+            // Past the soft limit, take idle pages no queued work can touch
+            // (free): past the hard limit or the cap, wait for the device.
+            if stage < 1 && self.reserved() + grow > soft_limit.min(cap) {
+                self.recycle(dev, tail, grow, false)?;
+                stage = 1;
+                continue;
+            }
+            if stage < 2 && self.reserved() + grow > hard_limit.min(cap) {
+                self.recycle(dev, tail, grow, true)?;
+                stage = 2;
                 continue;
             }
             if self.reserved() + grow > cap {
@@ -253,9 +279,9 @@ impl<E> State<E> {
                     });
                     self.stats.num_page_create += 1;
                 }
-                Err(DeviceError::OutOfMemory) if !recycled => {
-                    self.recycle(dev, tail, grow)?;
-                    recycled = true;
+                Err(DeviceError::OutOfMemory) if stage < 2 => {
+                    self.recycle(dev, tail, grow, true)?;
+                    stage = 2;
                 }
                 Err(DeviceError::OutOfMemory) => {
                     return Err(AllocError::OutOfMemory(Box::default()))
@@ -275,19 +301,33 @@ impl<E> State<E> {
         dev: &D,
         tail: Tail,
         need: u64,
+        wait: bool,
     ) -> Result<(), AllocError> {
         if self.pending_blocks == 0
             && self.idle_pages(Some(tail)).is_empty()
             && self.page_pool.is_empty()
         {
-            return Ok(()); // nothing to gain from waiting
+            return Ok(()); // nothing to gain
         }
-        dev.synchronize()?;
-        self.stats.num_sync_all_streams += 1;
-        self.process_events(dev)?;
         let peak = self.stats.allocated_bytes.all().peak;
         let batch = need.saturating_add((peak as f64 * self.config.recycle_batch) as u64);
-        self.unmap_idle_pages(dev, Some(tail), batch)?;
+        // Pages freed before a completed marker are quiescent: no wait needed.
+        let quiescent = self.poll_markers(dev)?;
+        let got = self.unmap_idle_pages(dev, Some(tail), batch, quiescent)?;
+        let waiting_helps = || {
+            self.pending_blocks > 0
+                || self
+                    .idle_pages(Some(tail))
+                    .iter()
+                    .any(|&(since, _, _)| since >= quiescent)
+        };
+        if wait && got < need && waiting_helps() {
+            dev.synchronize()?;
+            self.stats.num_sync_all_streams += 1;
+            self.drop_markers(dev);
+            self.process_events(dev)?;
+            self.unmap_idle_pages(dev, Some(tail), batch - got, u64::MAX)?;
+        }
         // Pooled pages of the other size cannot serve this request: give their
         // bytes back so that new pages of the needed size fit.
         let ps = tail_page_size(self, tail);
@@ -303,6 +343,52 @@ impl<E> State<E> {
             }
         }
         Ok(())
+    }
+
+    /// Records a marker (an event on every stream) every `MARKER_INTERVAL`
+    /// operations, at most `MAX_MARKERS` outstanding: once a marker's events
+    /// completed, every block freed before it is quiescent, so its idle pages
+    /// can be unmapped without waiting for the device.
+    pub(super) fn maybe_record_marker<D: Device<Event = E>>(&mut self, dev: &D) {
+        if self.clock < self.last_marker + MARKER_INTERVAL || self.markers.len() >= MAX_MARKERS {
+            return;
+        }
+        self.last_marker = self.clock;
+        let mut events = Vec::with_capacity(self.stream_list.len());
+        for &stream in &self.stream_list {
+            match dev.record_event(stream) {
+                Ok(e) => events.push(e),
+                Err(_) => {
+                    events.into_iter().for_each(|e| dev.release_event(e));
+                    return;
+                }
+            }
+        }
+        self.markers.push_back((self.clock, events));
+    }
+
+    /// Retires completed markers; returns the operation count before which
+    /// every freed block is quiescent.
+    fn poll_markers<D: Device<Event = E>>(&mut self, dev: &D) -> Result<u64, AllocError> {
+        while let Some((_, events)) = self.markers.front() {
+            for e in events {
+                if !dev.event_completed(e)? {
+                    return Ok(self.quiescent_before);
+                }
+            }
+            let (clock, events) = self.markers.pop_front().expect("front exists");
+            events.into_iter().for_each(|e| dev.release_event(e));
+            self.quiescent_before = clock;
+        }
+        Ok(self.quiescent_before)
+    }
+
+    /// After a device synchronize every marker has completed.
+    fn drop_markers<D: Device<Event = E>>(&mut self, dev: &D) {
+        for (_, events) in self.markers.drain(..) {
+            events.into_iter().for_each(|e| dev.release_event(e));
+        }
+        self.quiescent_before = self.clock;
     }
 
     /// Puts gathered pages back after a failure: pooled ones to the pool, new ones to the device.
@@ -340,8 +426,8 @@ impl<E> State<E> {
                 );
             }
         };
-        if let Some((seg, start, end)) = extra {
-            collect(self.segments.get(seg.0), seg, start, end, 0);
+        if let Some((seg, start, end, since)) = extra {
+            collect(self.segments.get(seg.0), seg, start, end, since);
         }
         for &seg in self.ranges.iter().flatten() {
             let s = self.segments.get(seg.0);
@@ -366,8 +452,10 @@ impl<E> State<E> {
         dev: &D,
         extra: Option<Tail>,
         max_bytes: u64,
+        freed_before: u64,
     ) -> Result<u64, AllocError> {
         let mut idle = self.idle_pages(extra);
+        idle.retain(|&(since, _, _)| since < freed_before);
         idle.sort_unstable_by_key(|&(since, seg, p)| (since, std::cmp::Reverse((seg, p))));
         let mut bytes = 0;
         let mut n = 0;
@@ -389,7 +477,8 @@ impl<E> State<E> {
             bytes += ps;
             n += 1;
         }
-        Ok(n)
+        let _ = n;
+        Ok(bytes)
     }
 
     /// `empty_cache` for expandable segments: once the device is idle, unmap
@@ -400,7 +489,8 @@ impl<E> State<E> {
         dev: &D,
     ) -> Result<(), AllocError> {
         dev.synchronize()?;
-        self.unmap_idle_pages(dev, None, u64::MAX)?;
+        self.drop_markers(dev);
+        self.unmap_idle_pages(dev, None, u64::MAX, u64::MAX)?;
         while let Some((h, kind, size)) = self.page_pool.pop() {
             dev.vmm_release_page(h)?;
             self.stats.num_page_release += 1;

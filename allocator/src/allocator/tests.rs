@@ -794,3 +794,59 @@ fn expandable_out_of_address_space_is_out_of_memory_and_recovers() {
     a.empty_cache().unwrap();
     assert_eq!(dev.outstanding(), 0);
 }
+
+#[test]
+fn expandable_moves_quiescent_pages_without_waiting_for_the_device() {
+    // Soft limit at the peak, no hard limit: only pages no queued work can
+    // touch may move, and nothing ever waits for the device.
+    let run = |complete_markers: bool| {
+        let dev = SimulatedDevice::new(1 << 30);
+        let config = Config {
+            expandable_page: 2 * MIB,
+            idle_slack: 0.0,
+            idle_slack_hard: 10.0,
+            ..Config::expandable()
+        };
+        let a = CachingAllocator::new(dev.clone(), config);
+        let x = a.malloc(4 * MIB, S0).unwrap();
+        let keep = a.malloc(MIB + 512, S0).unwrap(); // after x: x's hole stays a hole
+        a.free(x).unwrap();
+        for _ in 0..200 {
+            // Small-pool traffic advances the clock: markers are recorded.
+            let p = a.malloc(4096, S0).unwrap();
+            a.free(p).unwrap();
+        }
+        if complete_markers {
+            dev.complete_all_events();
+        }
+        let before = dev.counters();
+        let y = a.malloc(6 * MIB, S0).unwrap(); // fits no hole: needs 3 pages past the peak
+        let after = dev.counters();
+        assert_eq!(
+            after.synchronizes,
+            before.synchronizes,
+            "never waits for the device: {:?} {:?}",
+            a.stats().num_sync_all_streams,
+            a.usage()
+        );
+        a.free(y).unwrap();
+        a.free(keep).unwrap();
+        a.check_invariants().unwrap();
+        (
+            after.vmm_unmaps - before.vmm_unmaps,
+            after.vmm_creates - before.vmm_creates,
+        )
+    };
+    let (unmaps, creates) = run(true);
+    assert_eq!(
+        (unmaps, creates),
+        (2, 1),
+        "x's two quiescent pages moved, one page created"
+    );
+    let (unmaps, creates) = run(false);
+    assert_eq!(
+        (unmaps, creates),
+        (0, 3),
+        "x's pages may still be in use: grown instead"
+    );
+}
