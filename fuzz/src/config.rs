@@ -90,7 +90,11 @@ pub fn check(data: &[u8]) {
     // 127 TiB). A configuration whose
     // segments fit no device only ever answers out-of-memory, a path the
     // `ops` target covers.
-    let mut largest = config.small_segment.max(config.medium_segment);
+    // (A large request's segment is at least `segment_round`.)
+    let mut largest = config
+        .small_segment
+        .max(config.medium_segment)
+        .max(config.segment_round);
     if config.expandable_segments {
         largest = largest.max(config.expandable_page);
     }
