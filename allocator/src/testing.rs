@@ -858,7 +858,10 @@ impl Model {
                 let seg = r.segment_size;
                 let c = &self.config;
                 let own = rounded.div_ceil(c.segment_round) * c.segment_round;
-                let max_seg = c.small_segment.max(c.medium_segment).max(2 * own);
+                let max_seg = c
+                    .small_segment
+                    .max(c.medium_segment)
+                    .max(own.saturating_mul(2));
                 if seg < rounded || (!c.caching && seg != rounded) || seg > max_seg {
                     return Err(format!(
                         "the OOM report names a {seg}-byte segment for a request rounded to {rounded}"

@@ -156,7 +156,6 @@ fn expandable_range_reservation_failure_is_not_a_bare_device_error() {
 /// The allocator itself is fine (its `div_ceil * segment_round` cannot
 /// overflow for requests up to `MAX_REQUEST`). Fix: `saturating_mul`.
 #[test]
-#[ignore = "bug (testing.rs): the model's OOM segment bound `2 * own` overflows for a segment_round above 2^63 bytes"]
 fn model_oom_bound_does_not_overflow_for_a_huge_segment_round() {
     use cachealloc_core::testing::{self, Op, Setup};
     let setup = Setup {
