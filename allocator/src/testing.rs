@@ -654,12 +654,7 @@ impl Model {
                     .map_err(|e| format!("process_events: {e}"))?;
                 if self.dev.pending_events().is_empty() {
                     let snap = self.alloc.snapshot();
-                    if let Some(b) = snap
-                        .segments
-                        .iter()
-                        .flat_map(|s| &s.blocks)
-                        .find(|b| b.state == BlockState::AwaitingEvents)
-                    {
+                    if let Some(b) = awaiting_block(&snap) {
                         return Err(format!(
                             "every event completed, yet after process_events the block at {} still awaits events",
                             b.address
@@ -756,12 +751,7 @@ impl Model {
                 s.address, s.total_size
             ));
         }
-        if let Some(b) = snap
-            .segments
-            .iter()
-            .flat_map(|s| &s.blocks)
-            .find(|b| b.state == BlockState::AwaitingEvents)
-        {
+        if let Some(b) = awaiting_block(&snap) {
             return Err(format!(
                 "after {what}, the block at {} still awaits events",
                 b.address
@@ -1313,4 +1303,12 @@ pub fn run_bytes(data: &[u8]) -> Result<(), String> {
     run(&setup, &ops)
         .map(|_| ())
         .map_err(|e| format!("config {}: {e}", setup.config.name))
+}
+
+/// The first block of a snapshot that still awaits events, if any.
+fn awaiting_block(snap: &crate::Snapshot) -> Option<&crate::BlockSnapshot> {
+    snap.segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .find(|b| b.state == BlockState::AwaitingEvents)
 }
