@@ -472,7 +472,7 @@ impl<R: Registry> Abi<R> {
                             "size": b.size,
                             "requested_size": b.requested_size,
                             "state": match b.state {
-                                BlockState::Free => "inactive",
+                                BlockState::Free | BlockState::Parked => "inactive",
                                 BlockState::Allocated => "active_allocated",
                                 BlockState::AwaitingEvents => "active_pending_free",
                             },

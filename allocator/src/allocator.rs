@@ -2,10 +2,11 @@
 //! merging, stream events, `empty_cache` and the out-of-memory ladder.
 //!
 //! All state sits behind one `parking_lot` mutex per allocator (per device),
-//! as in PyTorch. The state is split into plain records (blocks, segments,
-//! bins) so that a later per-thread front cache can sit in front of
-//! [`CachingAllocator::malloc`] without touching the algorithm, and so that
-//! page-backed growable segments can reuse the same block lists.
+//! as in PyTorch, with per-thread caches in front of it (`crate::front`): a
+//! thread's repeated request of one size takes back the block it freed
+//! without the allocator's lock. The state is split into plain records
+//! (blocks, segments, bins) so that page-backed growable segments can reuse
+//! the same block lists.
 
 use crate::bins::Bins;
 use crate::block::{Block, BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId, Slab};
@@ -13,13 +14,19 @@ use crate::config::{Config, MemoryCap, ReleaseOrder};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::{AllocError, OomReport};
 use crate::fasthash::FastMap;
+use crate::front::{self, FastFree, Slot, SlotId};
 use crate::pages::PageMap;
 use crate::report::{BlockSnapshot, FragmentationReport, SegmentSnapshot, SegmentUse, Snapshot};
-use crate::rounding::round_size;
+use crate::rounding::{round_size, Power2Divisions};
 use crate::stats::MemoryStats;
 use crate::trace::TraceEvent;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Source of allocator ids (keys of the thread-local caches).
+static NEXT_ALLOCATOR_ID: AtomicU64 = AtomicU64::new(1);
 
 /// What `empty_cache` (or a flush) gave back to the device.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -50,6 +57,22 @@ pub type TraceSink = Box<dyn FnMut(&TraceEvent) + Send>;
 pub struct CachingAllocator<D: Device> {
     device: D,
     state: Mutex<State<D::Event>>,
+    /// Key of this allocator's thread caches.
+    id: u64,
+    /// Whether the thread caches serve requests now (off while recording).
+    front_on: AtomicBool,
+    /// Whether the configuration has thread caches at all.
+    front_enabled: bool,
+    /// The rounding rule, for the thread caches' keys.
+    divisions: Power2Divisions,
+}
+
+/// A thread cache's recently missed request sizes: a block freed with one of
+/// these sizes is parked for the thread instead of going back to the bins.
+#[derive(Clone, Copy, Default)]
+struct Wanted {
+    keys: [u64; 8],
+    next: usize,
 }
 
 struct Recorder {
@@ -97,6 +120,14 @@ struct State<E> {
     page_pool: Vec<(u64, PoolKind, u64)>,
     /// Things the user should know about the configuration (e.g. a fallback).
     notices: Vec<String>,
+    /// Thread caches by [`SlotId`] (`None`: index free for reuse).
+    slots: Vec<Option<Arc<Slot>>>,
+    /// Per thread cache: its recent misses.
+    wanted: Vec<Wanted>,
+    /// Blocks held by thread caches (parked or handed out from one).
+    front_blocks: usize,
+    /// Blocks parked per thread cache (0: thread caches off).
+    thread_cache: usize,
 }
 
 impl<D: Device> CachingAllocator<D> {
@@ -127,8 +158,18 @@ impl<D: Device> CachingAllocator<D> {
             max_split_size: config.max_split_size,
             ..Default::default()
         };
+        let thread_cache = if config.caching && granularity.is_none() {
+            config.thread_cache as usize
+        } else {
+            0
+        };
+        let divisions = config.roundup_power2_divisions;
         CachingAllocator {
             device,
+            id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
+            front_on: AtomicBool::new(thread_cache > 0),
+            front_enabled: thread_cache > 0,
+            divisions,
             state: Mutex::new(State {
                 config,
                 cap,
@@ -154,6 +195,10 @@ impl<D: Device> CachingAllocator<D> {
                 last_marker: 0,
                 quiescent_before: 0,
                 notices,
+                slots: Vec::new(),
+                wanted: Vec::new(),
+                front_blocks: 0,
+                thread_cache,
             }),
         }
     }
@@ -190,14 +235,51 @@ impl<D: Device> CachingAllocator<D> {
         if size == 0 {
             return Err(AllocError::ZeroSize);
         }
-        self.state.lock().malloc(&self.device, size, stream)
+        if !self.front_on.load(Ordering::Relaxed) {
+            return self.state.lock().malloc(&self.device, size, stream, None);
+        }
+        front::with_slot(
+            self.id,
+            || self.register_slot(),
+            |slot| {
+                if let (Some(slot), Some(key)) = (slot, round_size(size, &self.divisions)) {
+                    if let Some(addr) = slot.try_alloc(key, stream, size) {
+                        return Ok(DevicePtr(addr));
+                    }
+                }
+                self.state
+                    .lock()
+                    .malloc(&self.device, size, stream, slot.map(|s| s.id))
+            },
+        )
+    }
+
+    /// A thread cache for the calling thread, if the configuration has them.
+    fn register_slot(&self) -> Option<Arc<Slot>> {
+        self.state.lock().register_slot()
     }
 
     /// Returns an allocation to the cache. If other streams used it
     /// ([`CachingAllocator::record_stream`]), it is reused only after events
     /// recorded on them now have completed.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
-        self.state.lock().free(&self.device, ptr)
+        if !self.front_on.load(Ordering::Relaxed) {
+            return self.state.lock().free(&self.device, ptr, None);
+        }
+        front::with_slot(
+            self.id,
+            || self.register_slot(),
+            |slot| {
+                if let Some(slot) = slot {
+                    if let FastFree::Done = slot.try_free(ptr.0) {
+                        return Ok(());
+                    }
+                }
+                self.state
+                    .lock()
+                    .free(&self.device, ptr, slot.map(|s| s.id))
+            },
+        )
     }
 
     /// Marks the allocation at `ptr` as used by `stream` as well as its own.
@@ -219,6 +301,7 @@ impl<D: Device> CachingAllocator<D> {
         if let Some(r) = st.recorder.as_mut() {
             (r.sink)(&TraceEvent::EmptyCache);
         }
+        st.flush_fronts();
         st.release_cached(&self.device)
     }
 
@@ -230,6 +313,7 @@ impl<D: Device> CachingAllocator<D> {
         st.config.memory_cap = cap;
         st.cap = cap.map(|c| c.bytes(total));
         if st.cap.is_some_and(|c| st.reserved() > c) {
+            st.flush_fronts();
             st.release_cached(&self.device)?;
         }
         Ok(())
@@ -241,13 +325,21 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// A copy of the statistics (PyTorch's `memory_stats()`).
+    ///
+    /// With thread caches, what threads did without the allocator's lock is
+    /// folded in now: `current` values and totals are exact; a peak may count
+    /// blocks a thread took back from its cache and freed again since the
+    /// last read as if both were live at once (see `docs/POLICY.md`).
     pub fn stats(&self) -> MemoryStats {
-        self.state.lock().stats.clone()
+        let mut st = self.state.lock();
+        st.sync_fronts();
+        st.stats.clone()
     }
 
     /// Current allocated / reserved / requested bytes, cheaply.
     pub fn usage(&self) -> Usage {
-        let st = self.state.lock();
+        let mut st = self.state.lock();
+        st.sync_fronts();
         Usage {
             allocated: st.stats.allocated_bytes.all().current,
             reserved: st.reserved(),
@@ -258,23 +350,33 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Resets every peak statistic to its current value.
     pub fn reset_peak_stats(&self) {
-        self.state.lock().stats.reset_peak();
+        let mut st = self.state.lock();
+        st.sync_fronts();
+        st.stats.reset_peak();
     }
 
     /// How fragmented the cache is now.
+    /// Blocks parked in thread caches go back to the bins first.
     pub fn fragmentation(&self) -> FragmentationReport {
-        self.state.lock().fragmentation()
+        let mut st = self.state.lock();
+        st.flush_fronts();
+        st.fragmentation()
     }
 
     /// Every segment and block.
     pub fn snapshot(&self) -> Snapshot {
-        self.state.lock().snapshot()
+        let mut st = self.state.lock();
+        st.sync_fronts();
+        st.snapshot()
     }
 
     /// Starts sending every malloc / free / empty_cache to `sink` as trace
     /// events (ids are assigned in allocation order). Replaces any earlier sink.
+    /// Thread caches are off while recording, so that every call is seen.
     pub fn start_recording(&self, sink: TraceSink) {
         let mut st = self.state.lock();
+        self.front_on.store(false, Ordering::Relaxed);
+        st.flush_fronts();
         let mut ids = FastMap::default();
         let mut next_id = 0;
         // Allocations already live get ids too, so that their frees are valid
@@ -298,7 +400,9 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Stops recording; returns whether a recording was running.
     pub fn stop_recording(&self) -> bool {
-        self.state.lock().recorder.take().is_some()
+        let mut st = self.state.lock();
+        self.front_on.store(self.front_enabled, Ordering::Relaxed);
+        st.recorder.take().is_some()
     }
 
     /// Checks every internal invariant; the first violation is returned as text.
@@ -309,7 +413,10 @@ impl<D: Device> CachingAllocator<D> {
     /// events match the blocks awaiting them, and every statistic equals what
     /// the blocks recompute. Used by the property tests and the fuzzers.
     pub fn check_invariants(&self) -> Result<(), String> {
-        self.state.lock().check_invariants()
+        let mut st = self.state.lock();
+        st.sync_fronts();
+        st.check_invariants()?;
+        st.check_slots()
     }
 }
 
@@ -362,10 +469,16 @@ impl<E> State<E> {
         dev: &D,
         size: u64,
         stream: StreamId,
+        own: Option<SlotId>,
     ) -> Result<DevicePtr, AllocError> {
         // Misuse is answered before anything changes.
         let rounded = round_size(size, &self.config.roundup_power2_divisions)
             .ok_or(AllocError::SizeTooLarge(size))?;
+        if let Some(slot) = own {
+            let w = &mut self.wanted[slot.0 as usize];
+            w.keys[w.next] = front::key_hash(rounded, stream);
+            w.next = (w.next + 1) % w.keys.len();
+        }
         if self.pending_blocks > 0 {
             self.process_events(dev)?;
         }
@@ -378,6 +491,9 @@ impl<E> State<E> {
             PoolKind::Large
         };
         let pool = PoolId::new(self.stream_slot(stream), kind);
+        if let (Some(slot), false) = (own, kind == PoolKind::Small) {
+            self.flush_own_large(slot);
+        }
         if self.granularity.is_some() {
             let id = self.malloc_expandable(dev, pool, stream, size, rounded)?;
             return Ok(self.alloc_found_block(id, rounded, size));
@@ -431,6 +547,13 @@ impl<E> State<E> {
         size: u64,
         rounded: u64,
     ) -> Result<BlockId, AllocError> {
+        if self.front_blocks > 0 {
+            // Blocks parked in thread caches go back before the device is asked.
+            self.flush_fronts();
+            if let Some(id) = self.get_free_block(pool, rounded) {
+                return Ok(id);
+            }
+        }
         let seg_size = self.segment_size(rounded);
         if self.config.garbage_collection_threshold.is_some() && self.cap.is_some() {
             self.garbage_collect(dev)?;
@@ -653,11 +776,26 @@ impl<E> State<E> {
         AllocError::UnknownPointer(ptr)
     }
 
-    fn free<D: Device<Event = E>>(&mut self, dev: &D, ptr: DevicePtr) -> Result<(), AllocError> {
+    fn free<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        ptr: DevicePtr,
+        own: Option<SlotId>,
+    ) -> Result<(), AllocError> {
         self.clock += 1;
-        let Some(id) = self.live.remove(&ptr.0) else {
+        let Some(&id) = self.live.get(&ptr.0) else {
             return Err(self.classify_bad_pointer(ptr));
         };
+        if let Some(holder) = self.blocks.get(id.0).front {
+            self.take_back(holder, ptr.0)?;
+        }
+        if let Some(slot) = own {
+            if self.should_park(slot, id) {
+                self.park(slot, id);
+                return Ok(());
+            }
+        }
+        self.live.remove(&ptr.0);
         let (size, pool) = {
             let b = self.blocks.get(id.0);
             (b.size, b.pool)
@@ -716,6 +854,16 @@ impl<E> State<E> {
             (b.size, std::mem::take(&mut b.requested), b.pool)
         };
         let kind = pool.kind();
+        self.merge_counted(id);
+        let s = &mut self.stats;
+        s.active.decrease(kind, 1);
+        s.active_bytes.decrease(kind, orig_size);
+        s.requested_bytes.decrease(kind, requested);
+    }
+
+    /// [`State::merge_into_bins`], with the change in inactive split blocks counted.
+    fn merge_counted(&mut self, id: BlockId) {
+        let kind = self.blocks.get(id.0).pool.kind();
         let (net_blocks, net_bytes) = self.merge_into_bins(id);
         let s = &mut self.stats;
         match net_blocks.signum() {
@@ -730,9 +878,6 @@ impl<E> State<E> {
                 .decrease(kind, net_bytes.unsigned_abs()),
             _ => {}
         }
-        s.active.decrease(kind, 1);
-        s.active_bytes.decrease(kind, orig_size);
-        s.requested_bytes.decrease(kind, requested);
     }
 
     /// Merges the free block `id` with its free neighbours and files the
@@ -793,6 +938,10 @@ impl<E> State<E> {
         let Some(&id) = self.live.get(&ptr.0) else {
             return Err(self.classify_bad_pointer(ptr));
         };
+        if let Some(holder) = self.blocks.get(id.0).front {
+            // A block another stream uses must not be parked: the allocator keeps it.
+            self.take_back(holder, ptr.0)?;
+        }
         let owner = self.segments.get(self.blocks.get(id.0).segment.0).stream;
         let b = self.blocks.get_mut(id.0);
         if stream != owner && !b.stream_uses.contains(&stream) {
@@ -1199,6 +1348,7 @@ impl<E> State<E> {
     fn check_invariants(&self) -> Result<(), String> {
         let mut expect = MemoryStats::default();
         let mut seen_blocks = 0;
+        let (mut held, mut parked) = (0usize, 0usize);
         let mut free_blocks = vec![0usize; self.bins.len()];
         let mut awaiting = 0usize;
         let mut pending_events = 0u64;
@@ -1238,6 +1388,15 @@ impl<E> State<E> {
             while let Some(id) = cur {
                 let b = self.blocks.get(id.0);
                 seen_blocks += 1;
+                held += usize::from(b.front.is_some());
+                if b.front.is_some()
+                    && !matches!(b.state, BlockState::Allocated | BlockState::Parked)
+                {
+                    return Err(format!(
+                        "{:?} block at {:#x} held by a thread cache",
+                        b.state, b.addr
+                    ));
+                }
                 if b.prev != prev || b.segment != seg || b.pool != s.pool {
                     return Err(format!("block {id:?} at {:#x} has broken links", b.addr));
                 }
@@ -1293,6 +1452,19 @@ impl<E> State<E> {
                         expect.active_bytes.increase(kind, b.size);
                         expect.requested_bytes.increase(kind, b.requested);
                     }
+                    BlockState::Parked => {
+                        if b.front.is_none() || self.live.get(&b.addr) != Some(&id) {
+                            return Err(format!(
+                                "parked block at {:#x} has no thread cache or is not in the live map",
+                                b.addr
+                            ));
+                        }
+                        parked += 1;
+                        if split {
+                            expect.inactive_split.increase(kind, 1);
+                            expect.inactive_split_bytes.increase(kind, b.size);
+                        }
+                    }
                     BlockState::AwaitingEvents => {
                         if b.pending_events == 0 {
                             return Err(format!("block at {:#x} awaits no events", b.addr));
@@ -1336,11 +1508,17 @@ impl<E> State<E> {
                 ));
             }
         }
-        if self.live.len() != expect.allocation.all().current as usize {
+        if self.live.len() != expect.allocation.all().current as usize + parked {
             return Err(format!(
-                "live map has {} entries for {} allocations",
+                "live map has {} entries for {} allocations and {parked} parked blocks",
                 self.live.len(),
                 expect.allocation.all().current
+            ));
+        }
+        if held != self.front_blocks {
+            return Err(format!(
+                "{held} blocks held by thread caches but {} counted",
+                self.front_blocks
             ));
         }
         if awaiting != self.pending_blocks {
@@ -1380,6 +1558,7 @@ impl<E> State<E> {
 }
 
 mod expandable;
+mod thread_cache;
 
 #[cfg(test)]
 mod tests;

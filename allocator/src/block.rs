@@ -5,6 +5,7 @@
 //! without any lookup. Ids are slab indices, distinct types from addresses.
 
 use crate::device::StreamId;
+use crate::front::SlotId;
 use crate::pages::PageMap;
 
 /// Index of a block record in the allocator's block slab.
@@ -73,6 +74,9 @@ pub enum BlockState {
     Allocated,
     /// Freed by the caller, but another stream may still use it: waiting for events.
     AwaitingEvents,
+    /// Freed by the caller and kept by that thread's cache for its next
+    /// request of the same size (inactive: not allocated, not in the bins).
+    Parked,
 }
 
 /// One contiguous piece of a segment.
@@ -95,6 +99,8 @@ pub(crate) struct Block {
     pub gc_base: u64,
     /// The allocator's operation count when the block last became free.
     pub freed_at: u64,
+    /// The thread cache that holds the block (parked, or handed out from it).
+    pub front: Option<SlotId>,
 }
 
 impl Block {
@@ -113,6 +119,7 @@ impl Block {
             pending_events: 0,
             gc_base: 0,
             freed_at: now,
+            front: None,
         }
     }
 

@@ -109,6 +109,10 @@ pub struct Config {
     pub expandable_page: u64,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
+    /// Freed blocks each thread keeps for its own next request of the same
+    /// rounded size and stream, served without the allocator's lock (0: off;
+    /// ignored with expandable segments or without caching). See `docs/POLICY.md`.
+    pub thread_cache: u32,
 }
 
 impl Config {
@@ -125,6 +129,7 @@ impl Config {
             large_split_remainder: MIB,
             huge_size: u64::MAX,
             huge_segment_divisions: 0,
+            thread_cache: 0,
             max_split_size: u64::MAX,
             oversize_slack: 20 * MIB,
             roundup_power2_divisions: [0; POWER2_INTERVALS],
@@ -346,6 +351,13 @@ impl Config {
                     _ => return Err(bad("expected oldest, smallest_fit, largest or all")),
                 }
             }
+            "thread_cache" => {
+                let n: u32 = value.parse().map_err(|_| bad("expected a whole number"))?;
+                if n > MAX_THREAD_CACHE {
+                    return Err(bad("at most 1024 blocks per thread"));
+                }
+                self.thread_cache = n;
+            }
             "huge_segment_divisions" => {
                 let d: u32 = value.parse().map_err(|_| bad("expected a whole number"))?;
                 if d > 1 << 16 || (d > 1 && !d.is_power_of_two()) {
@@ -434,6 +446,7 @@ impl Config {
             .map(|(i, d)| format!("{}:{d}", 1u64 << i))
             .collect();
         s += &format!(",roundup_power2_divisions:[{}]", list.join(","));
+        s += &format!(",thread_cache:{}", self.thread_cache);
         if let Some(t) = self.garbage_collection_threshold {
             s += &format!(",garbage_collection_threshold:{t}");
         }
@@ -446,6 +459,12 @@ impl Config {
     }
 }
 
+/// Blocks each thread keeps in `default` (enough for a few tensors of a
+/// step's repeating shapes; each is flushed back before the allocator grows).
+pub const DEFAULT_THREAD_CACHE: u32 = 8;
+/// Upper bound of `thread_cache`.
+pub const MAX_THREAD_CACHE: u32 = 1024;
+
 impl Default for Config {
     /// cachealloc's own policy (tuned on trace replays; see `docs/POLICY.md`).
     fn default() -> Self {
@@ -453,6 +472,7 @@ impl Default for Config {
             name: "default".into(),
             release_before_grow: true,
             release_order: ReleaseOrder::Oldest,
+            thread_cache: DEFAULT_THREAD_CACHE,
             ..Self::pytorch()
         }
     }
@@ -595,7 +615,7 @@ impl fmt::Display for ConfigError {
         match self {
             ConfigError::UnknownKey(k) => write!(
                 f,
-                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb)"
+                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb, thread_cache)"
             ),
             ConfigError::UnknownPreset(p) => {
                 write!(f, "unknown configuration `{p}` (presets: {}; or key:value,…)", Config::PRESETS.join(", "))

@@ -36,6 +36,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 mod fasthash;
+mod front;
 mod pages;
 pub mod replay;
 pub mod report;

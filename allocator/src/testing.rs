@@ -137,6 +137,8 @@ pub fn configs() -> Vec<(&'static str, Config)> {
             "default-huge-64",
             parse("default,huge_size_mb:64,huge_segment_divisions:4"),
         ),
+        // One parked block per thread: every park past the first evicts.
+        ("default-thread-cache-1", parse("default,thread_cache:1")),
     ]
 }
 
@@ -352,7 +354,7 @@ pub fn check_stats_against_snapshot(
                     add(ACTIVE_BYTES, k, b.size);
                     add(REQUESTED_BYTES, k, b.requested_size);
                 }
-                BlockState::Free => {
+                BlockState::Free | BlockState::Parked => {
                     if split {
                         add(INACTIVE_SPLIT, k, 1);
                         add(INACTIVE_SPLIT_BYTES, k, b.size);

@@ -1,0 +1,613 @@
+//! The allocator's side of the per-thread caches (`crate::front`).
+//!
+//! Under the allocator's lock a freed block whose size its thread recently
+//! missed is *parked* in the thread's slot (counted as freed, kept out of the
+//! bins). The slot then hands it out and takes it back on its own; those
+//! moves are tallied in the slot and folded into the statistics by
+//! [`State::sync_slot`], which also brings the blocks' states up to date.
+//! Lock order: the allocator's state, then a slot.
+
+use super::{State, Wanted};
+use crate::block::{BlockId, BlockState};
+use crate::device::DevicePtr;
+use crate::error::AllocError;
+use crate::front::{key_hash, kind_index, Entry, Slot, SlotId, SlotInner, Track, KINDS, TRACKED};
+use crate::rounding::round_size;
+use std::sync::Arc;
+
+/// How to fold one tracked statistic: raise it by `.0` (the highest point
+/// the thread's own sequence reached), lower it by `.1` (to where it ended),
+/// then add `.2` to both totals, so that current, peak, allocated and freed
+/// all come out as if each move had been applied in order.
+fn fold(t: &Track) -> Option<(u64, u64, u64)> {
+    if t.up == 0 && t.down == 0 {
+        return None;
+    }
+    let max = t.max as u64;
+    Some((max, (t.max - t.net) as u64, t.up - max))
+}
+
+impl<E> State<E> {
+    /// A new slot for a thread, or `None` when thread caches are off.
+    pub(super) fn register_slot(&mut self) -> Option<Arc<Slot>> {
+        if self.thread_cache == 0 {
+            return None;
+        }
+        let index = match self.slots.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.slots.push(None);
+                self.wanted.push(Wanted::default());
+                self.slots.len() - 1
+            }
+        };
+        let slot = Arc::new(Slot::new(SlotId(index as u32), self.thread_cache));
+        self.slots[index] = Some(slot.clone());
+        self.wanted[index] = Wanted::default();
+        Some(slot)
+    }
+
+    fn slot(&self, id: SlotId) -> Arc<Slot> {
+        self.slots[id.0 as usize]
+            .clone()
+            .expect("a block's thread cache stays registered while it holds blocks")
+    }
+
+    /// Whether the freed, allocated block `id` should be parked for thread cache `slot`.
+    pub(super) fn should_park(&self, slot: SlotId, id: BlockId) -> bool {
+        if self.thread_cache == 0 || self.recorder.is_some() {
+            return false;
+        }
+        let b = self.blocks.get(id.0);
+        if !b.stream_uses.is_empty() || self.segments.get(b.segment.0).is_expandable() {
+            return false;
+        }
+        let Some(key) = round_size(b.requested.max(1), &self.config.roundup_power2_divisions)
+        else {
+            return false;
+        };
+        let stream = self.stream_list[b.pool.stream_slot()];
+        let h = key_hash(key, stream);
+        let Some(w) = self.wanted.get(slot.0 as usize) else {
+            return false;
+        };
+        if b.pool.kind() == crate::block::PoolKind::Small {
+            w.keys.contains(&h)
+        } else {
+            // A large block only for an immediate repeat: the thread's last request was its size.
+            w.keys[(w.next + w.keys.len() - 1) % w.keys.len()] == h
+        }
+    }
+
+    /// Parks the allocated block `id` (still in the live map) in thread cache
+    /// `slot`: counted as freed, kept out of the bins. Evicts the slot's
+    /// oldest parked block back to the bins if the slot is full.
+    pub(super) fn park(&mut self, slot: SlotId, id: BlockId) {
+        let b = self.blocks.get(id.0);
+        let (addr, size, pool, requested, split) =
+            (b.addr, b.size, b.pool, b.requested, b.is_split());
+        let key = round_size(requested.max(1), &self.config.roundup_power2_divisions)
+            .expect("checked by should_park");
+        let kind = pool.kind();
+        let oversize = size >= self.config.max_split_size;
+        let s = &mut self.stats;
+        s.allocation.decrease(kind, 1);
+        s.allocated_bytes.decrease(kind, size);
+        s.active.decrease(kind, 1);
+        s.active_bytes.decrease(kind, size);
+        s.requested_bytes.decrease(kind, requested);
+        if oversize {
+            s.oversize_allocations.decrease(1);
+        }
+        if split {
+            s.inactive_split.increase(kind, 1);
+            s.inactive_split_bytes.increase(kind, size);
+        }
+        let clock = self.clock;
+        let b = self.blocks.get_mut(id.0);
+        b.state = BlockState::Parked;
+        b.requested = 0;
+        b.freed_at = clock;
+        b.front = Some(slot);
+        self.front_blocks += 1;
+        let entry = Entry {
+            addr,
+            key,
+            stream: self.stream_list[pool.stream_slot()],
+            size,
+            kind,
+            block: id,
+            split,
+            oversize,
+            requested: 0,
+        };
+        let holder = self.slot(slot);
+        let mut g = holder.inner.lock();
+        if g.cached.len() >= holder.capacity {
+            self.sync_slot(&mut g);
+            if let Some(old) = holder.evict_oldest_locked(&mut g) {
+                self.unpark(old.block);
+            }
+        }
+        holder.park_locked(&mut g, entry);
+    }
+
+    /// Takes the block at `addr`, handed out by thread cache `holder`, back
+    /// into the allocator's own keeping (still allocated). A parked block
+    /// there means the caller already freed it.
+    pub(super) fn take_back(&mut self, holder: SlotId, addr: u64) -> Result<(), AllocError> {
+        let slot = self.slot(holder);
+        let mut g = slot.inner.lock();
+        self.sync_slot(&mut g);
+        let Some(e) = slot.take_live_locked(&mut g, addr) else {
+            return Err(AllocError::DoubleFree(DevicePtr(addr)));
+        };
+        self.blocks.get_mut(e.block.0).front = None;
+        self.front_blocks -= 1;
+        Ok(())
+    }
+
+    /// Folds what the slot did on its own into the statistics and the block states.
+    pub(super) fn sync_slot(&mut self, g: &mut SlotInner) {
+        if g.pending.any {
+            let p = std::mem::take(&mut g.pending);
+            let s = &mut self.stats;
+            for kind in KINDS {
+                let tracks = &p.kinds[kind_index(kind)];
+                let arrays = [
+                    &mut s.allocation,
+                    &mut s.allocated_bytes,
+                    &mut s.active,
+                    &mut s.active_bytes,
+                    &mut s.requested_bytes,
+                    &mut s.inactive_split,
+                    &mut s.inactive_split_bytes,
+                ];
+                for (t, a) in tracks.iter().zip(arrays) {
+                    if let Some((up, down, extra)) = fold(t) {
+                        a.increase(kind, up);
+                        a.decrease(kind, down);
+                        for g in [0, kind.stat_group()] {
+                            a.0[g].allocated += extra;
+                            a.0[g].freed += extra;
+                        }
+                    }
+                }
+                if let Some((up, down, extra)) = fold(&tracks[TRACKED - 1]) {
+                    let o = &mut s.oversize_allocations;
+                    o.increase(up);
+                    o.decrease(down);
+                    o.allocated += extra;
+                    o.freed += extra;
+                }
+            }
+        }
+        for e in g.live.values() {
+            let b = self.blocks.get_mut(e.block.0);
+            b.state = BlockState::Allocated;
+            b.requested = e.requested;
+        }
+        for e in &g.cached {
+            let b = self.blocks.get_mut(e.block.0);
+            b.state = BlockState::Parked;
+            b.requested = 0;
+        }
+    }
+
+    /// Returns a parked block (its slot synced) to the bins, merging it.
+    fn unpark(&mut self, id: BlockId) {
+        let b = self.blocks.get_mut(id.0);
+        debug_assert_eq!(b.state, BlockState::Parked);
+        let (addr, size, kind, split) = (b.addr, b.size, b.pool.kind(), b.is_split());
+        // Idle since the caller (or a free neighbour's caller) freed it, not since the flush.
+        let mut parked_at = b.freed_at;
+        for n in [b.prev, b.next].into_iter().flatten() {
+            let nb = self.blocks.get(n.0);
+            if nb.state == BlockState::Free {
+                parked_at = parked_at.max(nb.freed_at);
+            }
+        }
+        let b = self.blocks.get_mut(id.0);
+        b.state = BlockState::Free;
+        b.front = None;
+        self.front_blocks -= 1;
+        self.live.remove(&addr);
+        if split {
+            self.stats.inactive_split.decrease(kind, 1);
+            self.stats.inactive_split_bytes.decrease(kind, size);
+        }
+        self.merge_counted(id);
+        self.blocks.get_mut(id.0).freed_at = parked_at;
+    }
+
+    /// Before a large request is placed, the calling thread's parked large
+    /// blocks go back to the bins, so that the placement sees every free
+    /// large block (a parked block serves only a repeat of its own size
+    /// before any other large request).
+    pub(super) fn flush_own_large(&mut self, own: SlotId) {
+        let slot = self.slot(own);
+        if !slot.holds_large() {
+            return;
+        }
+        let mut g = slot.inner.lock();
+        self.sync_slot(&mut g);
+        for e in slot.take_large_locked(&mut g) {
+            self.unpark(e.block);
+        }
+    }
+
+    /// Brings every slot's tallies and block states up to date.
+    pub(super) fn sync_fronts(&mut self) {
+        if self.front_blocks == 0 {
+            return;
+        }
+        for slot in self.slots.clone().into_iter().flatten() {
+            let mut g = slot.inner.lock();
+            self.sync_slot(&mut g);
+        }
+    }
+
+    /// Returns every parked block to the bins, and forgets the slots of
+    /// threads that ended with nothing in them.
+    pub(super) fn flush_fronts(&mut self) {
+        if self.slots.is_empty() {
+            return;
+        }
+        for (i, slot) in self.slots.clone().into_iter().enumerate() {
+            let Some(slot) = slot else { continue };
+            let mut g = slot.inner.lock();
+            self.sync_slot(&mut g);
+            for e in slot.take_parked_locked(&mut g) {
+                self.unpark(e.block);
+            }
+            let idle = g.live.is_empty();
+            drop(g);
+            // Two owners left (the list and the clone above): the thread is gone.
+            if idle && Arc::strong_count(&slot) == 2 {
+                self.slots[i] = None;
+            }
+        }
+    }
+
+    /// Every slot's entries name blocks it holds, in the matching state.
+    /// (Each slot is synced under its lock first: its thread may have moved
+    /// blocks since the allocator last looked.)
+    pub(super) fn check_slots(&mut self) -> Result<(), String> {
+        let mut n = 0;
+        for slot in self.slots.clone().into_iter().flatten() {
+            let mut g = slot.inner.lock();
+            self.sync_slot(&mut g);
+            let entries = g.cached.iter().map(|e| (e, BlockState::Parked));
+            for (e, want) in entries.chain(g.live.values().map(|e| (e, BlockState::Allocated))) {
+                n += 1;
+                let b = self.blocks.get(e.block.0);
+                if b.addr != e.addr
+                    || b.size != e.size
+                    || b.front != Some(slot.id)
+                    || b.state != want
+                {
+                    return Err(format!(
+                        "thread cache {:?} holds {e:?} but the block is {:?} at {:#x}+{} held by {:?}",
+                        slot.id, b.state, b.addr, b.size, b.front
+                    ));
+                }
+            }
+            if g.cached.len() > slot.capacity {
+                return Err(format!(
+                    "thread cache {:?} parks {} blocks",
+                    slot.id,
+                    g.cached.len()
+                ));
+            }
+        }
+        if n != self.front_blocks {
+            return Err(format!(
+                "thread caches list {n} blocks but {} are held",
+                self.front_blocks
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::block::PoolKind;
+    use crate::config::Config;
+    use crate::device::{DevicePtr, StreamId};
+    use crate::error::AllocError;
+    use crate::simulated::SimulatedDevice;
+    use crate::trace::TraceEvent;
+    use crate::{BlockState, CachingAllocator};
+    use std::sync::{mpsc, Arc, Mutex};
+    use std::time::Duration;
+
+    const MIB: u64 = 1 << 20;
+    const S0: StreamId = StreamId(0);
+    const S1: StreamId = StreamId(1);
+
+    fn new(
+        config: &str,
+        capacity: u64,
+    ) -> (SimulatedDevice, Arc<CachingAllocator<SimulatedDevice>>) {
+        let dev = SimulatedDevice::new(capacity);
+        let a = CachingAllocator::new(dev.clone(), Config::parse(config).unwrap());
+        (dev, Arc::new(a))
+    }
+
+    fn states(a: &CachingAllocator<SimulatedDevice>) -> Vec<BlockState> {
+        let snap = a.snapshot();
+        snap.segments
+            .iter()
+            .flat_map(|s| s.blocks.iter().map(|b| b.state))
+            .collect()
+    }
+
+    #[test]
+    fn a_repeated_size_is_served_without_the_allocator_lock() {
+        let (dev, a) = new("default", 1 << 30);
+        let p = a.malloc(1000, S0).unwrap();
+        a.free(p).unwrap();
+        assert!(
+            states(&a).contains(&BlockState::Parked),
+            "the block is parked"
+        );
+        let (tx, rx) = mpsc::channel();
+        let a2 = a.clone();
+        // Slots are per thread: a helper thread parks its own block, then
+        // repeats its size while this thread holds the allocator's lock.
+        let t = std::thread::spawn(move || {
+            let q = a2.malloc(4096, S0).unwrap();
+            a2.free(q).unwrap();
+            tx.send(()).unwrap();
+            // Wait until the main thread holds the lock, then repeat.
+            std::thread::park();
+            for _ in 0..1000 {
+                let r = a2.malloc(4000, S0).unwrap();
+                assert_eq!(r, q, "the parked block comes back");
+                a2.free(r).unwrap();
+            }
+            tx.send(()).unwrap();
+        });
+        rx.recv().unwrap();
+        let guard = a.state.lock();
+        t.thread().unpark();
+        let done = rx.recv_timeout(Duration::from_secs(10));
+        drop(guard);
+        t.join().unwrap();
+        assert!(
+            done.is_ok(),
+            "1000 repeats finished while the allocator's lock was held"
+        );
+        assert_eq!(dev.counters().allocs, 1);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn statistics_count_what_the_thread_cache_served() {
+        let (_, a) = new("default", 1 << 30);
+        for i in 0..100u64 {
+            let p = a.malloc(1000 + i % 3, S0).unwrap();
+            a.free(p).unwrap();
+        }
+        let s = a.stats();
+        assert_eq!(
+            s.allocated_bytes.all().peak,
+            1024,
+            "one block live at a time"
+        );
+        assert_eq!(s.allocation.all().peak, 1);
+        assert_eq!(s.allocated_bytes.all().allocated, 100 * 1024);
+        let big = a.malloc(64 * MIB, S0).unwrap();
+        a.free(big).unwrap();
+        let big = a.malloc(64 * MIB - 100, S0).unwrap();
+        let held = a.malloc(2000, S0).unwrap();
+        let s = a.stats();
+        let all = s.allocation.all();
+        assert_eq!((all.allocated, all.freed, all.current), (103, 101, 2));
+        assert_eq!(s.allocated_bytes.all().current, 64 * MIB + 2048);
+        assert_eq!(s.requested_bytes.all().current, 64 * MIB - 100 + 2000);
+        assert_eq!(
+            s.requested_bytes.pool(PoolKind::Large).current,
+            64 * MIB - 100
+        );
+        assert_eq!(s.active.all().current, 2);
+        // The small block (1024 B) parked in its 2 MiB segment is inactive split memory.
+        assert_eq!(
+            s.inactive_split_bytes.pool(PoolKind::Small).current,
+            2 * MIB - 2048
+        );
+        a.free(big).unwrap();
+        a.free(held).unwrap();
+        let s = a.stats();
+        assert_eq!(s.allocated_bytes.all().current, 0);
+        assert_eq!(s.requested_bytes.all().current, 0);
+        assert!(s.allocated_bytes.all().peak >= 64 * MIB + 2048);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn misuse_of_a_cached_block_is_an_error() {
+        let (_, a) = new("default", 1 << 30);
+        let p = a.malloc(4096, S0).unwrap();
+        a.free(p).unwrap(); // parked
+        assert!(matches!(a.free(p), Err(AllocError::DoubleFree(q)) if q == p));
+        let p2 = a.malloc(4096, S0).unwrap(); // from the cache
+        assert_eq!(p2, p);
+        a.free(p2).unwrap(); // parked again, without the allocator's lock
+        assert!(matches!(a.free(p2), Err(AllocError::DoubleFree(_))));
+        assert!(a.free(DevicePtr(p.0 + 512)).is_err(), "interior pointer");
+        assert!(
+            a.record_stream(p, S1).is_err(),
+            "a parked block is not live"
+        );
+        // From another thread too.
+        let a2 = a.clone();
+        let r = std::thread::spawn(move || a2.free(p)).join().unwrap();
+        assert!(matches!(r, Err(AllocError::DoubleFree(_))));
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn another_thread_frees_a_block_the_cache_handed_out() {
+        let (dev, a) = new("default", 1 << 30);
+        let p = a.malloc(4096, S0).unwrap();
+        a.free(p).unwrap();
+        let p = a.malloc(4096, S0).unwrap(); // handed out by this thread's cache
+        let a2 = a.clone();
+        std::thread::spawn(move || a2.free(p).unwrap())
+            .join()
+            .unwrap();
+        assert!(a.free(p).is_err(), "freed once, by the other thread");
+        assert_eq!(a.stats().allocation.all().current, 0);
+        a.check_invariants().unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(dev.outstanding(), 0);
+    }
+
+    #[test]
+    fn a_block_used_on_another_stream_is_not_cached() {
+        let (dev, a) = new("default", 1 << 30);
+        let p = a.malloc(4096, S0).unwrap();
+        a.free(p).unwrap();
+        let p = a.malloc(4096, S0).unwrap(); // from the cache
+        a.record_stream(p, S1).unwrap();
+        a.free(p).unwrap();
+        let q = a.malloc(4096, S0).unwrap();
+        assert_ne!(p, q, "not reused while stream 1 may use it");
+        assert!(states(&a).contains(&BlockState::AwaitingEvents));
+        dev.complete_all_events();
+        a.free(q).unwrap();
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn parked_blocks_go_back_before_the_device_is_asked() {
+        // One small segment fits the device.
+        let (dev, a) = new("default", 2 * MIB);
+        let p = a.malloc(MIB, S0).unwrap();
+        let q = a.malloc(MIB, S0).unwrap();
+        a.free(p).unwrap();
+        a.free(q).unwrap();
+        assert_eq!(
+            states(&a),
+            vec![BlockState::Parked, BlockState::Parked],
+            "both parked"
+        );
+        // Another size: only the parked blocks, merged, can serve it.
+        let r = a.malloc(768 * 1024, S0);
+        assert!(r.is_ok(), "{r:?}");
+        assert_eq!(dev.counters().allocs, 1);
+        assert_eq!(a.stats().num_alloc_retries, 0);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn empty_cache_releases_segments_of_parked_blocks() {
+        let (dev, a) = new("default", 1 << 30);
+        for size in [512, 64 << 10, 16 * MIB] {
+            let p = a.malloc(size, S0).unwrap();
+            a.free(p).unwrap();
+        }
+        assert!(states(&a).contains(&BlockState::Parked));
+        let before = dev.segments().len();
+        let released = a.empty_cache().unwrap();
+        assert_eq!(released.segments as usize, before);
+        assert_eq!(dev.outstanding(), 0);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_large_block_is_parked_only_for_an_immediate_repeat() {
+        let (_, a) = new("default", 1 << 30);
+        let x = a.malloc(40 * MIB, S0).unwrap();
+        let y = a.malloc(30 * MIB, S0).unwrap();
+        a.free(x).unwrap(); // the last request was 30 MiB: x goes to the bins
+        a.free(y).unwrap(); // parked
+        assert_eq!(
+            states(&a)
+                .iter()
+                .filter(|s| **s == BlockState::Parked)
+                .count(),
+            1
+        );
+        // Another large size first returns the parked block to the bins, so best fit sees it.
+        let z = a.malloc(20 * MIB, S0).unwrap();
+        assert_eq!(z, y, "best fit: the 30 MiB segment");
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn without_thread_cache_nothing_is_parked() {
+        for conf in [
+            "pytorch",
+            "default,thread_cache:0",
+            "expandable",
+            "no-caching",
+        ] {
+            let (_, a) = new(conf, 1 << 30);
+            for _ in 0..3 {
+                let p = a.malloc(4096, S0).unwrap();
+                a.free(p).unwrap();
+            }
+            assert!(!states(&a).contains(&BlockState::Parked), "{conf}");
+        }
+    }
+
+    #[test]
+    fn recording_sees_every_call() {
+        let (_, a) = new("default", 1 << 30);
+        let p = a.malloc(4096, S0).unwrap();
+        a.free(p).unwrap();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let sink = events.clone();
+        a.start_recording(Box::new(move |e| sink.lock().unwrap().push(*e)));
+        for _ in 0..10 {
+            let p = a.malloc(4096, S0).unwrap();
+            a.free(p).unwrap();
+        }
+        a.stop_recording();
+        let ev = events.lock().unwrap();
+        let allocs = ev
+            .iter()
+            .filter(|e| matches!(e, TraceEvent::Alloc { .. }))
+            .count();
+        let frees = ev
+            .iter()
+            .filter(|e| matches!(e, TraceEvent::Free { .. }))
+            .count();
+        assert_eq!((allocs, frees), (10, 10));
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn threads_each_keep_their_own_blocks() {
+        let (dev, a) = new("default", 1 << 30);
+        let handles: Vec<_> = (0..8u64)
+            .map(|t| {
+                let a = a.clone();
+                std::thread::spawn(move || {
+                    let size = 4096 + 512 * t;
+                    let first = a.malloc(size, S0).unwrap();
+                    a.free(first).unwrap();
+                    for _ in 0..10_000 {
+                        let p = a.malloc(size, S0).unwrap();
+                        assert_eq!(p, first);
+                        a.free(p).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        let s = a.stats();
+        assert_eq!(s.allocation.all().allocated, 8 * 10_001);
+        assert_eq!(s.allocation.all().current, 0);
+        assert_eq!(dev.counters().allocs, 1);
+        a.check_invariants().unwrap();
+        // The threads are gone: a flush forgets their slots.
+        a.empty_cache().unwrap();
+        assert!(a.state.lock().slots.iter().all(Option::is_none));
+    }
+}
