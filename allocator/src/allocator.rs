@@ -78,6 +78,8 @@ struct State<E> {
     stats: MemoryStats,
     /// Highest reserved bytes ever (not reset by `reset_peak_stats`).
     high_water: u64,
+    /// Highest allocated bytes ever (not reset by `reset_peak_stats`).
+    alloc_high_water: u64,
     /// Mallocs and frees so far: the clock of idle ages.
     clock: u64,
     recorder: Option<Recorder>,
@@ -144,6 +146,7 @@ impl<D: Device> CachingAllocator<D> {
                 pending_blocks: 0,
                 stats,
                 high_water: 0,
+                alloc_high_water: 0,
                 clock: 0,
                 recorder: None,
                 granularity,
@@ -435,9 +438,18 @@ impl<E> State<E> {
         if self.config.garbage_collection_threshold.is_some() && self.cap.is_some() {
             self.garbage_collect(dev)?;
         }
-        if self.config.release_before_grow && self.reserved() + seg_size > self.high_water {
-            let need = self.reserved() + seg_size - self.high_water;
-            self.release_free_segments(dev, need, self.config.release_min_idle)?;
+        if self.config.release_before_grow {
+            // Growing is free up to the high-water mark, and while reserved
+            // memory stays within `grow_slack` of the peak allocated bytes.
+            let current = self.stats.allocated_bytes.all().current;
+            let peak = self.alloc_high_water.max(current + rounded);
+            let slack = (peak as f64 * (1.0 + self.config.grow_slack)) as u64;
+            let mark = self.high_water.max(slack);
+            if self.reserved() + seg_size > mark {
+                let need = self.reserved() + seg_size - mark;
+                let kind = self.config.release_same_kind.then_some(pool.kind());
+                self.release_free_segments(dev, need, self.config.release_min_idle, kind)?;
+            }
         }
         if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
             return Ok(id);
@@ -607,6 +619,7 @@ impl<E> State<E> {
         let s = &mut self.stats;
         s.allocation.increase(kind, 1);
         s.allocated_bytes.increase(kind, final_size);
+        self.alloc_high_water = self.alloc_high_water.max(s.allocated_bytes.all().current);
         s.active.increase(kind, 1);
         s.active_bytes.increase(kind, final_size);
         s.requested_bytes.increase(kind, requested);
@@ -929,16 +942,21 @@ impl<E> State<E> {
         })
     }
 
-    /// Releases entirely free segments totalling at least `need` bytes: the
-    /// smallest single one that suffices, else the largest ones first.
+    /// Releases entirely free segments totalling at least `need` bytes, in
+    /// `release_order`; only segments idle for `min_idle` operations, and
+    /// only of pool kind `kind` when given.
     /// Returns the bytes released (possibly less than `need`).
     fn release_free_segments<D: Device<Event = E>>(
         &mut self,
         dev: &D,
         need: u64,
         min_idle: u64,
+        kind: Option<PoolKind>,
     ) -> Result<u64, AllocError> {
         let mut free = self.free_segments();
+        if let Some(k) = kind {
+            free.retain(|&(_, seg)| self.segments.get(seg.0).pool.kind() == k);
+        }
         if min_idle > 0 {
             let now = self.clock;
             free.retain(|&(_, seg)| {
@@ -997,7 +1015,7 @@ impl<E> State<E> {
             None => dev.mem_info()?.free,
         };
         let need = seg_size.saturating_sub(headroom).max(1);
-        Ok(self.release_free_segments(dev, need, 0)? > 0)
+        Ok(self.release_free_segments(dev, need, 0, None)? > 0)
     }
 
     /// PyTorch's `release_available_cached_blocks` (only with `max_split_size`):

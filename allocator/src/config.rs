@@ -90,6 +90,15 @@ pub struct Config {
     /// Before growing, release only segments idle for at least this many
     /// allocator operations (mallocs and frees).
     pub release_min_idle: u64,
+    /// Before growing, release only free segments of the pool kind (small,
+    /// large, huge) of the segment being created, so that pools do not trade
+    /// memory back and forth every step (the out-of-memory ladder still
+    /// releases any free segment).
+    pub release_same_kind: bool,
+    /// Release before grow only when reserved memory would also exceed
+    /// `1 + grow_slack` times the peak allocated bytes: while cached memory
+    /// is within this fraction of the peak, growing costs no driver calls.
+    pub grow_slack: f64,
     /// Which free segments go first when room is needed.
     pub release_order: ReleaseOrder,
     /// Expandable segments: idle pages stay mapped while reserved memory is
@@ -134,6 +143,8 @@ impl Config {
             release_order: ReleaseOrder::SmallestFit,
             oversize_ratio: 0,
             release_min_idle: 0,
+            release_same_kind: false,
+            grow_slack: 0.0,
             idle_slack: 0.01,
             idle_slack_hard: 0.02,
             recycle_batch: 0.05,
@@ -152,6 +163,8 @@ impl Config {
             huge_size: 256 * MIB,
             huge_segment_divisions: 16,
             oversize_ratio: 2,
+            release_same_kind: false,
+            grow_slack: 0.0,
             ..Self::default()
         }
     }
@@ -163,6 +176,9 @@ impl Config {
         Config {
             name: "expandable".into(),
             expandable_segments: true,
+            huge_size: u64::MAX,
+            release_same_kind: false,
+            grow_slack: 0.0,
             ..Self::default()
         }
     }
@@ -334,6 +350,17 @@ impl Config {
             "release_min_idle" => {
                 self.release_min_idle = value.parse().map_err(|_| bad("expected a whole number"))?
             }
+            "release_same_kind" => {
+                self.release_same_kind =
+                    parse_bool(value).ok_or_else(|| bad("expected True or False"))?
+            }
+            "grow_slack" => {
+                let f: f64 = value.parse().map_err(|_| bad("expected a number"))?;
+                if !(0.0..=10.0).contains(&f) {
+                    return Err(bad("must be between 0 and 10"));
+                }
+                self.grow_slack = f;
+            }
             "oversize_ratio" => {
                 self.oversize_ratio = value.parse().map_err(|_| bad("expected a whole number"))?
             }
@@ -405,7 +432,7 @@ impl Config {
         let mut s = format!(
             "{},caching:{},small_segment_mb:{},medium_segment_mb:{},large_threshold_mb:{},segment_round_mb:{},\
              large_split_remainder_mb:{},max_split_size_mb:{},huge_size_mb:{},huge_segment_divisions:{},\
-             oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},idle_slack:{},idle_slack_hard:{},recycle_batch:{},expandable_page_mb:{},\
+             oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},release_same_kind:{},grow_slack:{},idle_slack:{},idle_slack_hard:{},recycle_batch:{},expandable_page_mb:{},\
              expandable_segments:{}",
             self.name,
             py_bool(self.caching),
@@ -421,6 +448,8 @@ impl Config {
             py_bool(self.release_before_grow),
             release_order,
             self.release_min_idle,
+            py_bool(self.release_same_kind),
+            self.grow_slack,
             self.idle_slack,
             self.idle_slack_hard,
             self.recycle_batch,
@@ -453,6 +482,9 @@ impl Default for Config {
             name: "default".into(),
             release_before_grow: true,
             release_order: ReleaseOrder::Oldest,
+            huge_size: 256 * MIB,
+            release_same_kind: true,
+            grow_slack: 0.02,
             ..Self::pytorch()
         }
     }
@@ -595,7 +627,7 @@ impl fmt::Display for ConfigError {
         match self {
             ConfigError::UnknownKey(k) => write!(
                 f,
-                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb)"
+                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, release_same_kind, grow_slack, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb)"
             ),
             ConfigError::UnknownPreset(p) => {
                 write!(f, "unknown configuration `{p}` (presets: {}; or key:value,…)", Config::PRESETS.join(", "))
