@@ -503,6 +503,64 @@ fn release_min_idle_keeps_recently_freed_segments() {
     ok(&a);
 }
 
+#[test]
+fn release_before_grow_keeps_free_segments_of_other_pool_kinds() {
+    // A free huge segment is not traded for a large one (the next step's
+    // huge tensor would need it again); the out-of-memory ladder still may.
+    let run = |same_kind: bool| {
+        let config = Config {
+            release_same_kind: same_kind,
+            grow_slack: 0.0,
+            ..Config::default()
+        };
+        let (dev, a) = new(config);
+        let h = a.malloc(300 * MIB, S0).unwrap();
+        a.free(h).unwrap();
+        a.malloc(100 * MIB, S0).unwrap();
+        ok(&a);
+        dev.segments().len()
+    };
+    assert_eq!(run(true), 2, "the huge segment stays");
+    assert_eq!(run(false), 1, "without the rule it is released");
+    // Under a 350 MiB cap the ladder releases it to make room.
+    let (dev, a) = with_capacity(Config::default(), 350 * MIB);
+    let h = a.malloc(300 * MIB, S0).unwrap();
+    a.free(h).unwrap();
+    a.malloc(100 * MIB, S0).unwrap();
+    assert_eq!(dev.segments().len(), 1);
+    assert_eq!(a.stats().num_alloc_retries, 0);
+    ok(&a);
+}
+
+#[test]
+fn grow_slack_grows_without_releasing_while_close_to_the_allocated_peak() {
+    let run = |slack: f64| {
+        let config = Config {
+            grow_slack: slack,
+            ..Config::default()
+        };
+        let (dev, a) = new(config);
+        let _live = a.malloc(1000 * MIB, S0).unwrap();
+        let x = a.malloc(10 * MIB, S0).unwrap();
+        a.free(x).unwrap(); // reserved = high water = allocated peak = 1010 MiB
+                            // 12 MiB fits no cached block: 1022 MiB reserved is past the high
+                            // water but within 2% of the allocated peak (1012 MiB with it).
+        a.malloc(12 * MIB, S0).unwrap();
+        ok(&a);
+        (dev.segments().len(), a.stats().num_device_free)
+    };
+    assert_eq!(run(0.02), (3, 0), "x kept: no driver calls to save 10 MiB");
+    assert_eq!(run(0.0), (2, 1), "no slack: x is released first");
+    // Past the slack the rule releases again.
+    let (dev, a) = new(Config::default());
+    let _live = a.malloc(1000 * MIB, S0).unwrap();
+    let x = a.malloc(40 * MIB, S0).unwrap();
+    a.free(x).unwrap();
+    a.malloc(50 * MIB, S0).unwrap(); // 1090 MiB > 1.02 × 1050 MiB
+    assert_eq!(dev.segments().len(), 2);
+    ok(&a);
+}
+
 mod expandable {
     use super::*;
 
