@@ -78,8 +78,6 @@ struct State<E> {
     stats: MemoryStats,
     /// Highest reserved bytes ever (not reset by `reset_peak_stats`).
     high_water: u64,
-    /// Highest allocated bytes ever (not reset by `reset_peak_stats`).
-    alloc_high_water: u64,
     /// Mallocs and frees so far: the clock of idle ages.
     clock: u64,
     recorder: Option<Recorder>,
@@ -146,7 +144,6 @@ impl<D: Device> CachingAllocator<D> {
                 pending_blocks: 0,
                 stats,
                 high_water: 0,
-                alloc_high_water: 0,
                 clock: 0,
                 recorder: None,
                 granularity,
@@ -438,18 +435,10 @@ impl<E> State<E> {
         if self.config.garbage_collection_threshold.is_some() && self.cap.is_some() {
             self.garbage_collect(dev)?;
         }
-        if self.config.release_before_grow {
-            // Growing is free up to the high-water mark, and while reserved
-            // memory stays within `grow_slack` of the peak allocated bytes.
-            let current = self.stats.allocated_bytes.all().current;
-            let peak = self.alloc_high_water.max(current + rounded);
-            let slack = (peak as f64 * (1.0 + self.config.grow_slack)) as u64;
-            let mark = self.high_water.max(slack);
-            if self.reserved() + seg_size > mark {
-                let need = self.reserved() + seg_size - mark;
-                let kind = self.config.release_same_kind.then_some(pool.kind());
-                self.release_free_segments(dev, need, self.config.release_min_idle, kind)?;
-            }
+        if self.config.release_before_grow && self.reserved() + seg_size > self.high_water {
+            let need = self.reserved() + seg_size - self.high_water;
+            let kind = self.config.release_same_kind.then_some(pool.kind());
+            self.release_free_segments(dev, need, self.config.release_min_idle, kind)?;
         }
         if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
             return Ok(id);
@@ -619,7 +608,6 @@ impl<E> State<E> {
         let s = &mut self.stats;
         s.allocation.increase(kind, 1);
         s.allocated_bytes.increase(kind, final_size);
-        self.alloc_high_water = self.alloc_high_water.max(s.allocated_bytes.all().current);
         s.active.increase(kind, 1);
         s.active_bytes.increase(kind, final_size);
         s.requested_bytes.increase(kind, requested);

@@ -95,10 +95,6 @@ pub struct Config {
     /// memory back and forth every step (the out-of-memory ladder still
     /// releases any free segment).
     pub release_same_kind: bool,
-    /// Release before grow only when reserved memory would also exceed
-    /// `1 + grow_slack` times the peak allocated bytes: while cached memory
-    /// is within this fraction of the peak, growing costs no driver calls.
-    pub grow_slack: f64,
     /// Which free segments go first when room is needed.
     pub release_order: ReleaseOrder,
     /// Expandable segments: idle pages stay mapped while reserved memory is
@@ -144,7 +140,6 @@ impl Config {
             oversize_ratio: 0,
             release_min_idle: 0,
             release_same_kind: false,
-            grow_slack: 0.0,
             idle_slack: 0.01,
             idle_slack_hard: 0.02,
             recycle_batch: 0.05,
@@ -164,7 +159,7 @@ impl Config {
             huge_segment_divisions: 16,
             oversize_ratio: 2,
             release_same_kind: false,
-            grow_slack: 0.0,
+            release_min_idle: 0,
             ..Self::default()
         }
     }
@@ -178,7 +173,7 @@ impl Config {
             expandable_segments: true,
             huge_size: u64::MAX,
             release_same_kind: false,
-            grow_slack: 0.0,
+            release_min_idle: 0,
             ..Self::default()
         }
     }
@@ -354,13 +349,6 @@ impl Config {
                 self.release_same_kind =
                     parse_bool(value).ok_or_else(|| bad("expected True or False"))?
             }
-            "grow_slack" => {
-                let f: f64 = value.parse().map_err(|_| bad("expected a number"))?;
-                if !(0.0..=10.0).contains(&f) {
-                    return Err(bad("must be between 0 and 10"));
-                }
-                self.grow_slack = f;
-            }
             "oversize_ratio" => {
                 self.oversize_ratio = value.parse().map_err(|_| bad("expected a whole number"))?
             }
@@ -432,7 +420,7 @@ impl Config {
         let mut s = format!(
             "{},caching:{},small_segment_mb:{},medium_segment_mb:{},large_threshold_mb:{},segment_round_mb:{},\
              large_split_remainder_mb:{},max_split_size_mb:{},huge_size_mb:{},huge_segment_divisions:{},\
-             oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},release_same_kind:{},grow_slack:{},idle_slack:{},idle_slack_hard:{},recycle_batch:{},expandable_page_mb:{},\
+             oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},release_same_kind:{},idle_slack:{},idle_slack_hard:{},recycle_batch:{},expandable_page_mb:{},\
              expandable_segments:{}",
             self.name,
             py_bool(self.caching),
@@ -449,7 +437,6 @@ impl Config {
             release_order,
             self.release_min_idle,
             py_bool(self.release_same_kind),
-            self.grow_slack,
             self.idle_slack,
             self.idle_slack_hard,
             self.recycle_batch,
@@ -484,7 +471,7 @@ impl Default for Config {
             release_order: ReleaseOrder::Oldest,
             huge_size: 256 * MIB,
             release_same_kind: true,
-            grow_slack: 0.02,
+            release_min_idle: 25,
             ..Self::pytorch()
         }
     }
@@ -627,7 +614,7 @@ impl fmt::Display for ConfigError {
         match self {
             ConfigError::UnknownKey(k) => write!(
                 f,
-                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, release_same_kind, grow_slack, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb)"
+                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, release_same_kind, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb)"
             ),
             ConfigError::UnknownPreset(p) => {
                 write!(f, "unknown configuration `{p}` (presets: {}; or key:value,…)", Config::PRESETS.join(", "))
