@@ -4,6 +4,7 @@
 //! [0.85, 1.15] drawn from a hash of its id and the seed), and the table gives
 //! peak reserved / peak allocated, min-capacity / peak allocated and driver
 //! calls for each, plus their mean over the jittered variants.
+//! `POLICY_EVAL_VARIANTS=N` replays N jittered variants instead of 4.
 use cachealloc_core::replay::{replay, ReplayOptions, ReplayResult};
 use cachealloc_core::{Config, TraceEvent, TraceReader};
 use std::io::BufReader;
@@ -60,13 +61,18 @@ fn run(events: &[TraceEvent], config: &Config, capacity: Option<u64>) -> ReplayR
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let configs: Vec<&str> = args[1].split(';').collect();
+    let variants: u64 = std::env::var("POLICY_EVAL_VARIANTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(4);
     for path in &args[2..] {
         let base = load(path);
         for conf in &configs {
             let config = Config::parse(conf).unwrap();
             let mut sums = (0.0, 0.0, 0.0);
             let mut line = format!("{:<24} {:<60}", path.rsplit('/').next().unwrap(), conf);
-            for seed in 0..5u64 {
+            for seed in 0..=variants {
                 let events = jitter(&base, seed);
                 let r = run(&events, &config, None);
                 let py = run(&events, &Config::pytorch(), None);
@@ -91,9 +97,10 @@ fn main() {
                     );
                 }
                 if seed > 0 {
-                    sums.0 += ratio / 4.0;
-                    sums.1 += minc / 4.0;
-                    sums.2 += calls / 4.0;
+                    let n = variants as f64;
+                    sums.0 += ratio / n;
+                    sums.1 += minc / n;
+                    sums.2 += calls / n;
                 }
             }
             println!(

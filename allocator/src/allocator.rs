@@ -560,7 +560,8 @@ impl<E> State<E> {
         }
         if self.config.release_before_grow && self.reserved() + seg_size > self.high_water {
             let need = self.reserved() + seg_size - self.high_water;
-            self.release_free_segments(dev, need, self.config.release_min_idle)?;
+            let kind = self.config.release_same_kind.then_some(pool.kind());
+            self.release_free_segments(dev, need, self.config.release_min_idle, kind)?;
         }
         if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
             return Ok(id);
@@ -1078,16 +1079,21 @@ impl<E> State<E> {
         })
     }
 
-    /// Releases entirely free segments totalling at least `need` bytes: the
-    /// smallest single one that suffices, else the largest ones first.
+    /// Releases entirely free segments totalling at least `need` bytes, in
+    /// `release_order`; only segments idle for `min_idle` operations, and
+    /// only of pool kind `kind` when given.
     /// Returns the bytes released (possibly less than `need`).
     fn release_free_segments<D: Device<Event = E>>(
         &mut self,
         dev: &D,
         need: u64,
         min_idle: u64,
+        kind: Option<PoolKind>,
     ) -> Result<u64, AllocError> {
         let mut free = self.free_segments();
+        if let Some(k) = kind {
+            free.retain(|&(_, seg)| self.segments.get(seg.0).pool.kind() == k);
+        }
         if min_idle > 0 {
             let now = self.clock;
             free.retain(|&(_, seg)| {
@@ -1146,7 +1152,7 @@ impl<E> State<E> {
             None => dev.mem_info()?.free,
         };
         let need = seg_size.saturating_sub(headroom).max(1);
-        Ok(self.release_free_segments(dev, need, 0)? > 0)
+        Ok(self.release_free_segments(dev, need, 0, None)? > 0)
     }
 
     /// PyTorch's `release_available_cached_blocks` (only with `max_split_size`):

@@ -90,6 +90,11 @@ pub struct Config {
     /// Before growing, release only segments idle for at least this many
     /// allocator operations (mallocs and frees).
     pub release_min_idle: u64,
+    /// Before growing, release only free segments of the pool kind (small,
+    /// large, huge) of the segment being created, so that pools do not trade
+    /// memory back and forth every step (the out-of-memory ladder still
+    /// releases any free segment).
+    pub release_same_kind: bool,
     /// Which free segments go first when room is needed.
     pub release_order: ReleaseOrder,
     /// Expandable segments: idle pages stay mapped while reserved memory is
@@ -139,6 +144,7 @@ impl Config {
             release_order: ReleaseOrder::SmallestFit,
             oversize_ratio: 0,
             release_min_idle: 0,
+            release_same_kind: false,
             idle_slack: 0.01,
             idle_slack_hard: 0.02,
             recycle_batch: 0.05,
@@ -157,6 +163,8 @@ impl Config {
             huge_size: 256 * MIB,
             huge_segment_divisions: 16,
             oversize_ratio: 2,
+            release_same_kind: false,
+            release_min_idle: 0,
             ..Self::default()
         }
     }
@@ -168,6 +176,9 @@ impl Config {
         Config {
             name: "expandable".into(),
             expandable_segments: true,
+            huge_size: u64::MAX,
+            release_same_kind: false,
+            release_min_idle: 0,
             ..Self::default()
         }
     }
@@ -339,6 +350,10 @@ impl Config {
             "release_min_idle" => {
                 self.release_min_idle = value.parse().map_err(|_| bad("expected a whole number"))?
             }
+            "release_same_kind" => {
+                self.release_same_kind =
+                    parse_bool(value).ok_or_else(|| bad("expected True or False"))?
+            }
             "oversize_ratio" => {
                 self.oversize_ratio = value.parse().map_err(|_| bad("expected a whole number"))?
             }
@@ -417,7 +432,7 @@ impl Config {
         let mut s = format!(
             "{},caching:{},small_segment_mb:{},medium_segment_mb:{},large_threshold_mb:{},segment_round_mb:{},\
              large_split_remainder_mb:{},max_split_size_mb:{},huge_size_mb:{},huge_segment_divisions:{},\
-             oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},idle_slack:{},idle_slack_hard:{},recycle_batch:{},expandable_page_mb:{},\
+             oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},release_same_kind:{},idle_slack:{},idle_slack_hard:{},recycle_batch:{},expandable_page_mb:{},\
              expandable_segments:{}",
             self.name,
             py_bool(self.caching),
@@ -433,6 +448,7 @@ impl Config {
             py_bool(self.release_before_grow),
             release_order,
             self.release_min_idle,
+            py_bool(self.release_same_kind),
             self.idle_slack,
             self.idle_slack_hard,
             self.recycle_batch,
@@ -473,6 +489,9 @@ impl Default for Config {
             release_before_grow: true,
             release_order: ReleaseOrder::Oldest,
             thread_cache: DEFAULT_THREAD_CACHE,
+            huge_size: 256 * MIB,
+            release_same_kind: true,
+            release_min_idle: 25,
             ..Self::pytorch()
         }
     }
@@ -615,7 +634,7 @@ impl fmt::Display for ConfigError {
         match self {
             ConfigError::UnknownKey(k) => write!(
                 f,
-                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb, thread_cache)"
+                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, release_same_kind, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb, thread_cache)"
             ),
             ConfigError::UnknownPreset(p) => {
                 write!(f, "unknown configuration `{p}` (presets: {}; or key:value,…)", Config::PRESETS.join(", "))

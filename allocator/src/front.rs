@@ -77,6 +77,8 @@ pub(crate) const TRACKED: usize = 8;
 #[derive(Copy, Clone, Default, Debug)]
 pub(crate) struct Pending {
     pub kinds: [[Track; TRACKED]; 3],
+    /// Mallocs and frees served (they advance the allocator's idle clock).
+    pub ops: u64,
     pub any: bool,
 }
 
@@ -101,6 +103,7 @@ impl Pending {
                 track.add(sign * d);
             }
         }
+        self.ops += 1;
         self.any = true;
     }
 }

@@ -381,8 +381,12 @@ fn no_caching_returns_every_block_at_once() {
 #[test]
 fn release_before_grow_reuses_the_previous_peak() {
     // Our default: a request no cached block fits, after the peak is reached,
-    // first returns entirely free segments instead of growing past the peak.
-    let (_, a) = new(Config::default());
+    // first returns entirely free segments instead of growing past the peak
+    // (here even one freed just before: no minimum idle time).
+    let (_, a) = new(Config {
+        release_min_idle: 0,
+        ..Config::default()
+    });
     let p = a.malloc(100 * MIB, S0).unwrap();
     a.free(p).unwrap();
     let q = a.malloc(120 * MIB, S0).unwrap();
@@ -471,6 +475,7 @@ fn huge_pool_is_kept_for_huge_requests() {
 fn release_before_grow_releases_the_longest_idle_segment_first() {
     let config = Config {
         release_order: crate::config::ReleaseOrder::Oldest,
+        release_min_idle: 0,
         ..Config::default()
     };
     let (dev, a) = new(config);
@@ -500,6 +505,63 @@ fn release_min_idle_keeps_recently_freed_segments() {
     a.free(x).unwrap();
     a.malloc(50 * MIB, S0).unwrap();
     assert_eq!(dev.segments().len(), 2, "x was freed one malloc ago: kept");
+    ok(&a);
+}
+
+#[test]
+fn release_before_grow_keeps_free_segments_of_other_pool_kinds() {
+    // A free huge segment is not traded for a large one (the next step's
+    // huge tensor would need it again); the out-of-memory ladder still may.
+    let run = |same_kind: bool| {
+        let config = Config {
+            release_same_kind: same_kind,
+            release_min_idle: 0,
+            ..Config::default()
+        };
+        let (dev, a) = new(config);
+        let h = a.malloc(300 * MIB, S0).unwrap();
+        a.free(h).unwrap();
+        a.malloc(100 * MIB, S0).unwrap();
+        ok(&a);
+        dev.segments().len()
+    };
+    assert_eq!(run(true), 2, "the huge segment stays");
+    assert_eq!(run(false), 1, "without the rule it is released");
+    // Under a 350 MiB cap the ladder releases it to make room.
+    let (dev, a) = with_capacity(Config::default(), 350 * MIB);
+    let h = a.malloc(300 * MIB, S0).unwrap();
+    a.free(h).unwrap();
+    a.malloc(100 * MIB, S0).unwrap();
+    assert_eq!(dev.segments().len(), 1);
+    assert_eq!(a.stats().num_alloc_retries, 0);
+    ok(&a);
+}
+
+#[test]
+fn default_keeps_a_segment_freed_moments_ago() {
+    // A segment freed a few operations ago is usually a temporary whose twin
+    // comes next: releasing it would cost a cuMemFree and a cuMemAlloc and
+    // save nothing at the step's peak. Once it idled long enough, it goes.
+    let idle = Config::default().release_min_idle;
+    assert!(idle > 0);
+    let (dev, a) = new(Config::default());
+    let x = a.malloc(40 * MIB, S0).unwrap();
+    a.free(x).unwrap();
+    let y = a.malloc(50 * MIB, S0).unwrap(); // past the high water (40 MiB)
+    assert_eq!(
+        dev.segments().len(),
+        2,
+        "x was freed one operation ago: kept"
+    );
+    a.free(y).unwrap();
+    for _ in 0..idle {
+        let p = a.malloc(1000, S0).unwrap();
+        a.free(p).unwrap();
+    }
+    let frees = a.stats().num_device_free;
+    let _z = a.malloc(150 * MIB, S0).unwrap(); // fits neither: both idle now
+    assert_eq!(a.stats().num_device_free, frees + 2);
+    assert_eq!(a.stats().reserved_bytes.all().peak, 150 * MIB + 2 * MIB);
     ok(&a);
 }
 

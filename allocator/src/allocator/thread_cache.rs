@@ -151,6 +151,7 @@ impl<E> State<E> {
     pub(super) fn sync_slot(&mut self, g: &mut SlotInner) {
         if g.pending.any {
             let p = std::mem::take(&mut g.pending);
+            self.clock += p.ops;
             let s = &mut self.stats;
             for kind in KINDS {
                 let tracks = &p.kinds[kind_index(kind)];
