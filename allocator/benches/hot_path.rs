@@ -39,9 +39,13 @@ impl XorShift {
     }
 }
 
-fn configs() -> [(&'static str, Config); 2] {
+fn configs() -> [(&'static str, Config); 3] {
     [
         ("default", Config::default()),
+        (
+            "default-no-thread-cache",
+            Config::parse("default,thread_cache:0").expect("valid"),
+        ),
         ("pytorch", Config::pytorch()),
     ]
 }

@@ -784,19 +784,23 @@ impl<E> State<E> {
         own: Option<SlotId>,
     ) -> Result<(), AllocError> {
         self.clock += 1;
-        let Some(&id) = self.live.get(&ptr.0) else {
+        // One map operation on the common path; a parked block goes back in.
+        let Some(id) = self.live.remove(&ptr.0) else {
             return Err(self.classify_bad_pointer(ptr));
         };
         if let Some(holder) = self.blocks.get(id.0).front {
-            self.take_back(holder, ptr.0)?;
+            if let Err(e) = self.take_back(holder, ptr.0) {
+                self.live.insert(ptr.0, id);
+                return Err(e);
+            }
         }
         if let Some(slot) = own {
             if self.should_park(slot, id) {
+                self.live.insert(ptr.0, id);
                 self.park(slot, id);
                 return Ok(());
             }
         }
-        self.live.remove(&ptr.0);
         let (size, pool) = {
             let b = self.blocks.get(id.0);
             (b.size, b.pool)

@@ -58,8 +58,9 @@ impl<E> State<E> {
         if self.thread_cache == 0 || self.recorder.is_some() {
             return false;
         }
+        // (Expandable allocators have no thread caches: `thread_cache` is 0 there.)
         let b = self.blocks.get(id.0);
-        if !b.stream_uses.is_empty() || self.segments.get(b.segment.0).is_expandable() {
+        if !b.stream_uses.is_empty() {
             return false;
         }
         let Some(key) = round_size(b.requested.max(1), &self.config.roundup_power2_divisions)
@@ -226,10 +227,13 @@ impl<E> State<E> {
     /// large block (a parked block serves only a repeat of its own size
     /// before any other large request).
     pub(super) fn flush_own_large(&mut self, own: SlotId) {
-        let slot = self.slot(own);
-        if !slot.holds_large() {
+        let holds = self.slots[own.0 as usize]
+            .as_ref()
+            .is_some_and(|s| s.holds_large());
+        if !holds {
             return;
         }
+        let slot = self.slot(own);
         let mut g = slot.inner.lock();
         self.sync_slot(&mut g);
         for e in slot.take_large_locked(&mut g) {
