@@ -728,15 +728,8 @@ impl<E> State<E> {
         b.state = BlockState::Allocated;
         b.requested = requested;
         self.live.insert(addr, id);
-        let s = &mut self.stats;
-        s.allocation.increase(kind, 1);
-        s.allocated_bytes.increase(kind, final_size);
-        s.active.increase(kind, 1);
-        s.active_bytes.increase(kind, final_size);
-        s.requested_bytes.increase(kind, requested);
-        if final_size >= self.config.max_split_size {
-            s.oversize_allocations.increase(1);
-        }
+        self.count_allocated(kind, final_size, true);
+        self.count_active(kind, final_size, requested, true);
         if let Some(r) = self.recorder.as_mut() {
             let stream = self.stream_list[pool.stream_slot()];
             r.ids.insert(addr, r.next_id);
@@ -806,11 +799,7 @@ impl<E> State<E> {
             (b.size, b.pool)
         };
         let kind = pool.kind();
-        self.stats.allocation.decrease(kind, 1);
-        self.stats.allocated_bytes.decrease(kind, size);
-        if size >= self.config.max_split_size {
-            self.stats.oversize_allocations.decrease(1);
-        }
+        self.count_allocated(kind, size, false);
         if let Some(r) = self.recorder.as_mut() {
             if let Some(tid) = r.ids.remove(&ptr.0) {
                 (r.sink)(&TraceEvent::Free { id: tid });
@@ -860,10 +849,41 @@ impl<E> State<E> {
         };
         let kind = pool.kind();
         self.merge_counted(id);
+        self.count_active(kind, orig_size, requested, false);
+    }
+
+    /// Counts a block of `size` bytes handed out (`up`) or given back by its caller.
+    fn count_allocated(&mut self, kind: PoolKind, size: u64, up: bool) {
+        let oversize = size >= self.config.max_split_size;
         let s = &mut self.stats;
-        s.active.decrease(kind, 1);
-        s.active_bytes.decrease(kind, orig_size);
-        s.requested_bytes.decrease(kind, requested);
+        if up {
+            s.allocation.increase(kind, 1);
+            s.allocated_bytes.increase(kind, size);
+            if oversize {
+                s.oversize_allocations.increase(1);
+            }
+        } else {
+            s.allocation.decrease(kind, 1);
+            s.allocated_bytes.decrease(kind, size);
+            if oversize {
+                s.oversize_allocations.decrease(1);
+            }
+        }
+    }
+
+    /// Counts a block becoming active (`up`: handed out) or inactive (no
+    /// event guards it any more), with the caller's requested bytes.
+    fn count_active(&mut self, kind: PoolKind, size: u64, requested: u64, up: bool) {
+        let s = &mut self.stats;
+        if up {
+            s.active.increase(kind, 1);
+            s.active_bytes.increase(kind, size);
+            s.requested_bytes.increase(kind, requested);
+        } else {
+            s.active.decrease(kind, 1);
+            s.active_bytes.decrease(kind, size);
+            s.requested_bytes.decrease(kind, requested);
+        }
     }
 
     /// [`State::merge_into_bins`], with the change in inactive split blocks counted.

@@ -91,18 +91,12 @@ impl<E> State<E> {
             .expect("checked by should_park");
         let kind = pool.kind();
         let oversize = size >= self.config.max_split_size;
-        let s = &mut self.stats;
-        s.allocation.decrease(kind, 1);
-        s.allocated_bytes.decrease(kind, size);
-        s.active.decrease(kind, 1);
-        s.active_bytes.decrease(kind, size);
-        s.requested_bytes.decrease(kind, requested);
-        if oversize {
-            s.oversize_allocations.decrease(1);
-        }
+        // Counted as freed by its caller, as a free would.
+        self.count_allocated(kind, size, false);
+        self.count_active(kind, size, requested, false);
         if split {
-            s.inactive_split.increase(kind, 1);
-            s.inactive_split_bytes.increase(kind, size);
+            self.stats.inactive_split.increase(kind, 1);
+            self.stats.inactive_split_bytes.increase(kind, size);
         }
         let clock = self.clock;
         let b = self.blocks.get_mut(id.0);
