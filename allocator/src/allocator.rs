@@ -68,11 +68,31 @@ pub struct CachingAllocator<D: Device> {
 }
 
 /// A thread cache's recently missed request sizes: a block freed with one of
-/// these sizes is parked for the thread instead of going back to the bins.
-#[derive(Clone, Copy, Default)]
+/// these sizes is parked for the thread instead of going back to the bins,
+/// as long as parking pays (see `State::park_pays`).
+#[derive(Clone, Copy)]
 struct Wanted {
     keys: [u64; 8],
     next: usize,
+    /// Parks still allowed before the slot must show hits (each hit earns
+    /// [`thread_cache::CREDIT_PER_HIT`]).
+    credit: u32,
+    /// The slot's hit count when last looked at.
+    hits_seen: u64,
+    /// Parks refused for lack of credit (every [`thread_cache::PROBE_EVERY`]th goes ahead).
+    refused: u32,
+}
+
+impl Default for Wanted {
+    fn default() -> Self {
+        Wanted {
+            keys: [0; 8],
+            next: 0,
+            credit: thread_cache::INITIAL_CREDIT,
+            hits_seen: 0,
+            refused: 0,
+        }
+    }
 }
 
 struct Recorder {
@@ -126,6 +146,8 @@ struct State<E> {
     wanted: Vec<Wanted>,
     /// Blocks held by thread caches (parked or handed out from one).
     front_blocks: usize,
+    /// Whether the thread caches pay for themselves (see `State::review_fronts`).
+    review: FrontReview,
     /// Blocks parked per thread cache (0: thread caches off).
     thread_cache: usize,
 }
@@ -198,6 +220,7 @@ impl<D: Device> CachingAllocator<D> {
                 slots: Vec::new(),
                 wanted: Vec::new(),
                 front_blocks: 0,
+                review: FrontReview::default(),
                 thread_cache,
             }),
         }
@@ -235,23 +258,38 @@ impl<D: Device> CachingAllocator<D> {
         if size == 0 {
             return Err(AllocError::ZeroSize);
         }
+        // Misuse is answered before anything changes.
+        let rounded = round_size(size, &self.divisions).ok_or(AllocError::SizeTooLarge(size))?;
         if !self.front_on.load(Ordering::Relaxed) {
-            return self.state.lock().malloc(&self.device, size, stream, None);
+            return self.locked(|st| st.malloc(&self.device, size, rounded, stream, None));
         }
         front::with_slot(
             self.id,
             || self.register_slot(),
             |slot| {
-                if let (Some(slot), Some(key)) = (slot, round_size(size, &self.divisions)) {
-                    if let Some(addr) = slot.try_alloc(key, stream, size) {
+                if let Some(slot) = slot {
+                    if let Some(addr) = slot.try_alloc(rounded, stream, size) {
                         return Ok(DevicePtr(addr));
                     }
                 }
-                self.state
-                    .lock()
-                    .malloc(&self.device, size, stream, slot.map(|s| s.id))
+                let own = slot.map(|s| s.id);
+                self.locked(|st| st.malloc(&self.device, size, rounded, stream, own))
             },
         )
+    }
+
+    /// Runs a malloc or free under the allocator's lock, then lets the
+    /// review of the thread caches switch them off or on.
+    #[inline]
+    fn locked<R>(&self, op: impl FnOnce(&mut State<D::Event>) -> R) -> R {
+        let mut st = self.state.lock();
+        let r = op(&mut st);
+        if let Some(on) = st.review_fronts() {
+            if st.recorder.is_none() {
+                self.front_on.store(on, Ordering::Relaxed);
+            }
+        }
+        r
     }
 
     /// A thread cache for the calling thread, if the configuration has them.
@@ -264,7 +302,7 @@ impl<D: Device> CachingAllocator<D> {
     /// recorded on them now have completed.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
         if !self.front_on.load(Ordering::Relaxed) {
-            return self.state.lock().free(&self.device, ptr, None);
+            return self.locked(|st| st.free(&self.device, ptr, None));
         }
         front::with_slot(
             self.id,
@@ -275,9 +313,8 @@ impl<D: Device> CachingAllocator<D> {
                         return Ok(());
                     }
                 }
-                self.state
-                    .lock()
-                    .free(&self.device, ptr, slot.map(|s| s.id))
+                let own = slot.map(|s| s.id);
+                self.locked(|st| st.free(&self.device, ptr, own))
             },
         )
     }
@@ -401,7 +438,8 @@ impl<D: Device> CachingAllocator<D> {
     /// Stops recording; returns whether a recording was running.
     pub fn stop_recording(&self) -> bool {
         let mut st = self.state.lock();
-        self.front_on.store(self.front_enabled, Ordering::Relaxed);
+        self.front_on
+            .store(self.front_enabled && st.review.paying, Ordering::Relaxed);
         st.recorder.take().is_some()
     }
 
@@ -468,12 +506,10 @@ impl<E> State<E> {
         &mut self,
         dev: &D,
         size: u64,
+        rounded: u64,
         stream: StreamId,
         own: Option<SlotId>,
     ) -> Result<DevicePtr, AllocError> {
-        // Misuse is answered before anything changes.
-        let rounded = round_size(size, &self.config.roundup_power2_divisions)
-            .ok_or(AllocError::SizeTooLarge(size))?;
         if let Some(slot) = own {
             let w = &mut self.wanted[slot.0 as usize];
             w.keys[w.next] = front::key_hash(rounded, stream);
@@ -1589,6 +1625,7 @@ impl<E> State<E> {
 
 mod expandable;
 mod thread_cache;
+use thread_cache::FrontReview;
 
 #[cfg(test)]
 mod tests;

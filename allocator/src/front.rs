@@ -186,6 +186,8 @@ pub(crate) struct Slot {
     live_bits: AtomicU64,
     /// Parked blocks of the large and huge pools.
     large_parked: AtomicU64,
+    /// Blocks handed out from the cache so far (whether parking pays).
+    hits: AtomicU64,
 }
 
 /// What a slot did with a free.
@@ -205,6 +207,7 @@ impl Slot {
             cached_bits: AtomicU64::new(0),
             live_bits: AtomicU64::new(0),
             large_parked: AtomicU64::new(0),
+            hits: AtomicU64::new(0),
         }
     }
 
@@ -238,6 +241,11 @@ impl Slot {
         large
     }
 
+    /// Blocks handed out from the cache so far.
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+
     /// Hands out a parked block of rounded size `key` on `stream`, if any.
     pub fn try_alloc(&self, key: u64, stream: StreamId, requested: u64) -> Option<u64> {
         let h = key_hash(key, stream);
@@ -256,6 +264,9 @@ impl Slot {
         g.pending.record(&e, 1);
         g.live.insert(e.addr, e);
         self.publish(&g);
+        // Only this thread hands out from its slot, and under the slot's lock.
+        self.hits
+            .store(self.hits.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         Some(e.addr)
     }
 

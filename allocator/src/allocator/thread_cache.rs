@@ -27,7 +27,97 @@ fn fold(t: &Track) -> Option<(u64, u64, u64)> {
     Some((max, (t.max - t.net) as u64, t.up - max))
 }
 
+/// Parks a new slot may make before its hits must pay for them.
+pub(super) const INITIAL_CREDIT: u32 = 8;
+/// Parks earned by each block handed out from a slot.
+const CREDIT_PER_HIT: u32 = 4;
+/// Credit is capped, so that a thread whose sizes stop repeating stops
+/// parking after at most this many wasted parks.
+const MAX_CREDIT: u32 = 64;
+/// Without credit, one candidate in this many is parked anyway (a probe: its
+/// hit would restore the credit).
+pub(super) const PROBE_EVERY: u32 = 8;
+
+/// Operations under the allocator's lock per review of the thread caches.
+pub(super) const REVIEW_WINDOW: u64 = 4096;
+/// The caches pay while their hits are at least 1/`PAYING_SHARE` of the
+/// operations that still took the lock: a hit saves about a core malloc and
+/// free, while the caches cost every operation a lookup and a check.
+const PAYING_SHARE: u64 = 4;
+/// Windows that an allocator whose caches did not pay runs without them
+/// before it tries them again.
+pub(super) const OFF_WINDOWS: u32 = 16;
+
+/// Whether the thread caches pay for themselves. With sizes that do not
+/// repeat (a random mix) a thread cache rarely hits, and the lookups on
+/// every malloc and free cost more than its hits save; the allocator then
+/// turns its caches off (a plain load of one flag per call) and tries
+/// them again after a while.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct FrontReview {
+    /// Operations that took the allocator's lock so far.
+    locked_ops: u64,
+    /// The slots' summed hit counts at the start of the window.
+    hits_base: u64,
+    /// Whether the caches are on (they start on).
+    pub paying: bool,
+    /// Windows left before caches that were turned off are tried again.
+    off_windows: u32,
+}
+
+impl Default for FrontReview {
+    fn default() -> Self {
+        FrontReview {
+            locked_ops: 0,
+            hits_base: 0,
+            paying: true,
+            off_windows: 0,
+        }
+    }
+}
+
 impl<E> State<E> {
+    /// Counts one locked operation and, at the end of each window, decides
+    /// whether the thread caches stay on (flushing them when they go off).
+    /// Returns the new setting when it changes.
+    #[inline]
+    pub(super) fn review_fronts(&mut self) -> Option<bool> {
+        if self.thread_cache == 0 {
+            return None;
+        }
+        let r = &mut self.review;
+        r.locked_ops += 1;
+        if r.locked_ops % REVIEW_WINDOW != 0 {
+            return None;
+        }
+        self.end_review_window()
+    }
+
+    /// The decision at the end of a review window.
+    #[cold]
+    fn end_review_window(&mut self) -> Option<bool> {
+        let hits: u64 = self.slots.iter().flatten().map(|s| s.hits()).sum();
+        let r = &mut self.review;
+        let new_hits = hits.saturating_sub(r.hits_base);
+        r.hits_base = hits;
+        if r.paying {
+            if new_hits * PAYING_SHARE >= REVIEW_WINDOW {
+                return None;
+            }
+            r.paying = false;
+            r.off_windows = OFF_WINDOWS;
+            self.flush_fronts();
+            Some(false)
+        } else {
+            r.off_windows -= 1;
+            if r.off_windows > 0 {
+                return None;
+            }
+            r.paying = true;
+            Some(true)
+        }
+    }
+
     /// A new slot for a thread, or `None` when thread caches are off.
     pub(super) fn register_slot(&mut self) -> Option<Arc<Slot>> {
         if self.thread_cache == 0 {
@@ -53,8 +143,14 @@ impl<E> State<E> {
             .expect("a block's thread cache stays registered while it holds blocks")
     }
 
-    /// Whether the freed, allocated block `id` should be parked for thread cache `slot`.
-    pub(super) fn should_park(&self, slot: SlotId, id: BlockId) -> bool {
+    /// Whether the freed, allocated block `id` should be parked for thread
+    /// cache `slot`: its size is one the thread recently missed, and parking
+    /// still pays. A park that is never taken back costs an eviction and a
+    /// merge later, so each park spends one credit and each block the slot
+    /// hands out earns [`CREDIT_PER_HIT`]; without credit a thread (whose
+    /// sizes do not repeat, as in a random mix) considers only one free in
+    /// [`PROBE_EVERY`], so that a hit can restore it.
+    pub(super) fn should_park(&mut self, slot: SlotId, id: BlockId) -> bool {
         if self.thread_cache == 0 || self.recorder.is_some() {
             return false;
         }
@@ -63,21 +159,39 @@ impl<E> State<E> {
         if !b.stream_uses.is_empty() {
             return false;
         }
+        let i = slot.0 as usize;
+        let (Some(holder), Some(w)) = (
+            self.slots.get(i).and_then(Option::as_ref),
+            self.wanted.get_mut(i),
+        ) else {
+            return false;
+        };
+        let hits = holder.hits();
+        let new_hits = hits.saturating_sub(w.hits_seen);
+        w.hits_seen = hits;
+        let earned = new_hits.min(u64::from(MAX_CREDIT)) as u32 * CREDIT_PER_HIT;
+        w.credit = (w.credit + earned).min(MAX_CREDIT);
+        if w.credit == 0 {
+            w.refused = w.refused.wrapping_add(1);
+            if w.refused % PROBE_EVERY != 0 {
+                return false;
+            }
+        }
         let Some(key) = round_size(b.requested.max(1), &self.config.roundup_power2_divisions)
         else {
             return false;
         };
-        let stream = self.stream_list[b.pool.stream_slot()];
-        let h = key_hash(key, stream);
-        let Some(w) = self.wanted.get(slot.0 as usize) else {
-            return false;
-        };
-        if b.pool.kind() == crate::block::PoolKind::Small {
+        let h = key_hash(key, self.stream_list[b.pool.stream_slot()]);
+        let wanted = if b.pool.kind() == crate::block::PoolKind::Small {
             w.keys.contains(&h)
         } else {
             // A large block only for an immediate repeat: the thread's last request was its size.
             w.keys[(w.next + w.keys.len() - 1) % w.keys.len()] == h
+        };
+        if wanted {
+            w.credit = w.credit.saturating_sub(1);
         }
+        wanted
     }
 
     /// Parks the allocated block `id` (still in the live map) in thread cache
@@ -533,6 +647,108 @@ mod tests {
         // Another large size first returns the parked block to the bins, so best fit sees it.
         let z = a.malloc(20 * MIB, S0).unwrap();
         assert_eq!(z, y, "best fit: the 30 MiB segment");
+        a.check_invariants().unwrap();
+    }
+
+    /// Addresses of the parked blocks.
+    fn parked(a: &CachingAllocator<SimulatedDevice>) -> Vec<u64> {
+        let snap = a.snapshot();
+        snap.segments
+            .iter()
+            .flat_map(|s| s.blocks.iter())
+            .filter(|b| b.state == BlockState::Parked)
+            .map(|b| b.address.0)
+            .collect()
+    }
+
+    #[test]
+    fn parks_that_are_never_taken_back_use_up_the_credit() {
+        let (_, a) = new("default", 1 << 30);
+        // Each round asks for 8 new sizes, then frees them: every free is of a
+        // wanted size, but no size comes back, so no park ever hits.
+        let mut parked_per_round = Vec::new();
+        for round in 0..6u64 {
+            let ptrs: Vec<DevicePtr> = (0..8u64)
+                .map(|i| a.malloc(4096 * (1 + round * 8 + i), S0).unwrap())
+                .collect();
+            let before = parked(&a);
+            for &p in &ptrs {
+                a.free(p).unwrap();
+            }
+            let newly = parked(&a)
+                .iter()
+                .filter(|x| !before.contains(x) && ptrs.iter().any(|p| p.0 == **x))
+                .count();
+            parked_per_round.push(newly);
+        }
+        assert_eq!(
+            parked_per_round[0],
+            super::INITIAL_CREDIT as usize,
+            "a new slot parks on credit"
+        );
+        for (round, n) in parked_per_round.iter().enumerate().skip(1) {
+            assert!(
+                *n <= 1,
+                "round {round}: without hits only a probe parks, got {parked_per_round:?}"
+            );
+        }
+        // Hits earn credit back: a repeated size is parked by a probe, then
+        // served from the cache, and new sizes park again.
+        for _ in 0..2 * super::PROBE_EVERY {
+            let q = a.malloc(100, S0).unwrap();
+            a.free(q).unwrap();
+        }
+        let ptrs: Vec<DevicePtr> = (0..8u64)
+            .map(|i| a.malloc(4096 * (100 + i), S0).unwrap())
+            .collect();
+        let before = parked(&a);
+        for &p in &ptrs {
+            a.free(p).unwrap();
+        }
+        let newly = parked(&a)
+            .iter()
+            .filter(|x| !before.contains(x) && ptrs.iter().any(|p| p.0 == **x))
+            .count();
+        assert!(newly >= 4, "after hits, wanted sizes park again ({newly})");
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn caches_that_do_not_pay_are_turned_off_and_tried_again() {
+        let (_, a) = new("default", 1 << 30);
+        assert!(a.front_on.load(std::sync::atomic::Ordering::Relaxed));
+        // A random mix over 64 slots: sizes hardly repeat.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut live: Vec<Option<DevicePtr>> = vec![None; 64];
+        for _ in 0..4 * super::REVIEW_WINDOW {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let slot = &mut live[(x % 64) as usize];
+            match slot.take() {
+                Some(p) => a.free(p).unwrap(),
+                None => *slot = Some(a.malloc(512 + (x >> 40) % (8 * MIB), S0).unwrap()),
+            }
+        }
+        assert!(
+            !a.front_on.load(std::sync::atomic::Ordering::Relaxed),
+            "a random mix turns the caches off"
+        );
+        assert!(parked(&a).is_empty(), "turning off flushes the caches");
+        a.check_invariants().unwrap();
+        // Repeats: once the caches are tried again, they pay and stay on.
+        let windows = u64::from(super::OFF_WINDOWS) + 2;
+        for _ in 0..windows * super::REVIEW_WINDOW {
+            let p = a.malloc(4096, S0).unwrap();
+            a.free(p).unwrap();
+        }
+        assert!(
+            a.front_on.load(std::sync::atomic::Ordering::Relaxed),
+            "repeats turn them back on"
+        );
+        for p in live.into_iter().flatten() {
+            a.free(p).unwrap();
+        }
         a.check_invariants().unwrap();
     }
 
