@@ -477,6 +477,7 @@ impl<E> State<E> {
         slot
     }
 
+    #[inline]
     fn bins_mut(&mut self, pool: PoolId) -> &mut Bins {
         self.bins[pool.index()].get_or_insert_with(Box::default)
     }
@@ -553,7 +554,8 @@ impl<E> State<E> {
         }
         let max_split = self.config.max_split_size;
         let slack = self.config.oversize_slack;
-        let (bsize, addr, id) = self.bins[pool.index()].as_ref()?.best_fit(size)?;
+        let found = self.bins[pool.index()].as_ref()?.find(size)?;
+        let (bsize, _, id) = found.entry;
         if size < max_split && bsize >= max_split {
             return None;
         }
@@ -568,8 +570,7 @@ impl<E> State<E> {
         {
             return None;
         }
-        let bins = self.bins[pool.index()].as_mut()?;
-        bins.remove(bsize, addr, id);
+        self.bins[pool.index()].as_mut()?.take(found);
         Some(id)
     }
 
@@ -723,8 +724,10 @@ impl<E> State<E> {
             let b = self.blocks.get(id.0);
             (b.addr, b.size, b.pool, b.is_split(), b.next, b.segment)
         };
-        // Free space of an expandable segment is not "inactive split" memory: not counted.
-        let tracked = !self.segments.get(segment.0).is_expandable();
+        // Free space of an expandable segment is not "inactive split" memory:
+        // not counted. (Every segment is expandable in expandable mode, none otherwise.)
+        let expandable = self.granularity.is_some();
+        let tracked = !expandable;
         let kind = pool.kind();
         let remaining = size - rounded;
         self.blocks.get_mut(id.0).state = BlockState::Allocated;
@@ -742,9 +745,14 @@ impl<E> State<E> {
             let b = self.blocks.get_mut(id.0);
             b.next = Some(rest);
             b.size = rounded;
-            // In an expandable segment a recycling round may have freed the
-            // next block while this one was being mapped: merge with it.
-            self.merge_into_bins(rest);
+            if expandable {
+                // A recycling round may have freed the next block while this
+                // one was being mapped: merge with it.
+                self.merge_into_bins(rest);
+            } else {
+                // The next block is not free (free neighbours are always merged).
+                self.bins_mut(pool).insert(remaining, addr + rounded, rest);
+            }
             if !tracked {
             } else if already_split {
                 self.stats.inactive_split_bytes.decrease(kind, rounded);
@@ -983,13 +991,13 @@ impl<E> State<E> {
         let b = self.blocks.get_mut(id.0);
         b.gc_base = gc_base;
         b.freed_at = self.clock;
-        let (size, addr, split, segment) = (b.size, b.addr, b.is_split(), b.segment);
+        let (size, addr, split) = (b.size, b.addr, b.is_split());
         self.bins_mut(pool).insert(size, addr, id);
         if split {
             net_blocks += 1;
             net_bytes += size as i64;
         }
-        if self.segments.get(segment.0).is_expandable() {
+        if self.granularity.is_some() {
             return (0, 0);
         }
         (net_blocks, net_bytes)

@@ -22,6 +22,15 @@ const FL_COUNT: usize = 48;
 /// A free block as the bins store it.
 pub(crate) type Entry = (u64, u64, BlockId);
 
+/// Where [`Bins::find`] found a block: its class, its index there (a hint),
+/// and the entry.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Found {
+    class: usize,
+    index: usize,
+    pub entry: Entry,
+}
+
 /// Entries above which a class moves from a sorted vector to a tree.
 const SPILL: usize = 128;
 
@@ -81,11 +90,14 @@ impl Class {
         }
     }
 
-    /// The first entry of at least `size` bytes.
-    fn first_at_least(&self, size: u64) -> Option<Entry> {
+    /// The first entry of at least `size` bytes, with its index (0 in a tree).
+    fn first_at_least(&self, size: u64) -> Option<(usize, Entry)> {
         match self {
-            Class::Few(v) => v.get(v.partition_point(|e| e.0 < size)).copied(),
-            Class::Many(t) => t.range((size, 0, BlockId(0))..).next().copied(),
+            Class::Few(v) => {
+                let i = v.partition_point(|e| e.0 < size);
+                v.get(i).map(|e| (i, *e))
+            }
+            Class::Many(t) => t.range((size, 0, BlockId(0))..).next().map(|e| (0, *e)),
         }
     }
 
@@ -193,10 +205,21 @@ impl Bins {
     /// The smallest free block of at least `size` bytes, lowest address on ties.
     #[inline]
     pub fn best_fit(&self, size: u64) -> Option<Entry> {
+        self.find(size).map(|f| f.entry)
+    }
+
+    /// [`Bins::best_fit`], with where the entry lies, for [`Bins::take`].
+    #[inline]
+    pub fn find(&self, size: u64) -> Option<Found> {
         let (fl, sl) = class_of(size);
         if self.sl_bitmap[fl] & (1 << sl) != 0 {
-            if let Some(e) = self.classes[flat(fl, sl)].first_at_least(size) {
-                return Some(e);
+            let class = flat(fl, sl);
+            if let Some((index, entry)) = self.classes[class].first_at_least(size) {
+                return Some(Found {
+                    class,
+                    index,
+                    entry,
+                });
             }
         }
         // Every block of a higher class is larger than every block of this one.
@@ -211,7 +234,38 @@ impl Bins {
             let fl = above_fl.trailing_zeros() as usize;
             (fl, self.sl_bitmap[fl].trailing_zeros() as usize)
         };
-        self.classes[flat(fl, sl)].first()
+        let class = flat(fl, sl);
+        let entry = self.classes[class].first()?;
+        Some(Found {
+            class,
+            index: 0,
+            entry,
+        })
+    }
+
+    /// Removes an entry [`Bins::find`] returned (the bins unchanged since),
+    /// without searching for it again.
+    #[inline]
+    pub fn take(&mut self, f: Found) {
+        let c = &mut self.classes[f.class];
+        match c {
+            Class::Few(v) if v.get(f.index) == Some(&f.entry) => {
+                v.remove(f.index);
+            }
+            _ => {
+                let removed = c.remove(&f.entry);
+                debug_assert!(removed, "a found entry is in its class");
+            }
+        }
+        if c.is_empty() {
+            let (fl, sl) = (f.class / SL_COUNT, f.class % SL_COUNT);
+            self.sl_bitmap[fl] &= !(1 << sl);
+            if self.sl_bitmap[fl] == 0 {
+                self.fl_bitmap &= !(1 << fl);
+            }
+        }
+        self.len -= 1;
+        self.bytes -= f.entry.0;
     }
 
     /// The largest free block (highest address among equals).
