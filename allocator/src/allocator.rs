@@ -463,8 +463,14 @@ impl<E> State<E> {
         self.stats.reserved_bytes.all().current
     }
 
+    #[inline]
     fn stream_slot(&mut self, stream: StreamId) -> u32 {
-        if let Some(&s) = self.streams.get(&stream) {
+        // Most programs use a few streams: a short scan beats hashing.
+        if self.stream_list.len() <= 4 {
+            if let Some(i) = self.stream_list.iter().position(|s| *s == stream) {
+                return i as u32;
+            }
+        } else if let Some(&s) = self.streams.get(&stream) {
             return s;
         }
         let slot = self.stream_list.len() as u32;

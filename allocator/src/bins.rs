@@ -31,8 +31,11 @@ pub(crate) struct Found {
     pub entry: Entry,
 }
 
+/// Entries up to which a class is scanned rather than binary searched.
+const SCAN: usize = 16;
+
 /// Entries above which a class moves from a sorted vector to a tree.
-const SPILL: usize = 128;
+const SPILL: usize = 32;
 
 /// The blocks of one size class, ordered by (size, address).
 #[derive(Debug)]
@@ -48,35 +51,81 @@ impl Default for Class {
 }
 
 impl Class {
+    #[inline]
     fn insert(&mut self, e: Entry) -> bool {
         match self {
-            Class::Few(v) => match v.binary_search(&e) {
-                Ok(_) => false,
-                Err(i) => {
-                    v.insert(i, e);
-                    if v.len() > SPILL {
-                        *self = Class::Many(v.drain(..).collect());
+            Class::Few(v) => {
+                // Classes are usually short: scan from the end (sizes inside
+                // a class are close, so a new block often sorts last).
+                let i = if v.len() <= SCAN {
+                    let mut i = v.len();
+                    while i > 0 && v[i - 1] > e {
+                        i -= 1;
                     }
-                    true
+                    if i > 0 && v[i - 1] == e {
+                        return false;
+                    }
+                    i
+                } else {
+                    match v.binary_search(&e) {
+                        Ok(_) => return false,
+                        Err(i) => i,
+                    }
+                };
+                if i == v.len() {
+                    v.push(e);
+                } else {
+                    v.insert(i, e);
                 }
-            },
+                if v.len() > SPILL {
+                    self.spill();
+                }
+                true
+            }
             Class::Many(t) => t.insert(e),
         }
     }
 
+    /// A sorted vector grew too long: it becomes a tree.
+    #[cold]
+    #[inline(never)]
+    fn spill(&mut self) {
+        if let Class::Few(v) = self {
+            *self = Class::Many(v.drain(..).collect());
+        }
+    }
+
+    /// A tree shrank: it becomes a sorted vector again.
+    #[cold]
+    #[inline(never)]
+    fn unspill(&mut self) {
+        if let Class::Many(t) = self {
+            *self = Class::Few(std::mem::take(t).into_iter().collect());
+        }
+    }
+
+    #[inline]
     fn remove(&mut self, e: &Entry) -> bool {
         match self {
-            Class::Few(v) => match v.binary_search(e) {
-                Ok(i) => {
-                    v.remove(i);
+            Class::Few(v) => match if v.len() <= SCAN {
+                v.iter().rposition(|x| x == e)
+            } else {
+                v.binary_search(e).ok()
+            } {
+                Some(i) => {
+                    if i + 1 == v.len() {
+                        v.pop();
+                    } else {
+                        v.remove(i);
+                    }
                     true
                 }
-                Err(_) => false,
+                None => false,
             },
             Class::Many(t) => {
                 let removed = t.remove(e);
                 if t.len() < SPILL / 2 {
-                    *self = Class::Few(std::mem::take(t).into_iter().collect());
+                    self.unspill();
                 }
                 removed
             }
@@ -359,6 +408,53 @@ mod tests {
                 prop_assert_eq!(b.best_fit(size), expected);
             }
             prop_assert_eq!(b.largest(), all.iter().max().copied());
+        }
+
+        /// Inserts, removes and takes on crowded classes (a few sizes, so
+        /// classes cross the scan and spill thresholds both ways) agree with
+        /// an ordered set.
+        #[test]
+        fn crowded_classes_match_an_ordered_set(
+            ops in proptest::collection::vec((0u8..3, 0u64..4, 0u64..400, 1u64..6), 0..600),
+        ) {
+            let mut b = Bins::default();
+            let mut model = std::collections::BTreeSet::new();
+            for (i, (op, size_pick, addr, q)) in ops.into_iter().enumerate() {
+                let size = [512u64, 1024, 1536, 2560][size_pick as usize];
+                match op {
+                    0 => {
+                        let e = (size, addr * 4096 + size_pick, BlockId(i as u32));
+                        if !model.iter().any(|m: &Entry| m.1 == e.1) {
+                            b.insert(e.0, e.1, e.2);
+                            model.insert(e);
+                        }
+                    }
+                    1 => {
+                        // Remove the entry nearest below a random point, if any.
+                        let victim = model.iter().find(|m| m.1 >= addr * 4096).copied();
+                        if let Some(v) = victim {
+                            prop_assert!(b.remove(v.0, v.1, v.2));
+                            model.remove(&v);
+                        }
+                        prop_assert!(!b.remove(size, u64::MAX, BlockId(0)));
+                    }
+                    _ => {
+                        let want = q * 512;
+                        let expected = model.iter().filter(|e| e.0 >= want).min().copied();
+                        let found = b.find(want);
+                        prop_assert_eq!(found.map(|f| f.entry), expected);
+                        if let Some(f) = found {
+                            b.take(f);
+                            model.remove(&f.entry);
+                        }
+                    }
+                }
+                prop_assert_eq!(b.len(), model.len());
+                prop_assert_eq!(b.bytes(), model.iter().map(|e| e.0).sum::<u64>());
+            }
+            let listed: Vec<Entry> = b.iter().copied().collect();
+            let expected: Vec<Entry> = model.iter().copied().collect();
+            prop_assert_eq!(listed, expected);
         }
     }
 }
