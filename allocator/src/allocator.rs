@@ -522,6 +522,7 @@ impl<E> State<E> {
             w.keys[w.next] = front::key_hash(rounded, stream);
             w.next = (w.next + 1) % w.keys.len();
         }
+        self.shadow_malloc(rounded);
         if self.pending_blocks > 0 {
             self.process_events(dev)?;
         }
@@ -848,6 +849,7 @@ impl<E> State<E> {
             let b = self.blocks.get(id.0);
             (b.size, b.pool)
         };
+        self.shadow_free(size);
         let kind = pool.kind();
         self.count_allocated(kind, size, false);
         if let Some(r) = self.recorder.as_mut() {

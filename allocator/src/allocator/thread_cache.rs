@@ -44,15 +44,19 @@ pub(super) const REVIEW_WINDOW: u64 = 4096;
 /// operations that still took the lock: a hit saves about a core malloc and
 /// free, while the caches cost every operation a lookup and a check.
 const PAYING_SHARE: u64 = 4;
-/// Windows that an allocator whose caches did not pay runs without them
-/// before it tries them again.
-pub(super) const OFF_WINDOWS: u32 = 16;
+/// Longest run, in windows, of an allocator without its caches before it
+/// tries them again even though its shadow saw no repeats.
+pub(super) const OFF_WINDOWS: u32 = 64;
+/// Recently freed sizes the shadow remembers while the caches are off.
+const SHADOW: usize = 8;
 
 /// Whether the thread caches pay for themselves. With sizes that do not
 /// repeat (a random mix) a thread cache rarely hits, and the lookups on
 /// every malloc and free cost more than its hits save; the allocator then
-/// turns its caches off (a plain load of one flag per call) and tries
-/// them again after a while.
+/// turns its caches off (a plain load of one flag per call). While they are
+/// off, a *shadow* under the lock remembers the last few freed sizes and
+/// counts the mallocs that repeat one of them, i.e. that a cache would have
+/// served; when those pay, the caches go back on at the end of the window.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct FrontReview {
     /// Operations that took the allocator's lock so far.
@@ -61,8 +65,13 @@ pub(super) struct FrontReview {
     hits_base: u64,
     /// Whether the caches are on (they start on).
     pub paying: bool,
-    /// Windows left before caches that were turned off are tried again.
+    /// Windows left before caches that were turned off are tried anyway.
     off_windows: u32,
+    /// While off: the last freed sizes (with their streams), and the mallocs
+    /// in this window that asked for one of them.
+    shadow: [u64; SHADOW],
+    shadow_next: usize,
+    shadow_hits: u64,
 }
 
 impl Default for FrontReview {
@@ -72,6 +81,9 @@ impl Default for FrontReview {
             hits_base: 0,
             paying: true,
             off_windows: 0,
+            shadow: [u64::MAX; SHADOW],
+            shadow_next: 0,
+            shadow_hits: 0,
         }
     }
 }
@@ -100,22 +112,53 @@ impl<E> State<E> {
         let r = &mut self.review;
         let new_hits = hits.saturating_sub(r.hits_base);
         r.hits_base = hits;
+        let shadow_hits = std::mem::take(&mut r.shadow_hits);
         if r.paying {
             if new_hits * PAYING_SHARE >= REVIEW_WINDOW {
                 return None;
             }
             r.paying = false;
             r.off_windows = OFF_WINDOWS;
+            r.shadow = [u64::MAX; SHADOW];
             self.flush_fronts();
             Some(false)
         } else {
             r.off_windows -= 1;
-            if r.off_windows > 0 {
+            // With the caches on, a hit also spares the lock for its free:
+            // `h` hits among `n` calls leave `n - 2h` locked, so the test
+            // above, h * PAYING_SHARE >= n - 2h, reads as follows here.
+            let would_pay = shadow_hits * (PAYING_SHARE + 2) >= REVIEW_WINDOW;
+            if !would_pay && r.off_windows > 0 {
                 return None;
             }
             r.paying = true;
             Some(true)
         }
+    }
+
+    /// While the caches are off: would a cache have served this malloc of
+    /// `rounded` bytes? (Sizes only: the shadow is an estimate, kept cheap.)
+    #[inline]
+    pub(super) fn shadow_malloc(&mut self, rounded: u64) {
+        if self.thread_cache == 0 || self.review.paying {
+            return;
+        }
+        let r = &mut self.review;
+        if let Some(i) = r.shadow.iter().position(|&k| k == rounded) {
+            r.shadow[i] = u64::MAX;
+            r.shadow_hits += 1;
+        }
+    }
+
+    /// While the caches are off: remembers a freed block's size.
+    #[inline]
+    pub(super) fn shadow_free(&mut self, size: u64) {
+        if self.thread_cache == 0 || self.review.paying {
+            return;
+        }
+        let r = &mut self.review;
+        r.shadow[r.shadow_next] = size;
+        r.shadow_next = (r.shadow_next + 1) % SHADOW;
     }
 
     /// A new slot for a thread, or `None` when thread caches are off.
@@ -714,7 +757,7 @@ mod tests {
     }
 
     #[test]
-    fn caches_that_do_not_pay_are_turned_off_and_tried_again() {
+    fn caches_that_do_not_pay_are_turned_off_until_sizes_repeat() {
         let (_, a) = new("default", 1 << 30);
         assert!(a.front_on.load(std::sync::atomic::Ordering::Relaxed));
         // A random mix over 64 slots: sizes hardly repeat.
@@ -736,9 +779,20 @@ mod tests {
         );
         assert!(parked(&a).is_empty(), "turning off flushes the caches");
         a.check_invariants().unwrap();
-        // Repeats: once the caches are tried again, they pay and stay on.
-        let windows = u64::from(super::OFF_WINDOWS) + 2;
-        for _ in 0..windows * super::REVIEW_WINDOW {
+        // More of the mix: the shadow sees no repeats, the caches stay off.
+        for _ in 0..8 * super::REVIEW_WINDOW {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let slot = &mut live[(x % 64) as usize];
+            match slot.take() {
+                Some(p) => a.free(p).unwrap(),
+                None => *slot = Some(a.malloc(512 + (x >> 40) % (8 * MIB), S0).unwrap()),
+            }
+        }
+        assert!(!a.front_on.load(std::sync::atomic::Ordering::Relaxed));
+        // Repeats: the shadow sees them, and within two windows the caches are back.
+        for _ in 0..super::REVIEW_WINDOW {
             let p = a.malloc(4096, S0).unwrap();
             a.free(p).unwrap();
         }
@@ -746,6 +800,12 @@ mod tests {
             a.front_on.load(std::sync::atomic::Ordering::Relaxed),
             "repeats turn them back on"
         );
+        // And on, they pay: still on after many more windows.
+        for _ in 0..8 * super::REVIEW_WINDOW {
+            let p = a.malloc(4096, S0).unwrap();
+            a.free(p).unwrap();
+        }
+        assert!(a.front_on.load(std::sync::atomic::Ordering::Relaxed));
         for p in live.into_iter().flatten() {
             a.free(p).unwrap();
         }
