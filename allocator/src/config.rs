@@ -52,7 +52,7 @@ pub enum EdgePages {
     /// Always a whole big page (one page size per range, as before mixed pages).
     Big,
     /// Whole big pages while there is room; under pressure (reserved memory
-    /// within `idle_slack` of the cap or of the device's capacity)
+    /// within `idle_slack_hard` of the cap or of the device's capacity)
     /// granularity-sized pages only, so that no memory is lost to the
     /// partly used big pages at blocks' edges.
     Pressure,

@@ -101,7 +101,7 @@ fn pooled_pages_of_another_size_make_room_on_a_full_device() {
 #[test]
 fn under_pressure_only_granules_are_mapped_and_the_end_page_is_trimmed() {
     // 64 MiB device: pressure once a mapping would bring reserved memory
-    // within 1% (idle_slack) of it.
+    // within 2% (idle_slack_hard) of it.
     let dev = SimulatedDevice::new(64 * MIB);
     let a = CachingAllocator::new(dev.clone(), config("pressure"));
     let small = a.malloc(512, S0).unwrap(); // the small pool's one page

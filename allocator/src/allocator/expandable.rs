@@ -198,8 +198,8 @@ impl<E> State<E> {
     /// under the block; at the edges, where a big page would lie only partly
     /// under the block, a whole big page (`Big`, and `Pressure` while there
     /// is room) or granularity-sized pages (`Small`). Under pressure (the
-    /// mapping would bring reserved memory within `idle_slack` of the cap or
-    /// of the device's capacity) `Pressure` maps granularity-sized pages
+    /// mapping would bring reserved memory within `idle_slack_hard` of the
+    /// cap or of the device's capacity) `Pressure` maps granularity-sized pages
     /// only, and first unmaps the big page under the block's end if it
     /// reaches into the free rest and no queued work can touch it.
     fn map_range<D: Device<Event = E>>(
@@ -248,14 +248,14 @@ impl<E> State<E> {
     }
 
     /// Whether mapping `bytes` more would bring reserved memory within
-    /// `idle_slack` of the cap, of the device's total memory, or of the
+    /// `idle_slack_hard` of the cap, of the device's total memory, or of the
     /// level at which the device was last found full.
     fn under_pressure(&self, bytes: u64) -> bool {
         let (_, _, cap) = self.limits();
         let limit = cap
             .min(self.device_full_at.unwrap_or(u64::MAX))
             .min(self.range_size);
-        let limit = (limit as f64 * (1.0 - self.config.idle_slack).max(0.0)) as u64;
+        let limit = (limit as f64 * (1.0 - self.config.idle_slack_hard).max(0.0)) as u64;
         self.reserved() + bytes > limit
     }
 
