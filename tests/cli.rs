@@ -724,3 +724,55 @@ fn default_config_meets_the_issue_3_goals_on_the_shipped_traces() {
         assert!(mincap <= mincap_goal, "{trace}: min-capacity {mincap}");
     }
 }
+
+/// Issue #7's goals for `expandable` on the shipped traces: peak reserved /
+/// peak allocated ≤ 1.02 and min-capacity / peak allocated ≤ 1.01 on both,
+/// with the map and unmap calls of 8 MiB large-pool pages (nmt: ~14k maps
+/// and ~12k unmaps; 2 MiB pages everywhere would make ~55k / ~49k).
+#[test]
+fn expandable_config_meets_the_issue_7_goals_on_the_shipped_traces() {
+    let traces = ["traces/nmt.trace.gz", "traces/cnn_multiscale.trace.gz"];
+    // Most map + unmap calls allowed with no capacity limit.
+    let max_calls = [30_000, 1_000];
+    let o = run(&[
+        "compare",
+        "--config",
+        "expandable",
+        "--json",
+        "-j1",
+        traces[0],
+        traces[1],
+    ]);
+    assert_status(&o, 0);
+    let lines = json_lines(&o);
+    assert_eq!(lines.len(), 2);
+    let m = run(&[
+        "min-capacity",
+        "--config",
+        "expandable",
+        "--json",
+        traces[0],
+        traces[1],
+    ]);
+    assert_status(&m, 0);
+    let mins = json_lines(&m);
+    assert_eq!(mins.len(), 2);
+    for (i, (trace, max_calls)) in traces.iter().zip(max_calls).enumerate() {
+        let row = lines
+            .iter()
+            .find(|v| v["trace"] == *trace)
+            .unwrap_or_else(|| panic!("no row for {trace}"));
+        let ratio = row["reserved_over_allocated"].as_f64().unwrap();
+        assert!(ratio <= 1.02, "{trace}: reserved/allocated {ratio}");
+        let calls = u(row, "num_vmm_map") + u(row, "num_vmm_unmap");
+        assert!(
+            calls <= max_calls,
+            "{trace}: {calls} map + unmap calls (at most {max_calls})"
+        );
+        assert_eq!(mins[i]["trace"], *trace);
+        let mincap = mins[i]["min_capacity_over_peak_allocated"]
+            .as_f64()
+            .unwrap();
+        assert!(mincap <= 1.01, "{trace}: min-capacity {mincap}");
+    }
+}

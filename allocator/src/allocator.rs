@@ -138,6 +138,8 @@ struct State<E> {
     quiescent_before: u64,
     /// Physical pages unmapped but kept (reserved), with the pool kind their bytes are counted under.
     page_pool: Vec<(u64, PoolKind, u64)>,
+    /// Expandable: reserved bytes when the device last had no room for a new page.
+    device_full_at: Option<u64>,
     /// Things the user should know about the configuration (e.g. a fallback).
     notices: Vec<String>,
     /// Thread caches by [`SlotId`] (`None`: index free for reuse).
@@ -213,6 +215,7 @@ impl<D: Device> CachingAllocator<D> {
                 ranges: Vec::new(),
                 range_size,
                 page_pool: Vec::new(),
+                device_full_at: None,
                 markers: VecDeque::new(),
                 last_marker: 0,
                 quiescent_before: 0,
@@ -1435,6 +1438,7 @@ impl<E> State<E> {
         let mut awaiting = 0usize;
         let mut pending_events = 0u64;
         let mut last_end = 0u64;
+        self.check_pages()?;
         if self.segment_by_addr.len() != self.segments.len() {
             return Err(format!(
                 "{} segments but {} in the address map",

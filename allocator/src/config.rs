@@ -42,6 +42,22 @@ pub enum ReleaseOrder {
     All,
 }
 
+/// Expandable segments: which page size backs the partly covered big pages
+/// at a block's edges (see `docs/POLICY.md`, "Mixed page sizes").
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub enum EdgePages {
+    /// Always granularity-sized pages at the edges: only the granules under
+    /// the block are mapped (big pages only where wholly under it).
+    Small,
+    /// Always a whole big page (one page size per range, as before mixed pages).
+    Big,
+    /// Whole big pages while there is room; under pressure (reserved memory
+    /// within `idle_slack_hard` of the cap or of the device's capacity)
+    /// granularity-sized pages only, so that no memory is lost to the
+    /// partly used big pages at blocks' edges.
+    Pressure,
+}
+
 /// How the allocator carves segments and blocks. See `docs/POLICY.md`.
 #[derive(Clone, PartialEq, Debug)]
 pub struct Config {
@@ -112,6 +128,9 @@ pub struct Config {
     /// Expandable segments: page size of the large pools (a multiple of the
     /// device granularity; the small pool always uses the granularity).
     pub expandable_page: u64,
+    /// Expandable segments: page size at the edges of a block, where a big
+    /// page would lie only partly under it.
+    pub expandable_edges: EdgePages,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
     /// Freed blocks each thread keeps for its own next request of the same
@@ -149,6 +168,7 @@ impl Config {
             idle_slack_hard: 0.02,
             recycle_batch: 0.05,
             expandable_page: 8 * MIB,
+            expandable_edges: EdgePages::Pressure,
             expandable_segments: false,
         }
     }
@@ -333,6 +353,14 @@ impl Config {
                 }
                 self.expandable_page = m;
             }
+            "expandable_edges" => {
+                self.expandable_edges = match value {
+                    "small" => EdgePages::Small,
+                    "big" => EdgePages::Big,
+                    "pressure" => EdgePages::Pressure,
+                    _ => return Err(bad("expected small, big or pressure")),
+                }
+            }
             "idle_slack_hard" => {
                 let f: f64 = value.parse().map_err(|_| bad("expected a number"))?;
                 if !(0.0..=10.0).contains(&f) {
@@ -433,7 +461,7 @@ impl Config {
             "{},caching:{},small_segment_mb:{},medium_segment_mb:{},large_threshold_mb:{},segment_round_mb:{},\
              large_split_remainder_mb:{},max_split_size_mb:{},huge_size_mb:{},huge_segment_divisions:{},\
              oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},release_same_kind:{},idle_slack:{},idle_slack_hard:{},recycle_batch:{},expandable_page_mb:{},\
-             expandable_segments:{}",
+             expandable_edges:{},expandable_segments:{}",
             self.name,
             py_bool(self.caching),
             self.small_segment / MIB,
@@ -453,6 +481,11 @@ impl Config {
             self.idle_slack_hard,
             self.recycle_batch,
             self.expandable_page / MIB,
+            match self.expandable_edges {
+                EdgePages::Small => "small",
+                EdgePages::Big => "big",
+                EdgePages::Pressure => "pressure",
+            },
             py_bool(self.expandable_segments),
         );
         let list: Vec<String> = self
@@ -634,7 +667,7 @@ impl fmt::Display for ConfigError {
         match self {
             ConfigError::UnknownKey(k) => write!(
                 f,
-                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, release_same_kind, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb, thread_cache)"
+                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, release_same_kind, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb, expandable_edges, thread_cache)"
             ),
             ConfigError::UnknownPreset(p) => {
                 write!(f, "unknown configuration `{p}` (presets: {}; or key:value,…)", Config::PRESETS.join(", "))

@@ -49,7 +49,7 @@ pub mod trace;
 
 pub use allocator::{CachingAllocator, Released, TraceSink, Usage};
 pub use block::{BlockState, PoolKind};
-pub use config::{parse_size, Config, ConfigError, MemoryCap, ReleaseOrder};
+pub use config::{parse_size, Config, ConfigError, EdgePages, MemoryCap, ReleaseOrder};
 pub use device::{Device, DeviceError, DevicePtr, MemInfo, StreamId};
 pub use error::{AllocError, OomReport};
 pub use report::{

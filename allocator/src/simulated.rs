@@ -180,6 +180,15 @@ impl SimulatedDevice {
         s.segments.len() + s.pages.len()
     }
 
+    /// The page mappings as (address, bytes), lowest address first.
+    pub fn mappings(&self) -> Vec<(DevicePtr, u64)> {
+        let s = self.state.lock();
+        s.mapped
+            .iter()
+            .map(|(&a, &(_, n))| (DevicePtr(a), n))
+            .collect()
+    }
+
     /// The live segments as (address, bytes), lowest address first.
     pub fn segments(&self) -> Vec<(DevicePtr, u64)> {
         let s = self.state.lock();
@@ -537,6 +546,15 @@ mod tests {
             "size must match the mapping"
         );
         d.vmm_unmap(r, 2 << 20).unwrap();
+        assert!(
+            d.vmm_unmap(DevicePtr(r.0 + (2 << 20)), 2 << 20).is_err(),
+            "no partial unmap of a larger page"
+        );
+        assert!(
+            d.vmm_unmap(DevicePtr(r.0 + (4 << 20)), 2 << 20).is_err(),
+            "no unmap from the middle of a page"
+        );
+        assert_eq!(d.mappings(), vec![(DevicePtr(r.0 + (2 << 20)), 4 << 20)]);
         d.vmm_unmap(DevicePtr(r.0 + (2 << 20)), 4 << 20).unwrap();
         d.vmm_release_page(p1).unwrap();
         d.vmm_release_page(p2).unwrap();

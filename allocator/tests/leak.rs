@@ -46,6 +46,9 @@ fn configs() -> Vec<(String, Config)> {
         "pytorch,garbage_collection_threshold:0.6,per_process_memory_fraction:0.8",
         "default,huge_size_mb:64,huge_segment_divisions:4",
         "expandable,expandable_page_mb:8",
+        "expandable,expandable_edges:small",
+        "expandable,expandable_edges:big",
+        "expandable,expandable_page_mb:6,expandable_edges:small",
     ] {
         v.push((conf.to_string(), Config::parse(conf).unwrap()));
     }

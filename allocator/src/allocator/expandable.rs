@@ -19,6 +19,7 @@
 
 use super::State;
 use crate::block::{BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId};
+use crate::config::EdgePages;
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::AllocError;
 
@@ -46,10 +47,23 @@ pub(super) fn range_size(total: u64, page: u64) -> u64 {
         * page
 }
 
+/// How a mapping chooses its page sizes (see `map_range`).
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+enum Style {
+    /// Big pages, whole ones at the edges too.
+    BigEdges,
+    /// Big pages wholly under the block, granules at the edges.
+    SmallEdges,
+    /// Granules only.
+    Granules,
+}
+
 /// A physical page in hand while a block's pages are gathered.
 #[derive(Copy, Clone)]
 pub(super) struct Page {
     handle: u64,
+    /// Bytes.
+    size: u64,
     /// The pool its bytes are counted under; `None` for a page just created.
     counted_as: Option<PoolKind>,
 }
@@ -159,77 +173,10 @@ impl<E> State<E> {
         Ok(seg)
     }
 
-    /// Maps every unmapped page under `[start, end)` of `seg`. The block
-    /// being carved ends at `block_end`: pages wholly in `[end, block_end)`
-    /// stay free after the split, so they count as idle too.
-    fn map_range<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        seg: SegmentId,
-        start: u64,
-        end: u64,
-        (block_end, since): (u64, u64),
-    ) -> Result<(), AllocError> {
-        let s = self.segments.get(seg.0);
-        let (base, ps, kind) = (s.addr, s.page_size, s.pool.kind());
-        let missing: Vec<u32> = {
-            let pages = s.pages.as_ref().expect("expandable");
-            let first = ((start - base) / ps) as u32;
-            let last = ((end - 1 - base) / ps) as u32;
-            pages.missing(first, last)
-        };
-        if missing.is_empty() {
-            return Ok(());
-        }
-        let mut gathered = Vec::with_capacity(missing.len());
-        if let Err(e) = self.gather_pages(
-            dev,
-            ps,
-            missing.len(),
-            (seg, end, block_end, since),
-            &mut gathered,
-        ) {
-            self.return_pages(dev, ps, gathered)?;
-            return Err(e);
-        }
-        let mut gathered = gathered.into_iter();
-        for p in missing {
-            let page = gathered.next().expect("one page per missing page");
-            if let Err(e) = dev.vmm_map(DevicePtr(base + u64::from(p) * ps), page.handle, ps) {
-                let rest: Vec<Page> = std::iter::once(page).chain(gathered).collect();
-                self.return_pages(dev, ps, rest)?;
-                return Err(e.into());
-            }
-            self.segments
-                .get_mut(seg.0)
-                .pages
-                .as_mut()
-                .expect("expandable")
-                .insert(p, page.handle);
-            self.stats.num_map += 1;
-            match page.counted_as {
-                None => self.stats.reserved_bytes.increase(kind, ps),
-                Some(old) => self.stats.reserved_bytes.move_group(old, kind, ps),
-            }
-        }
-        self.high_water = self.high_water.max(self.reserved());
-        Ok(())
-    }
-
-    /// Collects `k` physical pages of `ps` bytes: from the pool of unmapped
-    /// pages first; then, where creating pages would pass the soft limit or
-    /// the cap, or the device is full, one recycling round; then new pages,
-    /// as far as the cap allows.
-    fn gather_pages<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        ps: u64,
-        k: usize,
-        tail: Tail,
-        out: &mut Vec<Page>,
-    ) -> Result<(), AllocError> {
+    /// Reserved-memory limits of the recycling rounds: (soft, hard, cap).
+    fn limits(&self) -> (u64, u64, u64) {
         let peak = self.stats.allocated_bytes.all().peak as f64;
-        let (soft_limit, hard_limit) = if self.config.release_before_grow {
+        let (soft, hard) = if self.config.release_before_grow {
             let soft = (peak * (1.0 + self.config.idle_slack)) as u64;
             (
                 soft,
@@ -238,24 +185,255 @@ impl<E> State<E> {
         } else {
             (u64::MAX, u64::MAX)
         };
-        let cap = self.cap.unwrap_or(u64::MAX);
-        // 0: nothing recycled yet; 1: quiescent idle pages taken; 2: waited for the device.
-        let mut stage = 0;
-        loop {
-            while out.len() < k {
-                let Some(i) = self.page_pool.iter().rposition(|p| p.2 == ps) else {
-                    break;
-                };
-                let (handle, kind, _) = self.page_pool.swap_remove(i);
-                out.push(Page {
-                    handle,
-                    counted_as: Some(kind),
-                });
+        (soft, hard, self.cap.unwrap_or(u64::MAX))
+    }
+
+    /// Maps every unmapped granule under `[start, end)` of `seg`. The block
+    /// being carved ends at `block_end` and became free at `since`: pages
+    /// wholly in `[end, block_end)` stay free after the split, so they count
+    /// as idle too.
+    ///
+    /// Page sizes (`Config::expandable_edges`, docs/POLICY.md): big pages
+    /// (`Segment::page_size`) where a whole aligned big page is unmapped and
+    /// under the block; at the edges, where a big page would lie only partly
+    /// under the block, a whole big page (`Big`, and `Pressure` while there
+    /// is room) or granularity-sized pages (`Small`). Under pressure (the
+    /// mapping would bring reserved memory within `idle_slack_hard` of the
+    /// cap or of the device's capacity) `Pressure` maps granularity-sized pages
+    /// only, and first unmaps the big page under the block's end if it
+    /// reaches into the free rest and no queued work can touch it.
+    fn map_range<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        seg: SegmentId,
+        start: u64,
+        end: u64,
+        (block_end, since): (u64, u64),
+    ) -> Result<(), AllocError> {
+        let g = self.granularity.expect("expandable mode has a granularity");
+        let tail = (seg, end, block_end, since);
+        let mut style = match self.config.expandable_edges {
+            EdgePages::Small => Style::SmallEdges,
+            EdgePages::Big => Style::BigEdges,
+            EdgePages::Pressure => {
+                let plan = self.plan(seg, start, end, Style::BigEdges);
+                let bytes: u64 = plan.iter().map(|&(_, n)| u64::from(n) * g).sum();
+                if self.under_pressure(bytes) {
+                    Style::Granules
+                } else {
+                    Style::BigEdges
+                }
             }
-            if out.len() == k {
+        };
+        if style == Style::Granules {
+            self.trim_end_page(dev, seg, start, end, (block_end, since))?;
+        }
+        loop {
+            let plan = self.plan(seg, start, end, style);
+            if plan.is_empty() {
                 return Ok(());
             }
-            let grow = (k - out.len()) as u64 * ps;
+            match self.map_plan(dev, seg, &plan, tail) {
+                // The device or the cap is full after all: only the granules needed.
+                Err(AllocError::OutOfMemory(_))
+                    if style == Style::BigEdges
+                        && self.config.expandable_edges == EdgePages::Pressure =>
+                {
+                    style = Style::Granules;
+                    self.trim_end_page(dev, seg, start, end, (block_end, since))?;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Whether mapping `bytes` more would bring reserved memory within
+    /// `idle_slack_hard` of the cap, of the device's total memory, or of the
+    /// level at which the device was last found full.
+    fn under_pressure(&self, bytes: u64) -> bool {
+        let (_, _, cap) = self.limits();
+        let limit = cap
+            .min(self.device_full_at.unwrap_or(u64::MAX))
+            .min(self.range_size);
+        let limit = (limit as f64 * (1.0 - self.config.idle_slack_hard).max(0.0)) as u64;
+        self.reserved() + bytes > limit
+    }
+
+    /// If the big page under the block's end reaches past it into the free
+    /// rest of the block being carved (which became free at `since`), and no
+    /// queued work can touch it, unmaps it into the pool, so that only the
+    /// granules under the block get mapped again.
+    fn trim_end_page<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        seg: SegmentId,
+        start: u64,
+        end: u64,
+        (block_end, since): (u64, u64),
+    ) -> Result<(), AllocError> {
+        let g = self.granularity.expect("expandable mode has a granularity");
+        let s = self.segments.get(seg.0);
+        let base = s.addr;
+        let last = (end - base).div_ceil(g) as u32;
+        let pages = s.pages.as_ref().expect("expandable");
+        let Some((at, h, n)) = pages.covering(last - 1) else {
+            return Ok(());
+        };
+        let (lo, hi) = (base + u64::from(at) * g, base + u64::from(at + n) * g);
+        if n == 1 || hi <= base + u64::from(last) * g || lo < start || hi > block_end {
+            return Ok(());
+        }
+        // Quiescent: freed before a marker whose events completed.
+        if since >= self.quiescent_before && since >= self.poll_markers(dev)? {
+            return Ok(());
+        }
+        let s = self.segments.get_mut(seg.0);
+        let pages = s.pages.as_mut().expect("expandable");
+        pages.remove(at);
+        if let Err(e) = dev.vmm_unmap(DevicePtr(lo), hi - lo) {
+            pages.insert(at, n, h);
+            return Err(e.into());
+        }
+        self.page_pool.push((h, s.pool.kind(), hi - lo));
+        self.stats.num_unmap += 1;
+        Ok(())
+    }
+
+    /// The pages to map under `[start, end)` of `seg`, as (first granule,
+    /// granules): big pages where a whole aligned big page is unmapped and
+    /// under the block, granules elsewhere; with `Style::BigEdges`, an
+    /// unmapped big page only partly under the block is mapped whole; with
+    /// `Style::Granules`, granules only.
+    fn plan(&self, seg: SegmentId, start: u64, end: u64, style: Style) -> Vec<(u32, u32)> {
+        let g = self.granularity.expect("expandable mode has a granularity");
+        let s = self.segments.get(seg.0);
+        let pages = s.pages.as_ref().expect("expandable");
+        let big = match style {
+            Style::Granules => 1,
+            Style::BigEdges | Style::SmallEdges => (s.page_size / g) as u32,
+        };
+        let limit = (s.size / g) as u32;
+        let first = ((start - s.addr) / g) as u32;
+        let last = (end - s.addr).div_ceil(g) as u32;
+        let mut plan = Vec::new();
+        for (mut a, mut b) in pages.gaps(first, last) {
+            if style == Style::BigEdges && big > 1 {
+                let a0 = a / big * big;
+                if pages.is_unmapped(a0, a) {
+                    a = a0;
+                }
+                let b0 = (b.div_ceil(big) * big).min(limit);
+                if pages.is_unmapped(b, b0) {
+                    b = b0;
+                }
+            }
+            let mut at = a;
+            while at < b {
+                let n = if big > 1 && at % big == 0 && at + big <= b {
+                    big
+                } else {
+                    1
+                };
+                plan.push((at, n));
+                at += n;
+            }
+        }
+        plan
+    }
+
+    /// Gathers the physical pages for `plan` and maps them.
+    fn map_plan<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        seg: SegmentId,
+        plan: &[(u32, u32)],
+        tail: Tail,
+    ) -> Result<(), AllocError> {
+        let g = self.granularity.expect("expandable mode has a granularity");
+        let s = self.segments.get(seg.0);
+        let (base, kind) = (s.addr, s.pool.kind());
+        let mut need: Vec<(u64, usize)> = Vec::with_capacity(2);
+        for &(_, n) in plan {
+            let size = u64::from(n) * g;
+            match need.iter_mut().find(|(s, _)| *s == size) {
+                Some((_, c)) => *c += 1,
+                None => need.push((size, 1)),
+            }
+        }
+        let mut gathered = Vec::with_capacity(plan.len());
+        if let Err(e) = self.gather_pages(dev, &need, tail, &mut gathered) {
+            self.return_pages(dev, gathered)?;
+            return Err(e);
+        }
+        for &(at, n) in plan {
+            let size = u64::from(n) * g;
+            let j = gathered
+                .iter()
+                .rposition(|p| p.size == size)
+                .expect("one page per planned page");
+            let page = gathered.swap_remove(j);
+            if let Err(e) = dev.vmm_map(DevicePtr(base + u64::from(at) * g), page.handle, size) {
+                gathered.push(page);
+                self.return_pages(dev, gathered)?;
+                return Err(e.into());
+            }
+            self.segments
+                .get_mut(seg.0)
+                .pages
+                .as_mut()
+                .expect("expandable")
+                .insert(at, n, page.handle);
+            self.stats.num_map += 1;
+            match page.counted_as {
+                None => self.stats.reserved_bytes.increase(kind, size),
+                Some(old) => self.stats.reserved_bytes.move_group(old, kind, size),
+            }
+        }
+        self.high_water = self.high_water.max(self.reserved());
+        Ok(())
+    }
+
+    /// Collects physical pages, `count` of each `size` in `need`: from the
+    /// pool of unmapped pages first; then, where creating pages would pass
+    /// the soft limit or the cap, or the device is full, one recycling
+    /// round; then new pages, as far as the cap allows, after giving back
+    /// pooled pages of sizes this request cannot use where they are in the way.
+    fn gather_pages<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        need: &[(u64, usize)],
+        tail: Tail,
+        out: &mut Vec<Page>,
+    ) -> Result<(), AllocError> {
+        let (soft_limit, hard_limit, cap) = self.limits();
+        // 0: nothing recycled yet; 1: quiescent idle pages taken; 2: waited
+        // for the device; 3: device full after that, pooled pages given back.
+        let mut stage = 0;
+        loop {
+            let mut grow = 0;
+            let mut short = None;
+            for &(size, count) in need {
+                let mut have = out.iter().filter(|p| p.size == size).count();
+                while have < count {
+                    let Some(i) = self.page_pool.iter().rposition(|p| p.2 == size) else {
+                        break;
+                    };
+                    let (handle, kind, _) = self.page_pool.swap_remove(i);
+                    out.push(Page {
+                        handle,
+                        size,
+                        counted_as: Some(kind),
+                    });
+                    have += 1;
+                }
+                if have < count {
+                    grow += (count - have) as u64 * size;
+                    short.get_or_insert(size);
+                }
+            }
+            let Some(size) = short else {
+                return Ok(());
+            };
             // Past the soft limit, take idle pages no queued work can touch
             // (free): past the hard limit or the cap, wait for the device.
             if stage < 1 && self.reserved() + grow > soft_limit.min(cap) {
@@ -268,34 +446,76 @@ impl<E> State<E> {
                 stage = 2;
                 continue;
             }
+            // What is left in the pool is of sizes this request cannot use
+            // (it took every page of the sizes it lacks): give back enough of
+            // it to stay within the soft limit, the cap, and what the device
+            // held when it was last full.
+            let room = soft_limit
+                .min(cap)
+                .min(self.device_full_at.unwrap_or(u64::MAX));
+            let over = (self.reserved() + grow).saturating_sub(room);
+            if over > 0 {
+                self.release_pooled(dev, over)?;
+            }
             if self.reserved() + grow > cap {
                 return Err(AllocError::OutOfMemory(Box::default()));
             }
-            match dev.vmm_create_page(ps) {
+            match dev.vmm_create_page(size) {
                 Ok(handle) => {
                     out.push(Page {
                         handle,
+                        size,
                         counted_as: None,
                     });
                     self.stats.num_page_create += 1;
+                    // The device had room for this much after all.
+                    let now = self.reserved() + out_new_bytes(out);
+                    if let Some(full) = self.device_full_at.as_mut() {
+                        *full = (*full).max(now);
+                    }
                 }
-                Err(DeviceError::OutOfMemory) if stage < 2 => {
-                    self.recycle(dev, tail, grow, true)?;
-                    stage = 2;
+                Err(DeviceError::OutOfMemory) if stage < 3 => {
+                    self.device_full_at = Some(self.reserved() + out_new_bytes(out));
+                    if stage < 2 {
+                        self.recycle(dev, tail, grow, true)?;
+                    }
+                    // Device full: pooled pages of other sizes make room.
+                    self.release_pooled(dev, grow)?;
+                    stage = 3;
                 }
                 Err(DeviceError::OutOfMemory) => {
-                    return Err(AllocError::OutOfMemory(Box::default()))
+                    self.device_full_at = Some(self.reserved() + out_new_bytes(out));
+                    return Err(AllocError::OutOfMemory(Box::default()));
                 }
                 Err(e) => return Err(e.into()),
             }
         }
     }
 
+    /// Releases pooled pages (most recently pooled first) until `bytes` are
+    /// given back or the pool is empty. The caller has taken the pages it
+    /// can use: what is left is of other sizes.
+    fn release_pooled<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        bytes: u64,
+    ) -> Result<(), AllocError> {
+        let mut freed = 0;
+        while freed < bytes {
+            let Some((h, kind, size)) = self.page_pool.pop() else {
+                break;
+            };
+            dev.vmm_release_page(h)?;
+            self.stats.num_page_release += 1;
+            self.stats.reserved_bytes.decrease(kind, size);
+            freed += size;
+        }
+        Ok(())
+    }
+
     /// One recycling round: wait until the device is idle, recycle blocks
     /// whose events completed, and unmap the pages needed now (`need` bytes)
     /// plus `recycle_batch` of the peak, longest idle first, into the pool.
-    /// Under pressure (device full or cap) pages of the other page size are
-    /// released, so that their bytes can be created again in the size needed.
     fn recycle<D: Device<Event = E>>(
         &mut self,
         dev: &D,
@@ -327,20 +547,6 @@ impl<E> State<E> {
             self.drop_markers(dev);
             self.process_events(dev)?;
             self.unmap_idle_pages(dev, Some(tail), batch - got, u64::MAX)?;
-        }
-        // Pooled pages of the other size cannot serve this request: give their
-        // bytes back so that new pages of the needed size fit.
-        let ps = tail_page_size(self, tail);
-        let mut i = 0;
-        while i < self.page_pool.len() {
-            if self.page_pool[i].2 != ps {
-                let (h, kind, size) = self.page_pool.swap_remove(i);
-                dev.vmm_release_page(h)?;
-                self.stats.num_page_release += 1;
-                self.stats.reserved_bytes.decrease(kind, size);
-            } else {
-                i += 1;
-            }
         }
         Ok(())
     }
@@ -395,12 +601,11 @@ impl<E> State<E> {
     fn return_pages<D: Device<Event = E>>(
         &mut self,
         dev: &D,
-        ps: u64,
         pages: Vec<Page>,
     ) -> Result<(), AllocError> {
         for page in pages {
             match page.counted_as {
-                Some(kind) => self.page_pool.push((page.handle, kind, ps)),
+                Some(kind) => self.page_pool.push((page.handle, kind, page.size)),
                 None => {
                     dev.vmm_release_page(page.handle)?;
                     self.stats.num_page_release += 1;
@@ -410,20 +615,18 @@ impl<E> State<E> {
         Ok(())
     }
 
-    /// Idle pages as (idle since, segment, page index): mapped pages wholly
-    /// inside a free block of the bins, or inside `extra` (about to be free).
+    /// Idle pages as (idle since, segment, first granule): mappings wholly
+    /// inside a free block of the bins, or inside `extra` (about to be
+    /// free). A big page partly under a live block is not idle.
     fn idle_pages(&self, extra: Option<Tail>) -> Vec<(u64, SegmentId, u32)> {
+        let g = self.granularity.expect("expandable mode has a granularity");
         let mut idle = Vec::new();
         let mut collect = |s: &Segment, seg: SegmentId, start: u64, end: u64, since: u64| {
-            let lo = (start - s.addr).div_ceil(s.page_size);
-            let hi = (end - s.addr) / s.page_size;
+            let lo = (start - s.addr).div_ceil(g) as u32;
+            let hi = ((end - s.addr) / g) as u32;
             if hi > lo {
                 let pages = s.pages.as_ref().expect("expandable");
-                idle.extend(
-                    pages
-                        .range(lo as u32..hi as u32)
-                        .map(|(&p, _)| (since, seg, p)),
-                );
+                idle.extend(pages.within(lo, hi).map(|(at, _, _)| (since, seg, at)));
             }
         };
         if let Some((seg, start, end, since)) = extra {
@@ -445,7 +648,7 @@ impl<E> State<E> {
     }
 
     /// Unmaps idle pages, longest idle first, up to `max_bytes`, into the pool
-    /// (they stay reserved); returns how many. The caller has made sure no
+    /// (they stay reserved); returns how many bytes. The caller has made sure no
     /// queued work can still touch them.
     fn unmap_idle_pages<D: Device<Event = E>>(
         &mut self,
@@ -454,30 +657,27 @@ impl<E> State<E> {
         max_bytes: u64,
         freed_before: u64,
     ) -> Result<u64, AllocError> {
+        let g = self.granularity.expect("expandable mode has a granularity");
         let mut idle = self.idle_pages(extra);
         idle.retain(|&(since, _, _)| since < freed_before);
         idle.sort_unstable_by_key(|&(since, seg, p)| (since, std::cmp::Reverse((seg, p))));
         let mut bytes = 0;
-        let mut n = 0;
-        for (_, seg, p) in idle {
+        for (_, seg, at) in idle {
             if bytes >= max_bytes {
                 break;
             }
             let s = self.segments.get_mut(seg.0);
-            let ps = s.page_size;
-            dev.vmm_unmap(DevicePtr(s.addr + u64::from(p) * ps), ps)?;
-            let h = s
-                .pages
-                .as_mut()
-                .expect("expandable")
-                .remove(p)
-                .expect("page was mapped");
-            self.page_pool.push((h, s.pool.kind(), ps));
+            let pages = s.pages.as_mut().expect("expandable");
+            let (h, n) = pages.remove(at).expect("page was mapped");
+            let size = u64::from(n) * g;
+            if let Err(e) = dev.vmm_unmap(DevicePtr(s.addr + u64::from(at) * g), size) {
+                pages.insert(at, n, h);
+                return Err(e.into());
+            }
+            self.page_pool.push((h, s.pool.kind(), size));
             self.stats.num_unmap += 1;
-            bytes += ps;
-            n += 1;
+            bytes += size;
         }
-        let _ = n;
         Ok(bytes)
     }
 
@@ -490,6 +690,7 @@ impl<E> State<E> {
     ) -> Result<(), AllocError> {
         dev.synchronize()?;
         self.drop_markers(dev);
+        self.device_full_at = None;
         self.unmap_idle_pages(dev, None, u64::MAX, u64::MAX)?;
         while let Some((h, kind, size)) = self.page_pool.pop() {
             dev.vmm_release_page(h)?;
@@ -523,12 +724,17 @@ impl<E> State<E> {
         let Some(pages) = seg.pages.as_ref() else {
             return 0;
         };
-        let lo = (start - seg.addr).div_ceil(seg.page_size);
-        let hi = (end - seg.addr) / seg.page_size;
+        let g = self.granularity.expect("expandable mode has a granularity");
+        let lo = (start - seg.addr).div_ceil(g) as u32;
+        let hi = ((end - seg.addr) / g) as u32;
         if hi <= lo {
             return 0;
         }
-        pages.range(lo as u32..hi as u32).count() as u64 * seg.page_size
+        pages
+            .within(lo, hi)
+            .map(|(_, _, n)| u64::from(n))
+            .sum::<u64>()
+            * g
     }
 
     /// Bytes of `[start, end)` backed by memory (all of it in a plain segment).
@@ -536,17 +742,51 @@ impl<E> State<E> {
         let Some(pages) = seg.pages.as_ref() else {
             return end - start;
         };
-        let ps = seg.page_size;
-        let first = ((start - seg.addr) / ps) as u32;
-        let last = ((end - 1 - seg.addr) / ps) as u32;
+        let g = self.granularity.expect("expandable mode has a granularity");
+        let first = ((start - seg.addr) / g) as u32;
+        let last = (end - seg.addr).div_ceil(g) as u32;
         pages
-            .range(first..last + 1)
-            .map(|(&p, _)| {
-                let lo = (seg.addr + u64::from(p) * ps).max(start);
-                let hi = (seg.addr + u64::from(p + 1) * ps).min(end);
+            .runs_overlapping(first, last)
+            .map(|(s, e)| {
+                let lo = (seg.addr + u64::from(s) * g).max(start);
+                let hi = (seg.addr + u64::from(e) * g).min(end);
                 hi - lo
             })
             .sum()
+    }
+
+    /// Checks every expandable segment's page map (mappings of the
+    /// granularity or of the segment's page size, inside the range, runs in
+    /// step) and that no physical page is mapped twice or both mapped and pooled.
+    pub(super) fn check_pages(&self) -> Result<(), String> {
+        let Some(g) = self.granularity else {
+            return Ok(());
+        };
+        let mut handles = std::collections::HashSet::new();
+        for &(h, _, size) in &self.page_pool {
+            if size == 0 || size % g != 0 || !handles.insert(h) {
+                return Err(format!(
+                    "pooled page {h} of {size} bytes is bad or listed twice"
+                ));
+            }
+        }
+        for &seg in self.ranges.iter().flatten() {
+            let s = self.segments.get(seg.0);
+            let pages = s.pages.as_ref().ok_or("a range without a page map")?;
+            let sizes = [1, (s.page_size / g) as u32];
+            pages
+                .check((s.size / g) as u32, &sizes)
+                .map_err(|e| format!("range at {:#x}: {e}", s.addr))?;
+            for (at, h, _) in pages.within(0, (s.size / g) as u32) {
+                if !handles.insert(h) {
+                    return Err(format!(
+                        "page {h} mapped at granule {at} of {:#x} is also mapped or pooled elsewhere",
+                        s.addr
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Bytes held in the pool of unmapped pages.
@@ -555,6 +795,10 @@ impl<E> State<E> {
     }
 }
 
-fn tail_page_size<E>(st: &State<E>, tail: Tail) -> u64 {
-    st.segments.get(tail.0 .0).page_size
+/// Bytes of the pages in `out` created for the request under way (not yet counted as reserved).
+fn out_new_bytes(out: &[Page]) -> u64 {
+    out.iter()
+        .filter(|p| p.counted_as.is_none())
+        .map(|p| p.size)
+        .sum()
 }
