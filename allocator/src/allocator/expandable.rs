@@ -442,7 +442,9 @@ impl<E> State<E> {
                 continue;
             }
             if stage < 2 && self.reserved() + grow > hard_limit.min(cap) {
-                self.recycle(dev, tail, grow, true)?;
+                // Only the excess must come from idle pages; the rest may be created.
+                let excess = (self.reserved() + grow - hard_limit.min(cap)).min(grow);
+                self.recycle(dev, tail, excess, true)?;
                 stage = 2;
                 continue;
             }
@@ -534,14 +536,25 @@ impl<E> State<E> {
         // Pages freed before a completed marker are quiescent: no wait needed.
         let quiescent = self.poll_markers(dev)?;
         let got = self.unmap_idle_pages(dev, Some(tail), batch, quiescent)?;
-        let waiting_helps = || {
-            self.pending_blocks > 0
-                || self
-                    .idle_pages(Some(tail))
-                    .iter()
-                    .any(|&(since, _, _)| since >= quiescent)
-        };
-        if wait && got < need && waiting_helps() {
+        if !(wait && got < need && self.waiting_helps(tail, quiescent)) {
+            return Ok(());
+        }
+        // Wait for the markers, oldest first, before the whole device: the
+        // work queued after a marker keeps the device busy while pages move,
+        // where a synchronize drains the queue the host had run ahead with.
+        let mut got = got;
+        while got < need {
+            let Some((clock, events)) = self.markers.pop_front() else {
+                break;
+            };
+            let waited = events.iter().try_for_each(|e| dev.wait_event(e));
+            events.into_iter().for_each(|e| dev.release_event(e));
+            waited?;
+            self.quiescent_before = clock;
+            self.process_events(dev)?;
+            got += self.unmap_idle_pages(dev, Some(tail), batch - got, clock)?;
+        }
+        if got < need && self.waiting_helps(tail, self.quiescent_before) {
             dev.synchronize()?;
             self.stats.num_sync_all_streams += 1;
             self.drop_markers(dev);
@@ -549,6 +562,16 @@ impl<E> State<E> {
             self.unmap_idle_pages(dev, Some(tail), batch - got, u64::MAX)?;
         }
         Ok(())
+    }
+
+    /// Whether waiting for the device could free pages: blocks await
+    /// events, or idle pages were freed at or after `quiescent`.
+    fn waiting_helps(&self, tail: Tail, quiescent: u64) -> bool {
+        self.pending_blocks > 0
+            || self
+                .idle_pages(Some(tail))
+                .iter()
+                .any(|&(since, _, _)| since >= quiescent)
     }
 
     /// Records a marker (an event on every stream) every `MARKER_INTERVAL`

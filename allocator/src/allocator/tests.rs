@@ -912,3 +912,52 @@ fn expandable_moves_quiescent_pages_without_waiting_for_the_device() {
         "x's pages may still be in use: grown instead"
     );
 }
+
+#[test]
+fn expandable_waits_for_a_marker_before_the_whole_device() {
+    // A cap two pages short: pages must move. x was freed before the first
+    // marker, so waiting for that marker suffices; the device is not drained.
+    let dev = SimulatedDevice::new(1 << 30);
+    let config = Config {
+        expandable_page: 2 * MIB,
+        idle_slack: 0.0,
+        idle_slack_hard: 10.0,
+        ..Config::expandable()
+    };
+    let a = CachingAllocator::new(dev.clone(), config);
+    let x = a.malloc(4 * MIB, S0).unwrap();
+    let keep = a.malloc(MIB + 512, S0).unwrap(); // after x: x's hole stays a hole
+    a.free(x).unwrap();
+    for _ in 0..300 {
+        // Small-pool traffic advances the clock: markers are recorded (and stay pending).
+        let p = a.malloc(4096, S0).unwrap();
+        a.free(p).unwrap();
+    }
+    let reserved = a.usage().reserved;
+    a.set_memory_cap(Some(crate::config::MemoryCap::Bytes(reserved + 2 * MIB)))
+        .unwrap();
+    let before = dev.counters();
+    let y = a.malloc(6 * MIB, S0).unwrap(); // 3 new pages, 2 over the cap
+    let after = dev.counters();
+    assert_eq!(
+        after.synchronizes, before.synchronizes,
+        "no device-wide wait"
+    );
+    assert!(
+        after.event_waits > before.event_waits,
+        "waited for a marker"
+    );
+    assert!(
+        !dev.pending_events().is_empty(),
+        "later markers are still pending: the queue was not drained"
+    );
+    assert_eq!(
+        after.vmm_unmaps - before.vmm_unmaps,
+        2,
+        "x's two pages moved"
+    );
+    assert_eq!(a.stats().num_sync_all_streams, 0);
+    a.free(y).unwrap();
+    a.free(keep).unwrap();
+    a.check_invariants().unwrap();
+}
