@@ -17,7 +17,6 @@
 
 use crate::block::{BlockId, PoolKind};
 use crate::device::StreamId;
-use crate::fasthash::FastMap;
 use parking_lot::Mutex;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -57,21 +56,32 @@ pub(crate) struct Track {
 }
 
 impl Track {
-    fn add(&mut self, d: i64) {
-        if d >= 0 {
-            self.up += d as u64;
-        } else {
-            self.down += d.unsigned_abs();
+    #[inline]
+    fn up(&mut self, d: u64) {
+        self.up += d;
+        self.net += d as i64;
+        if self.net > self.max {
+            self.max = self.net;
         }
-        self.net += d;
-        self.max = self.max.max(self.net);
+    }
+
+    #[inline]
+    fn down(&mut self, d: u64) {
+        self.down += d;
+        self.net -= d as i64;
     }
 }
 
-/// Fields of [`Pending`], in this order: allocation, allocated_bytes,
-/// active, active_bytes, requested_bytes, inactive_split,
-/// inactive_split_bytes, oversize_allocations.
-pub(crate) const TRACKED: usize = 8;
+/// Indices of [`Pending`]'s tracks. A slot's moves change the allocation
+/// and active counts alike (and their bytes alike), so one track serves both.
+pub(crate) const COUNT: usize = 0;
+pub(crate) const BYTES: usize = 1;
+pub(crate) const REQUESTED: usize = 2;
+pub(crate) const SPLIT: usize = 3;
+pub(crate) const SPLIT_BYTES: usize = 4;
+pub(crate) const OVERSIZE: usize = 5;
+/// Tracks per pool kind.
+pub(crate) const TRACKED: usize = 6;
 
 /// What a slot did since the allocator last looked, per pool kind.
 #[derive(Copy, Clone, Default, Debug)]
@@ -83,24 +93,31 @@ pub(crate) struct Pending {
 }
 
 impl Pending {
-    /// The slot handed out `e` (`sign` 1) or took it back (`sign` -1).
-    fn record(&mut self, e: &Entry, sign: i64) {
-        let size = e.size as i64;
-        let split = i64::from(e.split);
-        let deltas = [
-            1,
-            size,
-            1,
-            size,
-            e.requested as i64,
-            -split,
-            -split * size,
-            i64::from(e.oversize),
-        ];
+    /// The slot handed out `e` (`out`) or took it back.
+    #[inline]
+    fn record(&mut self, e: &Entry, out: bool) {
         let t = &mut self.kinds[kind_index(e.kind)];
-        for (track, d) in t.iter_mut().zip(deltas) {
-            if d != 0 {
-                track.add(sign * d);
+        if out {
+            t[COUNT].up(1);
+            t[BYTES].up(e.size);
+            t[REQUESTED].up(e.requested);
+            if e.split {
+                t[SPLIT].down(1);
+                t[SPLIT_BYTES].down(e.size);
+            }
+            if e.oversize {
+                t[OVERSIZE].up(1);
+            }
+        } else {
+            t[COUNT].down(1);
+            t[BYTES].down(e.size);
+            t[REQUESTED].down(e.requested);
+            if e.split {
+                t[SPLIT].up(1);
+                t[SPLIT_BYTES].up(e.size);
+            }
+            if e.oversize {
+                t[OVERSIZE].down(1);
             }
         }
         self.ops += 1;
@@ -167,8 +184,8 @@ pub(crate) fn key_hash(key: u64, stream: StreamId) -> u64 {
 pub(crate) struct SlotInner {
     /// Parked blocks, oldest first.
     pub cached: Vec<Entry>,
-    /// Blocks handed out from the slot, by address.
-    pub live: FastMap<u64, Entry>,
+    /// Blocks handed out from the slot (a short list: see [`MAX_LIVE`]).
+    pub live: Vec<Entry>,
     pub pending: Pending,
     cached_filter: Filter,
     live_filter: Filter,
@@ -188,6 +205,17 @@ pub(crate) struct Slot {
     large_parked: AtomicU64,
     /// Blocks handed out from the cache so far (whether parking pays).
     hits: AtomicU64,
+}
+
+/// Most blocks a slot has handed out at once: past this many it serves no
+/// more (each is looked up by a scan, newest first).
+pub(crate) const MAX_LIVE: usize = 64;
+
+/// Removes the handed-out entry at `addr`, if any.
+#[inline]
+fn take_live(live: &mut Vec<Entry>, addr: u64) -> Option<Entry> {
+    let i = live.iter().rposition(|e| e.addr == addr)?;
+    Some(live.swap_remove(i))
 }
 
 /// What a slot did with a free.
@@ -211,16 +239,21 @@ impl Slot {
         }
     }
 
-    fn publish(&self, g: &SlotInner) {
+    /// Mirrors the filters (and, if a large block came or went, the count of
+    /// parked large blocks) for lock-free reads.
+    #[inline]
+    fn publish(&self, g: &SlotInner, large_moved: bool) {
         self.cached_bits
             .store(g.cached_filter.bits, Ordering::Relaxed);
         self.live_bits.store(g.live_filter.bits, Ordering::Relaxed);
-        let large = g
-            .cached
-            .iter()
-            .filter(|e| e.kind != PoolKind::Small)
-            .count();
-        self.large_parked.store(large as u64, Ordering::Relaxed);
+        if large_moved {
+            let large = g
+                .cached
+                .iter()
+                .filter(|e| e.kind != PoolKind::Small)
+                .count();
+            self.large_parked.store(large as u64, Ordering::Relaxed);
+        }
     }
 
     /// Whether blocks of the large pools are parked here (a hint; the
@@ -237,7 +270,7 @@ impl Slot {
         for e in &large {
             g.cached_filter.remove(key_hash(e.key, e.stream));
         }
-        self.publish(g);
+        self.publish(g, true);
         large
     }
 
@@ -253,17 +286,24 @@ impl Slot {
             return None;
         }
         let mut g = self.inner.lock();
+        if g.live.len() >= MAX_LIVE {
+            return None;
+        }
         let pos = g
             .cached
             .iter()
             .rposition(|e| e.key == key && e.stream == stream)?;
-        let mut e = g.cached.remove(pos);
+        let mut e = if pos + 1 == g.cached.len() {
+            g.cached.pop().expect("found at the end")
+        } else {
+            g.cached.remove(pos)
+        };
         e.requested = requested;
         g.cached_filter.remove(h);
         g.live_filter.add(e.addr);
-        g.pending.record(&e, 1);
-        g.live.insert(e.addr, e);
-        self.publish(&g);
+        g.pending.record(&e, true);
+        g.live.push(e);
+        self.publish(&g, e.kind != PoolKind::Small);
         // Only this thread hands out from its slot, and under the slot's lock.
         self.hits
             .store(self.hits.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
@@ -279,11 +319,11 @@ impl Slot {
         if g.cached.len() >= self.capacity {
             return FastFree::Slow;
         }
-        let Some(e) = g.live.remove(&addr) else {
+        let Some(e) = take_live(&mut g.live, addr) else {
             return FastFree::Slow;
         };
         g.live_filter.remove(addr);
-        g.pending.record(&e, -1);
+        g.pending.record(&e, false);
         self.park_locked(&mut g, e);
         FastFree::Done
     }
@@ -293,7 +333,7 @@ impl Slot {
         e.requested = 0;
         g.cached_filter.add(key_hash(e.key, e.stream));
         g.cached.push(e);
-        self.publish(g);
+        self.publish(g, e.kind != PoolKind::Small);
     }
 
     /// Removes and returns the oldest parked entry.
@@ -303,7 +343,7 @@ impl Slot {
         }
         let e = g.cached.remove(0);
         g.cached_filter.remove(key_hash(e.key, e.stream));
-        self.publish(g);
+        self.publish(g, e.kind != PoolKind::Small);
         Some(e)
     }
 
@@ -313,15 +353,15 @@ impl Slot {
             g.cached_filter.remove(key_hash(e.key, e.stream));
         }
         let all = std::mem::take(&mut g.cached);
-        self.publish(g);
+        self.publish(g, true);
         all
     }
 
     /// Removes a handed-out entry (the allocator takes the block back).
     pub fn take_live_locked(&self, g: &mut SlotInner, addr: u64) -> Option<Entry> {
-        let e = g.live.remove(&addr)?;
+        let e = take_live(&mut g.live, addr)?;
         g.live_filter.remove(addr);
-        self.publish(g);
+        self.publish(g, false);
         Some(e)
     }
 }
@@ -334,6 +374,7 @@ thread_local! {
 /// Runs `f` with this thread's slot for allocator `alloc_id`, registering one
 /// through `register` on first use. `f` gets `None` where thread-local storage
 /// is unavailable (thread teardown, or a nested registration).
+#[inline(always)]
 pub(crate) fn with_slot<R>(
     alloc_id: u64,
     register: impl FnOnce() -> Option<Arc<Slot>>,
@@ -404,10 +445,13 @@ mod tests {
         assert_eq!(s.try_alloc(512, StreamId(0), 500), Some(0x1000));
         assert_eq!(s.try_alloc(512, StreamId(0), 500), None, "handed out once");
         let g = s.inner.lock();
-        assert_eq!(g.live[&0x1000].requested, 500);
-        assert_eq!(g.pending.kinds[0][0].up, 1);
         assert_eq!(
-            g.pending.kinds[0][6].down, 512,
+            g.live.iter().find(|e| e.addr == 0x1000).unwrap().requested,
+            500
+        );
+        assert_eq!(g.pending.kinds[0][COUNT].up, 1);
+        assert_eq!(
+            g.pending.kinds[0][SPLIT_BYTES].down, 512,
             "inactive split bytes go down"
         );
     }

@@ -11,7 +11,10 @@ use super::{State, Wanted};
 use crate::block::{BlockId, BlockState};
 use crate::device::DevicePtr;
 use crate::error::AllocError;
-use crate::front::{key_hash, kind_index, Entry, Slot, SlotId, SlotInner, Track, KINDS, TRACKED};
+use crate::front::{
+    key_hash, kind_index, Entry, Slot, SlotId, SlotInner, Track, BYTES, COUNT, KINDS, OVERSIZE,
+    REQUESTED, SPLIT, SPLIT_BYTES,
+};
 use crate::rounding::round_size;
 use std::sync::Arc;
 
@@ -308,16 +311,16 @@ impl<E> State<E> {
             for kind in KINDS {
                 let tracks = &p.kinds[kind_index(kind)];
                 let arrays = [
-                    &mut s.allocation,
-                    &mut s.allocated_bytes,
-                    &mut s.active,
-                    &mut s.active_bytes,
-                    &mut s.requested_bytes,
-                    &mut s.inactive_split,
-                    &mut s.inactive_split_bytes,
+                    (&mut s.allocation, COUNT),
+                    (&mut s.allocated_bytes, BYTES),
+                    (&mut s.active, COUNT),
+                    (&mut s.active_bytes, BYTES),
+                    (&mut s.requested_bytes, REQUESTED),
+                    (&mut s.inactive_split, SPLIT),
+                    (&mut s.inactive_split_bytes, SPLIT_BYTES),
                 ];
-                for (t, a) in tracks.iter().zip(arrays) {
-                    if let Some((up, down, extra)) = fold(t) {
+                for (a, t) in arrays {
+                    if let Some((up, down, extra)) = fold(&tracks[t]) {
                         a.increase(kind, up);
                         a.decrease(kind, down);
                         for g in [0, kind.stat_group()] {
@@ -326,7 +329,7 @@ impl<E> State<E> {
                         }
                     }
                 }
-                if let Some((up, down, extra)) = fold(&tracks[TRACKED - 1]) {
+                if let Some((up, down, extra)) = fold(&tracks[OVERSIZE]) {
                     let o = &mut s.oversize_allocations;
                     o.increase(up);
                     o.decrease(down);
@@ -335,7 +338,7 @@ impl<E> State<E> {
                 }
             }
         }
-        for e in g.live.values() {
+        for e in &g.live {
             let b = self.blocks.get_mut(e.block.0);
             b.state = BlockState::Allocated;
             b.requested = e.requested;
@@ -434,7 +437,7 @@ impl<E> State<E> {
             let mut g = slot.inner.lock();
             self.sync_slot(&mut g);
             let entries = g.cached.iter().map(|e| (e, BlockState::Parked));
-            for (e, want) in entries.chain(g.live.values().map(|e| (e, BlockState::Allocated))) {
+            for (e, want) in entries.chain(g.live.iter().map(|e| (e, BlockState::Allocated))) {
                 n += 1;
                 let b = self.blocks.get(e.block.0);
                 if b.addr != e.addr
