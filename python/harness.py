@@ -168,7 +168,9 @@ def worker(spec):
                     peak_allocated=st["allocated_bytes.all.peak"],
                     retries=st["num_alloc_retries"], ooms=st["num_ooms"],
                     device_allocs=st["num_device_alloc"], device_frees=st["num_device_free"],
-                    maps=st.get("num_map"), unmaps=st.get("num_unmap"))
+                    maps=st.get("num_map"), unmaps=st.get("num_unmap"),
+                    syncs=st.get("num_sync_all_streams"),
+                    marker_waits=st.get("num_marker_waits"))
 
     before = figures()
     res.update({k: v for k, v in before.items() if k not in ("reserved", "allocated")})

@@ -112,6 +112,9 @@ pub struct MemoryStats {
     pub num_ooms: u64,
     /// Times all pending events were waited for (device-wide synchronization).
     pub num_sync_all_streams: u64,
+    /// Expandable segments: markers waited for instead of synchronizing the
+    /// whole device (work queued after a marker keeps running).
+    pub num_marker_waits: u64,
     /// Segment allocations from the device.
     pub num_device_alloc: u64,
     /// Segment frees to the device.
@@ -211,6 +214,7 @@ impl MemoryStats {
         out.push(("num_alloc_retries".into(), v(self.num_alloc_retries)));
         out.push(("num_ooms".into(), v(self.num_ooms)));
         out.push(("num_sync_all_streams".into(), v(self.num_sync_all_streams)));
+        out.push(("num_marker_waits".into(), v(self.num_marker_waits)));
         out.push(("num_device_alloc".into(), v(self.num_device_alloc)));
         out.push(("num_device_free".into(), v(self.num_device_free)));
         out.push(("num_vmm_reserve".into(), v(self.num_vmm_reserve)));
@@ -285,6 +289,6 @@ mod tests {
             assert!(keys.contains(&k), "missing {k}");
         }
         assert!(e.contains(&("max_split_size".to_string(), -1)));
-        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 11);
+        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 12);
     }
 }

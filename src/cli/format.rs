@@ -85,6 +85,7 @@ pub fn record(
         "num_page_create": s.num_page_create,
         "num_page_release": s.num_page_release,
         "num_sync_all_streams": s.num_sync_all_streams,
+        "num_marker_waits": s.num_marker_waits,
         "num_alloc_retries": s.num_alloc_retries,
         "num_ooms": s.num_ooms,
         "reserved_over_allocated": r.reserved_over_allocated(),

@@ -25,8 +25,10 @@ use crate::error::AllocError;
 
 /// Operations between two markers (see `maybe_record_marker`).
 const MARKER_INTERVAL: u64 = 128;
-/// Markers outstanding at most.
-const MAX_MARKERS: usize = 8;
+/// Markers outstanding at most: enough to cover a few thousand operations
+/// of queued work, so that a recycling round can wait for the work up to a
+/// page's free and no further.
+const MAX_MARKERS: usize = 64;
 
 /// Largest virtual range reserved per (stream, pool): 256 GiB.
 const MAX_RANGE: u64 = 1 << 38;
@@ -550,6 +552,7 @@ impl<E> State<E> {
             let waited = events.iter().try_for_each(|e| dev.wait_event(e));
             events.into_iter().for_each(|e| dev.release_event(e));
             waited?;
+            self.stats.num_marker_waits += 1;
             self.quiescent_before = clock;
             self.process_events(dev)?;
             got += self.unmap_idle_pages(dev, Some(tail), batch - got, clock)?;

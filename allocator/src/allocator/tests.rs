@@ -957,6 +957,7 @@ fn expandable_waits_for_a_marker_before_the_whole_device() {
         "x's two pages moved"
     );
     assert_eq!(a.stats().num_sync_all_streams, 0);
+    assert_eq!(a.stats().num_marker_waits, 1, "the first marker was enough");
     a.free(y).unwrap();
     a.free(keep).unwrap();
     a.check_invariants().unwrap();
