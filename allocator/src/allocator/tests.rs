@@ -857,6 +857,26 @@ fn expandable_out_of_address_space_is_out_of_memory_and_recovers() {
     assert_eq!(dev.outstanding(), 0);
 }
 
+/// An expandable allocator with a 4 MiB hole (2 pages) behind a live block,
+/// freed before `small_ops` small-pool operations that record markers (left
+/// pending unless the caller completes them). Returns the live block too.
+fn hole_behind_markers(
+    dev: &SimulatedDevice,
+    config: Config,
+    small_ops: u32,
+) -> (CachingAllocator<SimulatedDevice>, DevicePtr) {
+    let a = CachingAllocator::new(dev.clone(), config);
+    let x = a.malloc(4 * MIB, S0).unwrap();
+    let keep = a.malloc(MIB + 512, S0).unwrap(); // after x: x's hole stays a hole
+    a.free(x).unwrap();
+    for _ in 0..small_ops {
+        // Small-pool traffic advances the clock: markers are recorded.
+        let p = a.malloc(4096, S0).unwrap();
+        a.free(p).unwrap();
+    }
+    (a, keep)
+}
+
 #[test]
 fn expandable_moves_quiescent_pages_without_waiting_for_the_device() {
     // Soft limit at the peak, no hard limit: only pages no queued work can
@@ -869,15 +889,7 @@ fn expandable_moves_quiescent_pages_without_waiting_for_the_device() {
             idle_slack_hard: 10.0,
             ..Config::expandable()
         };
-        let a = CachingAllocator::new(dev.clone(), config);
-        let x = a.malloc(4 * MIB, S0).unwrap();
-        let keep = a.malloc(MIB + 512, S0).unwrap(); // after x: x's hole stays a hole
-        a.free(x).unwrap();
-        for _ in 0..200 {
-            // Small-pool traffic advances the clock: markers are recorded.
-            let p = a.malloc(4096, S0).unwrap();
-            a.free(p).unwrap();
-        }
+        let (a, keep) = hole_behind_markers(&dev, config, 200);
         if complete_markers {
             dev.complete_all_events();
         }
@@ -924,15 +936,7 @@ fn expandable_waits_for_a_marker_before_the_whole_device() {
         idle_slack_hard: 10.0,
         ..Config::expandable()
     };
-    let a = CachingAllocator::new(dev.clone(), config);
-    let x = a.malloc(4 * MIB, S0).unwrap();
-    let keep = a.malloc(MIB + 512, S0).unwrap(); // after x: x's hole stays a hole
-    a.free(x).unwrap();
-    for _ in 0..300 {
-        // Small-pool traffic advances the clock: markers are recorded (and stay pending).
-        let p = a.malloc(4096, S0).unwrap();
-        a.free(p).unwrap();
-    }
+    let (a, keep) = hole_behind_markers(&dev, config, 300);
     let reserved = a.usage().reserved;
     a.set_memory_cap(Some(crate::config::MemoryCap::Bytes(reserved + 2 * MIB)))
         .unwrap();

@@ -762,53 +762,45 @@ mod tests {
     #[test]
     fn caches_that_do_not_pay_are_turned_off_until_sizes_repeat() {
         let (_, a) = new("default", 1 << 30);
-        assert!(a.front_on.load(std::sync::atomic::Ordering::Relaxed));
+        let on = |a: &CachingAllocator<SimulatedDevice>| {
+            a.front_on.load(std::sync::atomic::Ordering::Relaxed)
+        };
+        assert!(on(&a));
         // A random mix over 64 slots: sizes hardly repeat.
         let mut x = 0x2545_f491_4f6c_dd1du64;
         let mut live: Vec<Option<DevicePtr>> = vec![None; 64];
-        for _ in 0..4 * super::REVIEW_WINDOW {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let slot = &mut live[(x % 64) as usize];
-            match slot.take() {
-                Some(p) => a.free(p).unwrap(),
-                None => *slot = Some(a.malloc(512 + (x >> 40) % (8 * MIB), S0).unwrap()),
+        let mut random_mix = |a: &CachingAllocator<SimulatedDevice>, ops: u64| {
+            for _ in 0..ops {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let slot = &mut live[(x % 64) as usize];
+                match slot.take() {
+                    Some(p) => a.free(p).unwrap(),
+                    None => *slot = Some(a.malloc(512 + (x >> 40) % (8 * MIB), S0).unwrap()),
+                }
             }
-        }
-        assert!(
-            !a.front_on.load(std::sync::atomic::Ordering::Relaxed),
-            "a random mix turns the caches off"
-        );
+        };
+        random_mix(&a, 4 * super::REVIEW_WINDOW);
+        assert!(!on(&a), "a random mix turns the caches off");
         assert!(parked(&a).is_empty(), "turning off flushes the caches");
         a.check_invariants().unwrap();
         // More of the mix: the shadow sees no repeats, the caches stay off.
-        for _ in 0..8 * super::REVIEW_WINDOW {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let slot = &mut live[(x % 64) as usize];
-            match slot.take() {
-                Some(p) => a.free(p).unwrap(),
-                None => *slot = Some(a.malloc(512 + (x >> 40) % (8 * MIB), S0).unwrap()),
-            }
-        }
-        assert!(!a.front_on.load(std::sync::atomic::Ordering::Relaxed));
+        random_mix(&a, 8 * super::REVIEW_WINDOW);
+        assert!(!on(&a));
         // Repeats: the shadow sees them, and within two windows the caches are back.
-        for _ in 0..super::REVIEW_WINDOW {
-            let p = a.malloc(4096, S0).unwrap();
-            a.free(p).unwrap();
-        }
-        assert!(
-            a.front_on.load(std::sync::atomic::Ordering::Relaxed),
-            "repeats turn them back on"
-        );
+        let pairs = |a: &CachingAllocator<SimulatedDevice>, n: u64| {
+            for _ in 0..n {
+                let p = a.malloc(4096, S0).unwrap();
+                a.free(p).unwrap();
+            }
+        };
+        pairs(&a, super::REVIEW_WINDOW);
+        assert!(on(&a), "repeats turn them back on");
         // And on, they pay: still on after many more windows.
-        for _ in 0..8 * super::REVIEW_WINDOW {
-            let p = a.malloc(4096, S0).unwrap();
-            a.free(p).unwrap();
-        }
-        assert!(a.front_on.load(std::sync::atomic::Ordering::Relaxed));
+        pairs(&a, 8 * super::REVIEW_WINDOW);
+        assert!(on(&a));
+        drop(random_mix);
         for p in live.into_iter().flatten() {
             a.free(p).unwrap();
         }
