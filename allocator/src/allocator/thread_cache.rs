@@ -808,6 +808,37 @@ mod tests {
     }
 
     #[test]
+    fn a_slot_hands_out_at_most_max_live_blocks() {
+        let (_, a) = new("default", 1 << 30);
+        let live = |a: &CachingAllocator<SimulatedDevice>| {
+            let st = a.state.lock();
+            st.slots
+                .iter()
+                .flatten()
+                .map(|s| s.inner.lock().live.len())
+                .max()
+                .unwrap_or(0)
+        };
+        let mut held = Vec::new();
+        for _ in 0..12 {
+            // Park 8 blocks of the size, then take them (hits) and keep them.
+            let fresh: Vec<DevicePtr> = (0..8).map(|_| a.malloc(4096, S0).unwrap()).collect();
+            for p in fresh {
+                a.free(p).unwrap();
+            }
+            held.extend((0..8).map(|_| a.malloc(4096, S0).unwrap()));
+            assert!(live(&a) <= crate::front::MAX_LIVE);
+        }
+        assert_eq!(live(&a), crate::front::MAX_LIVE, "the cap was reached");
+        a.check_invariants().unwrap();
+        for p in held {
+            a.free(p).unwrap();
+        }
+        a.check_invariants().unwrap();
+        assert_eq!(a.usage().allocated, 0);
+    }
+
+    #[test]
     fn without_thread_cache_nothing_is_parked() {
         for conf in [
             "pytorch",
