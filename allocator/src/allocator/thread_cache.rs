@@ -800,7 +800,6 @@ mod tests {
         // And on, they pay: still on after many more windows.
         pairs(&a, 8 * super::REVIEW_WINDOW);
         assert!(on(&a));
-        drop(random_mix);
         for p in live.into_iter().flatten() {
             a.free(p).unwrap();
         }
