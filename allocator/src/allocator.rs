@@ -69,17 +69,17 @@ pub struct CachingAllocator<D: Device> {
 
 /// A thread cache's recently missed request sizes: a block freed with one of
 /// these sizes is parked for the thread instead of going back to the bins,
-/// as long as parking pays (see `State::park_pays`).
+/// as long as parking pays (see `State::should_park`).
 #[derive(Clone, Copy)]
 struct Wanted {
     keys: [u64; 8],
     next: usize,
     /// Parks still allowed before the slot must show hits (each hit earns
-    /// [`thread_cache::CREDIT_PER_HIT`]).
+    /// `thread_cache::CREDIT_PER_HIT`).
     credit: u32,
     /// The slot's hit count when last looked at.
     hits_seen: u64,
-    /// Parks refused for lack of credit (every [`thread_cache::PROBE_EVERY`]th goes ahead).
+    /// Parks refused for lack of credit (every `thread_cache::PROBE_EVERY`th goes ahead).
     refused: u32,
 }
 

@@ -70,7 +70,7 @@ pub(super) struct FrontReview {
     pub paying: bool,
     /// Windows left before caches that were turned off are tried anyway.
     off_windows: u32,
-    /// While off: the last freed sizes (with their streams), and the mallocs
+    /// While off: the last freed block sizes, and the mallocs
     /// in this window that asked for one of them.
     shadow: [u64; SHADOW],
     shadow_next: usize,
