@@ -44,6 +44,17 @@ fn json_lines(o: &Output) -> Vec<Value> {
         .collect()
 }
 
+/// `min-capacity --config CONFIG --json` over `traces`: one JSON line per trace.
+fn min_capacity_json(config: &str, traces: &[&str]) -> Vec<Value> {
+    let mut args = vec!["min-capacity", "--config", config, "--json"];
+    args.extend_from_slice(traces);
+    let m = run(&args);
+    assert_status(&m, 0);
+    let mins = json_lines(&m);
+    assert_eq!(mins.len(), traces.len());
+    mins
+}
+
 const REQUIRED_KEYS: [&str; 12] = [
     "trace",
     "config",
@@ -689,17 +700,7 @@ fn default_config_meets_the_issue_3_goals_on_the_shipped_traces() {
     assert_status(&o, 0);
     let lines = json_lines(&o);
     assert_eq!(lines.len(), 4);
-    let m = run(&[
-        "min-capacity",
-        "--config",
-        "default",
-        "--json",
-        traces[0],
-        traces[1],
-    ]);
-    assert_status(&m, 0);
-    let mins = json_lines(&m);
-    assert_eq!(mins.len(), 2);
+    let mins = min_capacity_json("default", &traces);
     for (i, (trace, (mincap_goal, ratio_goal))) in traces.iter().zip(goals).enumerate() {
         let of = |config: &str| {
             lines
@@ -746,17 +747,7 @@ fn expandable_config_meets_the_issue_7_goals_on_the_shipped_traces() {
     assert_status(&o, 0);
     let lines = json_lines(&o);
     assert_eq!(lines.len(), 2);
-    let m = run(&[
-        "min-capacity",
-        "--config",
-        "expandable",
-        "--json",
-        traces[0],
-        traces[1],
-    ]);
-    assert_status(&m, 0);
-    let mins = json_lines(&m);
-    assert_eq!(mins.len(), 2);
+    let mins = min_capacity_json("expandable", &traces);
     for (i, (trace, max_calls)) in traces.iter().zip(max_calls).enumerate() {
         let row = lines
             .iter()

@@ -712,21 +712,27 @@ mod tests {
         let (_, a) = new("default", 1 << 30);
         // Each round asks for 8 new sizes, then frees them: every free is of a
         // wanted size, but no size comes back, so no park ever hits.
-        let mut parked_per_round = Vec::new();
-        for round in 0..6u64 {
-            let ptrs: Vec<DevicePtr> = (0..8u64)
-                .map(|i| a.malloc(4096 * (1 + round * 8 + i), S0).unwrap())
-                .collect();
+        // Asks for 8 new sizes, frees them; returns how many of them were parked.
+        let park_round = |sizes: &[u64]| {
+            let ptrs: Vec<DevicePtr> = sizes.iter().map(|&s| a.malloc(s, S0).unwrap()).collect();
             let before = parked(&a);
             for &p in &ptrs {
                 a.free(p).unwrap();
             }
-            let newly = parked(&a)
+            parked(&a)
                 .iter()
                 .filter(|x| !before.contains(x) && ptrs.iter().any(|p| p.0 == **x))
-                .count();
-            parked_per_round.push(newly);
-        }
+                .count()
+        };
+        let parked_per_round: Vec<usize> = (0..6u64)
+            .map(|round| {
+                park_round(
+                    &(0..8)
+                        .map(|i| 4096 * (1 + round * 8 + i))
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .collect();
         assert_eq!(
             parked_per_round[0],
             super::INITIAL_CREDIT as usize,
@@ -744,17 +750,7 @@ mod tests {
             let q = a.malloc(100, S0).unwrap();
             a.free(q).unwrap();
         }
-        let ptrs: Vec<DevicePtr> = (0..8u64)
-            .map(|i| a.malloc(4096 * (100 + i), S0).unwrap())
-            .collect();
-        let before = parked(&a);
-        for &p in &ptrs {
-            a.free(p).unwrap();
-        }
-        let newly = parked(&a)
-            .iter()
-            .filter(|x| !before.contains(x) && ptrs.iter().any(|p| p.0 == **x))
-            .count();
+        let newly = park_round(&(0..8).map(|i| 4096 * (100 + i)).collect::<Vec<_>>());
         assert!(newly >= 4, "after hits, wanted sizes park again ({newly})");
         a.check_invariants().unwrap();
     }
