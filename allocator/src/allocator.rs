@@ -778,9 +778,8 @@ impl<E> State<E> {
             }
             size
         };
-        let b = self.blocks.get_mut(id.0);
-        b.state = BlockState::Allocated;
-        b.requested = requested;
+        // (The state became Allocated above, before any merge could look at it.)
+        self.blocks.get_mut(id.0).requested = requested;
         self.live.insert(addr, id);
         self.count_allocated(kind, final_size, true);
         self.count_active(kind, final_size, requested, true);

@@ -857,14 +857,20 @@ fn expandable_out_of_address_space_is_out_of_memory_and_recovers() {
     assert_eq!(dev.outstanding(), 0);
 }
 
-/// An expandable allocator with a 4 MiB hole (2 pages) behind a live block,
-/// freed before `small_ops` small-pool operations that record markers (left
-/// pending unless the caller completes them). Returns the live block too.
+/// An expandable allocator (2 MiB pages, soft limit at the peak, no hard
+/// limit) with a 4 MiB hole (2 pages) behind a live block, freed before
+/// `small_ops` small-pool operations that record markers (left pending
+/// unless the caller completes them). Returns the live block too.
 fn hole_behind_markers(
     dev: &SimulatedDevice,
-    config: Config,
     small_ops: u32,
 ) -> (CachingAllocator<SimulatedDevice>, DevicePtr) {
+    let config = Config {
+        expandable_page: 2 * MIB,
+        idle_slack: 0.0,
+        idle_slack_hard: 10.0,
+        ..Config::expandable()
+    };
     let a = CachingAllocator::new(dev.clone(), config);
     let x = a.malloc(4 * MIB, S0).unwrap();
     let keep = a.malloc(MIB + 512, S0).unwrap(); // after x: x's hole stays a hole
@@ -883,13 +889,7 @@ fn expandable_moves_quiescent_pages_without_waiting_for_the_device() {
     // touch may move, and nothing ever waits for the device.
     let run = |complete_markers: bool| {
         let dev = SimulatedDevice::new(1 << 30);
-        let config = Config {
-            expandable_page: 2 * MIB,
-            idle_slack: 0.0,
-            idle_slack_hard: 10.0,
-            ..Config::expandable()
-        };
-        let (a, keep) = hole_behind_markers(&dev, config, 200);
+        let (a, keep) = hole_behind_markers(&dev, 200);
         if complete_markers {
             dev.complete_all_events();
         }
@@ -930,13 +930,7 @@ fn expandable_waits_for_a_marker_before_the_whole_device() {
     // A cap two pages short: pages must move. x was freed before the first
     // marker, so waiting for that marker suffices; the device is not drained.
     let dev = SimulatedDevice::new(1 << 30);
-    let config = Config {
-        expandable_page: 2 * MIB,
-        idle_slack: 0.0,
-        idle_slack_hard: 10.0,
-        ..Config::expandable()
-    };
-    let (a, keep) = hole_behind_markers(&dev, config, 300);
+    let (a, keep) = hole_behind_markers(&dev, 300);
     let reserved = a.usage().reserved;
     a.set_memory_cap(Some(crate::config::MemoryCap::Bytes(reserved + 2 * MIB)))
         .unwrap();
