@@ -45,12 +45,16 @@ fn main() {
         }
     };
     run(&mut live);
+    let before = alloc.device().counters();
     let t0 = Instant::now();
     run(&mut live);
     let ns = t0.elapsed().as_nanos() as f64 / ops as f64;
     let c = alloc.device().counters();
     println!(
-        "{slots} slots, <= {max_mib} MiB, {ops} ops: {ns:.1} ns/op (device allocs {}, frees {})",
-        c.allocs, c.frees
+        "{slots} slots, <= {max_mib} MiB, {ops} ops: {ns:.1} ns/op (device allocs {}, frees {}; in the timed pass {} and {})",
+        c.allocs,
+        c.frees,
+        c.allocs - before.allocs,
+        c.frees - before.frees
     );
 }

@@ -8,6 +8,7 @@
 //! (blocks, segments, bins) so that page-backed growable segments can reuse
 //! the same block lists.
 
+use crate::addrmap::AddrMap;
 use crate::bins::Bins;
 use crate::block::{Block, BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId, Slab};
 use crate::config::{Config, MemoryCap, ReleaseOrder};
@@ -114,7 +115,7 @@ struct State<E> {
     streams: FastMap<StreamId, u32>,
     stream_list: Vec<StreamId>,
     /// Allocated blocks by address: the O(1) address → block map.
-    live: FastMap<u64, BlockId>,
+    live: AddrMap,
     /// Events guarding freed blocks, one FIFO per stream that used them.
     pending: Vec<(StreamId, VecDeque<(E, BlockId)>)>,
     pending_blocks: usize,
@@ -204,7 +205,7 @@ impl<D: Device> CachingAllocator<D> {
                 lookups: Vec::new(),
                 streams: FastMap::default(),
                 stream_list: Vec::new(),
-                live: FastMap::default(),
+                live: AddrMap::default(),
                 pending: Vec::new(),
                 pending_blocks: 0,
                 stats,
@@ -422,7 +423,7 @@ impl<D: Device> CachingAllocator<D> {
         // Allocations already live get ids too, so that their frees are valid
         // in the trace; their allocation lines are emitted first.
         let mut sink = sink;
-        let mut live: Vec<(u64, BlockId)> = st.live.iter().map(|(&a, &b)| (a, b)).collect();
+        let mut live: Vec<(u64, BlockId)> = st.live.iter().collect();
         live.sort_unstable();
         for (addr, id) in live {
             let b = st.blocks.get(id.0);
@@ -831,7 +832,7 @@ impl<E> State<E> {
     ) -> Result<(), AllocError> {
         self.clock += 1;
         // One map operation on the common path; a parked block goes back in.
-        let Some(id) = self.live.remove(&ptr.0) else {
+        let Some(id) = self.live.remove(ptr.0) else {
             return Err(self.classify_bad_pointer(ptr));
         };
         if let Some(holder) = self.blocks.get(id.0).front {
@@ -1014,7 +1015,7 @@ impl<E> State<E> {
     }
 
     fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
-        let Some(&id) = self.live.get(&ptr.0) else {
+        let Some(id) = self.live.get(ptr.0) else {
             return Err(self.classify_bad_pointer(ptr));
         };
         if let Some(holder) = self.blocks.get(id.0).front {
@@ -1512,7 +1513,7 @@ impl<E> State<E> {
                             expect.inactive_split.increase(kind, 1);
                             expect.inactive_split_bytes.increase(kind, b.size);
                         }
-                        if self.live.contains_key(&b.addr) {
+                        if self.live.contains(b.addr) {
                             return Err(format!("free block at {:#x} is in the live map", b.addr));
                         }
                     }
@@ -1525,7 +1526,7 @@ impl<E> State<E> {
                         ));
                     }
                     BlockState::Allocated => {
-                        if self.live.get(&b.addr) != Some(&id) {
+                        if self.live.get(b.addr) != Some(id) {
                             return Err(format!(
                                 "allocated block at {:#x} is not in the live map",
                                 b.addr
@@ -1538,7 +1539,7 @@ impl<E> State<E> {
                         expect.requested_bytes.increase(kind, b.requested);
                     }
                     BlockState::Parked => {
-                        if b.front.is_none() || self.live.get(&b.addr) != Some(&id) {
+                        if b.front.is_none() || self.live.get(b.addr) != Some(id) {
                             return Err(format!(
                                 "parked block at {:#x} has no thread cache or is not in the live map",
                                 b.addr

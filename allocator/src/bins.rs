@@ -55,27 +55,26 @@ impl Class {
     fn insert(&mut self, e: Entry) -> bool {
         match self {
             Class::Few(v) => {
-                // Classes are usually short: scan from the end (sizes inside
-                // a class are close, so a new block often sorts last).
-                let i = if v.len() <= SCAN {
-                    let mut i = v.len();
+                if v.len() <= SCAN {
+                    // Classes are usually short: insertion sort from the end
+                    // (sizes inside a class are close, so a new block often
+                    // sorts last), moving entries up as the scan passes them.
+                    v.push(e);
+                    let mut i = v.len() - 1;
                     while i > 0 && v[i - 1] > e {
+                        v[i] = v[i - 1];
                         i -= 1;
                     }
                     if i > 0 && v[i - 1] == e {
+                        v.remove(i);
                         return false;
                     }
-                    i
+                    v[i] = e;
                 } else {
                     match v.binary_search(&e) {
                         Ok(_) => return false,
-                        Err(i) => i,
+                        Err(i) => v.insert(i, e),
                     }
-                };
-                if i == v.len() {
-                    v.push(e);
-                } else {
-                    v.insert(i, e);
                 }
                 if v.len() > SPILL {
                     self.spill();
@@ -113,11 +112,7 @@ impl Class {
                 v.binary_search(e).ok()
             } {
                 Some(i) => {
-                    if i + 1 == v.len() {
-                        v.pop();
-                    } else {
-                        v.remove(i);
-                    }
+                    remove_at(v, i);
                     true
                 }
                 None => false,
@@ -172,6 +167,20 @@ impl Class {
     }
 }
 
+/// Removes `v[i]`, keeping the order: short vectors shift by hand, which
+/// is cheaper than a call to `memmove` for a few entries.
+#[inline]
+fn remove_at(v: &mut Vec<Entry>, i: usize) {
+    if v.len() - i > SCAN {
+        v.remove(i);
+        return;
+    }
+    for j in i + 1..v.len() {
+        v[j - 1] = v[j];
+    }
+    v.pop();
+}
+
 /// The bins of one pool.
 #[derive(Debug)]
 pub(crate) struct Bins {
@@ -199,11 +208,9 @@ impl Default for Bins {
 fn class_of(size: u64) -> (usize, usize) {
     let units = (size / MIN_BLOCK).max(1);
     let fl = 63 - units.leading_zeros();
-    let sl = if fl >= SL_BITS {
-        (units >> (fl - SL_BITS)) as usize
-    } else {
-        (units << (SL_BITS - fl)) as usize
-    };
+    // The SL_BITS bits below the leading one, without a branch on which
+    // side of it they lie (`units` < 2^55, so the shift cannot overflow).
+    let sl = ((units << SL_BITS) >> fl) as usize;
     ((fl as usize).min(FL_COUNT - 1), sl & (SL_COUNT - 1))
 }
 
@@ -298,9 +305,7 @@ impl Bins {
     pub fn take(&mut self, f: Found) {
         let c = &mut self.classes[f.class];
         match c {
-            Class::Few(v) if v.get(f.index) == Some(&f.entry) => {
-                v.remove(f.index);
-            }
+            Class::Few(v) if v.get(f.index) == Some(&f.entry) => remove_at(v, f.index),
             _ => {
                 let removed = c.remove(&f.entry);
                 debug_assert!(removed, "a found entry is in its class");

@@ -29,6 +29,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod addrmap;
 mod allocator;
 mod bins;
 mod block;

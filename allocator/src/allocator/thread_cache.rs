@@ -367,7 +367,7 @@ impl<E> State<E> {
         b.state = BlockState::Free;
         b.front = None;
         self.front_blocks -= 1;
-        self.live.remove(&addr);
+        self.live.remove(addr);
         if split {
             self.stats.inactive_split.decrease(kind, 1);
             self.stats.inactive_split_bytes.decrease(kind, size);

@@ -1,0 +1,269 @@
+//! The address → block map of allocated blocks: an open-addressing hash
+//! table specialised for 512-byte-aligned device addresses.
+//!
+//! Every `malloc` inserts one entry and every `free` removes one, so this map
+//! sits on the hot path twice per pair. A general `HashMap` spends most of
+//! its time on machinery this key type does not need; here a slot is 16
+//! bytes (address and block index), the hash is one multiply
+//! (Fibonacci hashing of the address's granule number), probing is linear,
+//! and removal shifts the following entries back instead of leaving
+//! tombstones, so lookups never slow down with churn. The table is at most
+//! half full.
+
+use crate::block::BlockId;
+
+/// A slot's address when the slot is empty. Allocations are 512-aligned, so
+/// no live allocation has this address; a lookup of it is answered before
+/// probing.
+const EMPTY: u64 = u64::MAX;
+
+/// Smallest table (slots).
+const MIN_SLOTS: usize = 64;
+
+#[derive(Copy, Clone, Debug)]
+struct Slot {
+    addr: u64,
+    id: BlockId,
+}
+
+const VACANT: Slot = Slot {
+    addr: EMPTY,
+    id: BlockId(u32::MAX),
+};
+
+/// Allocated blocks by address, with O(1) insert, lookup and removal.
+#[derive(Debug)]
+pub(crate) struct AddrMap {
+    slots: Box<[Slot]>,
+    /// `slots.len() - 1` (the length is a power of two).
+    mask: usize,
+    /// `64 - log2(slots.len())`: the hash keeps the product's top bits.
+    shift: u32,
+    len: usize,
+}
+
+impl Default for AddrMap {
+    fn default() -> Self {
+        Self::with_slots(MIN_SLOTS)
+    }
+}
+
+impl AddrMap {
+    fn with_slots(n: usize) -> Self {
+        debug_assert!(n.is_power_of_two());
+        AddrMap {
+            slots: vec![VACANT; n].into_boxed_slice(),
+            mask: n - 1,
+            shift: 64 - n.trailing_zeros(),
+            len: 0,
+        }
+    }
+
+    /// The home slot of `addr`.
+    #[inline]
+    fn home(&self, addr: u64) -> usize {
+        // Fibonacci hashing of the granule number: neighbouring blocks land
+        // far apart, and the top bits of the product carry all of the key.
+        ((addr >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The block at `addr`, if it is in the map.
+    #[inline]
+    pub fn get(&self, addr: u64) -> Option<BlockId> {
+        if addr == EMPTY {
+            return None;
+        }
+        let mut i = self.home(addr);
+        loop {
+            let s = self.slots[i];
+            if s.addr == addr {
+                return Some(s.id);
+            }
+            if s.addr == EMPTY {
+                return None;
+            }
+            i = (i + 1) & self.mask;
+        }
+    }
+
+    /// Whether `addr` is in the map.
+    pub fn contains(&self, addr: u64) -> bool {
+        self.get(addr).is_some()
+    }
+
+    /// Maps `addr` to `id`; returns the block it mapped to before, if any.
+    ///
+    /// `addr` must not be `u64::MAX` (no allocation starts there).
+    #[inline]
+    pub fn insert(&mut self, addr: u64, id: BlockId) -> Option<BlockId> {
+        debug_assert_ne!(addr, EMPTY, "u64::MAX is not an allocation address");
+        if (self.len + 1) * 2 > self.slots.len() {
+            self.grow();
+        }
+        let mut i = self.home(addr);
+        loop {
+            let s = &mut self.slots[i];
+            if s.addr == EMPTY {
+                *s = Slot { addr, id };
+                self.len += 1;
+                return None;
+            }
+            if s.addr == addr {
+                return Some(std::mem::replace(&mut s.id, id));
+            }
+            i = (i + 1) & self.mask;
+        }
+    }
+
+    /// Removes `addr`; returns its block, or `None` if it was not mapped.
+    #[inline]
+    pub fn remove(&mut self, addr: u64) -> Option<BlockId> {
+        if addr == EMPTY {
+            return None;
+        }
+        let mask = self.mask;
+        let mut i = self.home(addr);
+        let id = loop {
+            let s = self.slots[i];
+            if s.addr == addr {
+                break s.id;
+            }
+            if s.addr == EMPTY {
+                return None;
+            }
+            i = (i + 1) & mask;
+        };
+        // Backward-shift deletion: move each following entry of the probe
+        // run into the hole if its home slot does not lie between the hole
+        // and itself (cyclically), so every entry stays reachable from home.
+        let mut hole = i;
+        let mut j = i;
+        loop {
+            j = (j + 1) & mask;
+            let s = self.slots[j];
+            if s.addr == EMPTY {
+                break;
+            }
+            let home = self.home(s.addr);
+            // Distance from home to j versus from hole to j, both cyclic.
+            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
+                self.slots[hole] = s;
+                hole = j;
+            }
+        }
+        self.slots[hole] = VACANT;
+        self.len -= 1;
+        Some(id)
+    }
+
+    /// All entries, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
+        self.slots
+            .iter()
+            .filter(|s| s.addr != EMPTY)
+            .map(|s| (s.addr, s.id))
+    }
+
+    /// Doubles the table.
+    #[cold]
+    #[inline(never)]
+    fn grow(&mut self) {
+        let mut bigger = Self::with_slots(self.slots.len() * 2);
+        for s in self.slots.iter().filter(|s| s.addr != EMPTY) {
+            bigger.insert(s.addr, s.id);
+        }
+        *self = bigger;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn insert_get_remove() {
+        let mut m = AddrMap::default();
+        assert_eq!(m.insert(0x1000, BlockId(1)), None);
+        assert_eq!(m.insert(0x1200, BlockId(2)), None);
+        assert_eq!(m.insert(0x1000, BlockId(3)), Some(BlockId(1)));
+        assert_eq!(m.len(), 2);
+        assert_eq!(m.get(0x1000), Some(BlockId(3)));
+        assert_eq!(m.get(0x1400), None);
+        assert_eq!(m.get(u64::MAX), None);
+        assert_eq!(m.remove(u64::MAX), None);
+        assert_eq!(m.remove(0x1000), Some(BlockId(3)));
+        assert_eq!(m.remove(0x1000), None);
+        assert!(m.contains(0x1200));
+        assert_eq!(m.len(), 1);
+    }
+
+    #[test]
+    fn grows_and_keeps_every_entry() {
+        let mut m = AddrMap::default();
+        for i in 0..10_000u64 {
+            m.insert(i << 9, BlockId(i as u32));
+        }
+        assert_eq!(m.len(), 10_000);
+        assert!(m.slots.len() >= 20_000);
+        for i in 0..10_000u64 {
+            assert_eq!(m.get(i << 9), Some(BlockId(i as u32)));
+        }
+        assert_eq!(m.iter().count(), 10_000);
+    }
+
+    /// Keys that all share one home slot make one long probe run; removing
+    /// from its middle must keep the rest reachable.
+    #[test]
+    fn removal_inside_a_collision_run() {
+        let mut m = AddrMap::default();
+        let home = m.home(0x200);
+        let same: Vec<u64> = (1..1_000_000u64)
+            .map(|g| g << 9)
+            .filter(|&a| m.home(a) == home)
+            .take(8)
+            .collect();
+        assert_eq!(same.len(), 8);
+        for (i, &a) in same.iter().enumerate() {
+            m.insert(a, BlockId(i as u32));
+        }
+        assert_eq!(m.remove(same[2]), Some(BlockId(2)));
+        for (i, &a) in same.iter().enumerate() {
+            let want = (i != 2).then_some(BlockId(i as u32));
+            assert_eq!(m.get(a), want, "key {i}");
+        }
+    }
+
+    proptest! {
+        /// Any sequence of inserts and removes agrees with a `HashMap`,
+        /// on keys dense enough to collide and wrap around the table.
+        #[test]
+        fn matches_a_hash_map(ops in proptest::collection::vec((any::<bool>(), 0u64..300, any::<u32>()), 0..2000)) {
+            let mut m = AddrMap::default();
+            let mut model = HashMap::new();
+            for (ins, g, v) in ops {
+                let addr = g << 9;
+                if ins {
+                    prop_assert_eq!(m.insert(addr, BlockId(v)), model.insert(addr, BlockId(v)));
+                } else {
+                    prop_assert_eq!(m.remove(addr), model.remove(&addr));
+                }
+                prop_assert_eq!(m.len(), model.len());
+            }
+            for g in 0..300u64 {
+                prop_assert_eq!(m.get(g << 9), model.get(&(g << 9)).copied());
+            }
+            let mut listed: Vec<_> = m.iter().collect();
+            listed.sort_unstable();
+            let mut expected: Vec<_> = model.into_iter().collect();
+            expected.sort_unstable();
+            prop_assert_eq!(listed, expected);
+        }
+    }
+}
