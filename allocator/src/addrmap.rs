@@ -4,18 +4,22 @@
 //! Every `malloc` inserts one entry and every `free` removes one, so this map
 //! sits on the hot path twice per pair. A general `HashMap` spends most of
 //! its time on machinery this key type does not need; here a slot is 16
-//! bytes (address and block index), the hash is one multiply
-//! (Fibonacci hashing of the address's granule number), probing is linear,
-//! and removal shifts the following entries back instead of leaving
-//! tombstones, so lookups never slow down with churn. The table is at most
-//! half full.
+//! bytes (address and block index), the hash is one multiply (Fibonacci
+//! hashing of the address's granule number) and probing is linear. Removal
+//! leaves a tombstone, so it costs one probe and no data-dependent loop (a
+//! backward shift mispredicted about once per free); the table is rebuilt
+//! when live entries and tombstones together fill half of it.
 
 use crate::block::BlockId;
 
 /// A slot's address when the slot is empty. Allocations are 512-aligned, so
-/// no live allocation has this address; a lookup of it is answered before
-/// probing.
+/// no live allocation has this address or [`GONE`]; a lookup of either is
+/// answered before probing.
 const EMPTY: u64 = u64::MAX;
+
+/// A slot's address when its entry was removed (a tombstone): probes go on
+/// past it.
+const GONE: u64 = u64::MAX - 1;
 
 /// Smallest table (slots).
 const MIN_SLOTS: usize = 64;
@@ -40,6 +44,8 @@ pub(crate) struct AddrMap {
     /// `64 - log2(slots.len())`: the hash keeps the product's top bits.
     shift: u32,
     len: usize,
+    /// Tombstones in the table.
+    gone: usize,
 }
 
 impl Default for AddrMap {
@@ -56,6 +62,7 @@ impl AddrMap {
             mask: n - 1,
             shift: 64 - n.trailing_zeros(),
             len: 0,
+            gone: 0,
         }
     }
 
@@ -75,7 +82,7 @@ impl AddrMap {
     /// The block at `addr`, if it is in the map.
     #[inline]
     pub fn get(&self, addr: u64) -> Option<BlockId> {
-        if addr == EMPTY {
+        if addr >= GONE {
             return None;
         }
         let mut i = self.home(addr);
@@ -98,23 +105,35 @@ impl AddrMap {
 
     /// Maps `addr` to `id`; returns the block it mapped to before, if any.
     ///
-    /// `addr` must not be `u64::MAX` (no allocation starts there).
+    /// `addr` must not be `u64::MAX` or `u64::MAX - 1` (no allocation starts there).
     #[inline]
     pub fn insert(&mut self, addr: u64, id: BlockId) -> Option<BlockId> {
-        debug_assert_ne!(addr, EMPTY, "u64::MAX is not an allocation address");
-        if (self.len + 1) * 2 > self.slots.len() {
-            self.grow();
+        debug_assert!(addr < GONE, "{addr:#x} is not an allocation address");
+        if (self.len + self.gone + 1) * 2 > self.slots.len() {
+            self.rebuild();
         }
         let mut i = self.home(addr);
+        // The first tombstone on the way, reused if the key is not further on.
+        let mut free = None;
         loop {
             let s = &mut self.slots[i];
+            if s.addr == addr {
+                return Some(std::mem::replace(&mut s.id, id));
+            }
             if s.addr == EMPTY {
-                *s = Slot { addr, id };
+                let at = match free {
+                    Some(t) => {
+                        self.gone -= 1;
+                        t
+                    }
+                    None => i,
+                };
+                self.slots[at] = Slot { addr, id };
                 self.len += 1;
                 return None;
             }
-            if s.addr == addr {
-                return Some(std::mem::replace(&mut s.id, id));
+            if s.addr == GONE && free.is_none() {
+                free = Some(i);
             }
             i = (i + 1) & self.mask;
         }
@@ -123,61 +142,45 @@ impl AddrMap {
     /// Removes `addr`; returns its block, or `None` if it was not mapped.
     #[inline]
     pub fn remove(&mut self, addr: u64) -> Option<BlockId> {
-        if addr == EMPTY {
+        if addr >= GONE {
             return None;
         }
-        let mask = self.mask;
         let mut i = self.home(addr);
-        let id = loop {
-            let s = self.slots[i];
+        loop {
+            let s = &mut self.slots[i];
             if s.addr == addr {
-                break s.id;
+                s.addr = GONE;
+                self.len -= 1;
+                self.gone += 1;
+                return Some(s.id);
             }
             if s.addr == EMPTY {
                 return None;
             }
-            i = (i + 1) & mask;
-        };
-        // Backward-shift deletion: move each following entry of the probe
-        // run into the hole if its home slot does not lie between the hole
-        // and itself (cyclically), so every entry stays reachable from home.
-        let mut hole = i;
-        let mut j = i;
-        loop {
-            j = (j + 1) & mask;
-            let s = self.slots[j];
-            if s.addr == EMPTY {
-                break;
-            }
-            let home = self.home(s.addr);
-            // Distance from home to j versus from hole to j, both cyclic.
-            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
-                self.slots[hole] = s;
-                hole = j;
-            }
+            i = (i + 1) & self.mask;
         }
-        self.slots[hole] = VACANT;
-        self.len -= 1;
-        Some(id)
     }
 
     /// All entries, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
         self.slots
             .iter()
-            .filter(|s| s.addr != EMPTY)
+            .filter(|s| s.addr < GONE)
             .map(|s| (s.addr, s.id))
     }
 
-    /// Doubles the table.
+    /// Rebuilds the table without tombstones, twice as large if the live
+    /// entries alone fill a quarter of it.
     #[cold]
     #[inline(never)]
-    fn grow(&mut self) {
-        let mut bigger = Self::with_slots(self.slots.len() * 2);
-        for s in self.slots.iter().filter(|s| s.addr != EMPTY) {
-            bigger.insert(s.addr, s.id);
+    fn rebuild(&mut self) {
+        let n = self.slots.len();
+        let n = if (self.len + 1) * 4 > n { n * 2 } else { n };
+        let mut fresh = Self::with_slots(n);
+        for s in self.slots.iter().filter(|s| s.addr < GONE) {
+            fresh.insert(s.addr, s.id);
         }
-        *self = bigger;
+        *self = fresh;
     }
 }
 
@@ -198,6 +201,8 @@ mod tests {
         assert_eq!(m.get(0x1400), None);
         assert_eq!(m.get(u64::MAX), None);
         assert_eq!(m.remove(u64::MAX), None);
+        assert_eq!(m.get(u64::MAX - 1), None);
+        assert_eq!(m.remove(u64::MAX - 1), None);
         assert_eq!(m.remove(0x1000), Some(BlockId(3)));
         assert_eq!(m.remove(0x1000), None);
         assert!(m.contains(0x1200));
@@ -216,6 +221,24 @@ mod tests {
             assert_eq!(m.get(i << 9), Some(BlockId(i as u32)));
         }
         assert_eq!(m.iter().count(), 10_000);
+    }
+
+    /// Inserting and removing forever (the allocator's steady state) keeps
+    /// the table small: tombstones are cleared by rebuilding, not by growing.
+    #[test]
+    fn churn_does_not_grow_the_table() {
+        let mut m = AddrMap::default();
+        for i in 0..100_000u64 {
+            m.insert(i << 9, BlockId(i as u32));
+            if i >= 10 {
+                assert_eq!(m.remove((i - 10) << 9), Some(BlockId(i as u32 - 10)));
+            }
+        }
+        assert_eq!(m.len(), 10);
+        assert_eq!(m.slots.len(), MIN_SLOTS);
+        for i in 100_000 - 10..100_000u64 {
+            assert_eq!(m.get(i << 9), Some(BlockId(i as u32)));
+        }
     }
 
     /// Keys that all share one home slot make one long probe run; removing

@@ -513,6 +513,7 @@ impl<E> State<E> {
         }
     }
 
+    #[inline(always)]
     fn malloc<D: Device<Event = E>>(
         &mut self,
         dev: &D,
@@ -824,6 +825,7 @@ impl<E> State<E> {
         AllocError::UnknownPointer(ptr)
     }
 
+    #[inline(always)]
     fn free<D: Device<Event = E>>(
         &mut self,
         dev: &D,
