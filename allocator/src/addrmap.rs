@@ -103,40 +103,27 @@ impl AddrMap {
         self.get(addr).is_some()
     }
 
-    /// Maps `addr` to `id`; returns the block it mapped to before, if any.
+    /// Maps `addr`, which is not in the map, to `id`.
     ///
-    /// `addr` must not be `u64::MAX` or `u64::MAX - 1` (no allocation starts there).
+    /// The allocator maps an address only while its block is handed out, so
+    /// an address is never inserted twice; that lets the probe stop at the
+    /// first free slot, tombstone or empty. `addr` must not be `u64::MAX`
+    /// or `u64::MAX - 1` (no allocation starts there).
     #[inline]
-    pub fn insert(&mut self, addr: u64, id: BlockId) -> Option<BlockId> {
+    pub fn insert(&mut self, addr: u64, id: BlockId) {
         debug_assert!(addr < GONE, "{addr:#x} is not an allocation address");
+        debug_assert!(self.get(addr).is_none(), "{addr:#x} inserted twice");
         if (self.len + self.gone + 1) * 2 > self.slots.len() {
             self.rebuild();
         }
         let mut i = self.home(addr);
-        // The first tombstone on the way, reused if the key is not further on.
-        let mut free = None;
-        loop {
-            let s = &mut self.slots[i];
-            if s.addr == addr {
-                return Some(std::mem::replace(&mut s.id, id));
-            }
-            if s.addr == EMPTY {
-                let at = match free {
-                    Some(t) => {
-                        self.gone -= 1;
-                        t
-                    }
-                    None => i,
-                };
-                self.slots[at] = Slot { addr, id };
-                self.len += 1;
-                return None;
-            }
-            if s.addr == GONE && free.is_none() {
-                free = Some(i);
-            }
+        while self.slots[i].addr < GONE {
             i = (i + 1) & self.mask;
         }
+        let s = &mut self.slots[i];
+        self.gone -= usize::from(s.addr == GONE);
+        *s = Slot { addr, id };
+        self.len += 1;
     }
 
     /// Removes `addr`; returns its block, or `None` if it was not mapped.
@@ -149,10 +136,15 @@ impl AddrMap {
         loop {
             let s = &mut self.slots[i];
             if s.addr == addr {
-                s.addr = GONE;
+                let id = s.id;
+                // No probe run continues past an empty successor: the slot
+                // can become empty instead of a tombstone (chosen without a
+                // branch).
+                let next_empty = self.slots[(i + 1) & self.mask].addr == EMPTY;
+                self.slots[i].addr = if next_empty { EMPTY } else { GONE };
+                self.gone += usize::from(!next_empty);
                 self.len -= 1;
-                self.gone += 1;
-                return Some(s.id);
+                return Some(id);
             }
             if s.addr == EMPTY {
                 return None;
@@ -193,9 +185,10 @@ mod tests {
     #[test]
     fn insert_get_remove() {
         let mut m = AddrMap::default();
-        assert_eq!(m.insert(0x1000, BlockId(1)), None);
-        assert_eq!(m.insert(0x1200, BlockId(2)), None);
-        assert_eq!(m.insert(0x1000, BlockId(3)), Some(BlockId(1)));
+        m.insert(0x1000, BlockId(1));
+        m.insert(0x1200, BlockId(2));
+        assert_eq!(m.remove(0x1000), Some(BlockId(1)));
+        m.insert(0x1000, BlockId(3));
         assert_eq!(m.len(), 2);
         assert_eq!(m.get(0x1000), Some(BlockId(3)));
         assert_eq!(m.get(0x1400), None);
@@ -273,7 +266,11 @@ mod tests {
             for (ins, g, v) in ops {
                 let addr = g << 9;
                 if ins {
-                    prop_assert_eq!(m.insert(addr, BlockId(v)), model.insert(addr, BlockId(v)));
+                    // The allocator never maps a mapped address again.
+                    if !model.contains_key(&addr) {
+                        m.insert(addr, BlockId(v));
+                        model.insert(addr, BlockId(v));
+                    }
                 } else {
                     prop_assert_eq!(m.remove(addr), model.remove(&addr));
                 }
