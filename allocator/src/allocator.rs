@@ -862,7 +862,7 @@ impl<E> State<E> {
                 (r.sink)(&TraceEvent::Free { id: tid });
             }
         }
-        let uses = std::mem::take(&mut self.blocks.get_mut(id.0).stream_uses);
+        let uses = self.blocks.get_mut(id.0).stream_uses.take();
         if uses.is_empty() {
             self.free_block(id);
             if !self.config.caching {
@@ -947,19 +947,9 @@ impl<E> State<E> {
     fn merge_counted(&mut self, id: BlockId) {
         let kind = self.blocks.get(id.0).pool.kind();
         let (net_blocks, net_bytes) = self.merge_into_bins(id);
-        let s = &mut self.stats;
-        match net_blocks.signum() {
-            1 => s.inactive_split.increase(kind, net_blocks as u64),
-            -1 => s.inactive_split.decrease(kind, net_blocks.unsigned_abs()),
-            _ => {}
-        }
-        match net_bytes.signum() {
-            1 => s.inactive_split_bytes.increase(kind, net_bytes as u64),
-            -1 => s
-                .inactive_split_bytes
-                .decrease(kind, net_bytes.unsigned_abs()),
-            _ => {}
-        }
+        // The sign depends on which neighbours were free: no branch on it.
+        self.stats.inactive_split.add(kind, net_blocks);
+        self.stats.inactive_split_bytes.add(kind, net_bytes);
     }
 
     /// Merges the free block `id` with its free neighbours and files the
@@ -1414,7 +1404,7 @@ impl<E> State<E> {
                     size: b.size,
                     requested_size: b.requested,
                     state: b.state,
-                    stream_uses: b.stream_uses.clone(),
+                    stream_uses: b.stream_uses.to_vec(),
                 });
                 cur = b.next;
             }

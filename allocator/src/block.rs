@@ -92,7 +92,7 @@ pub(crate) struct Block {
     pub pool: PoolId,
     pub state: BlockState,
     /// Streams other than the owner's that used the block (`record_stream`).
-    pub stream_uses: Vec<StreamId>,
+    pub stream_uses: StreamUses,
     /// Events still guarding the block after it was freed.
     pub pending_events: u32,
     /// Value of the pool's lookup counter when the block became free (GC age).
@@ -115,7 +115,7 @@ impl Block {
             segment,
             pool,
             state: BlockState::Free,
-            stream_uses: Vec::new(),
+            stream_uses: StreamUses::default(),
             pending_events: 0,
             gc_base: 0,
             freed_at: now,
@@ -126,6 +126,39 @@ impl Block {
     /// A split block is one that shares its segment with another block.
     pub fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()
+    }
+}
+
+/// The streams other than its owner's that used a block. Boxed: almost no
+/// block has any, and a pointer keeps the block record 16 bytes smaller
+/// than an inline `Vec` (records are read and written on every call).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct StreamUses(Option<Box<Vec<StreamId>>>);
+
+impl StreamUses {
+    pub fn is_empty(&self) -> bool {
+        self.0.is_none()
+    }
+
+    pub fn contains(&self, s: &StreamId) -> bool {
+        self.0.as_ref().is_some_and(|v| v.contains(s))
+    }
+
+    pub fn push(&mut self, s: StreamId) {
+        self.0.get_or_insert_with(Box::default).push(s);
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &StreamId> {
+        self.0.iter().flat_map(|v| v.iter())
+    }
+
+    /// The streams, leaving none.
+    pub fn take(&mut self) -> Vec<StreamId> {
+        self.0.take().map(|v| *v).unwrap_or_default()
+    }
+
+    pub fn to_vec(&self) -> Vec<StreamId> {
+        self.iter().copied().collect()
     }
 }
 

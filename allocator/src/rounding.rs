@@ -24,6 +24,7 @@ pub fn power2_interval(size: u64) -> usize {
 /// Rounds a request up to the size of the block that will serve it.
 ///
 /// Returns `None` when `size` exceeds [`MAX_REQUEST`]. Sizes below 512 become 512.
+#[inline]
 pub fn round_size(size: u64, divisions: &Power2Divisions) -> Option<u64> {
     if size > MAX_REQUEST {
         return None;

@@ -72,6 +72,21 @@ impl StatArray {
         self.0[kind.stat_group()].decrease(n);
     }
 
+    /// Adds `d` (up or down) to `all` and the pool's group, without a branch
+    /// on its sign: for changes whose sign the data decides (merges).
+    #[inline]
+    pub(crate) fn add(&mut self, kind: PoolKind, d: i64) {
+        let (up, down) = (d.max(0) as u64, d.min(0).unsigned_abs());
+        for g in [0, kind.stat_group()] {
+            let s = &mut self.0[g];
+            debug_assert!(s.current + up >= down, "stat went below zero");
+            s.current = s.current.wrapping_add(d as u64);
+            s.allocated += up;
+            s.freed += down;
+            s.peak = s.peak.max(s.current);
+        }
+    }
+
     /// Moves `n` from one pool group to another; `all` does not change.
     pub(crate) fn move_group(&mut self, from: PoolKind, to: PoolKind, n: u64) {
         if from.stat_group() != to.stat_group() {
@@ -238,6 +253,31 @@ impl MemoryStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A signed change lands exactly as the matching increase or decrease.
+    #[test]
+    fn signed_add_matches_increase_and_decrease() {
+        let mut a = StatArray::default();
+        let mut b = StatArray::default();
+        for (kind, d) in [
+            (PoolKind::Large, 7i64),
+            (PoolKind::Small, 3),
+            (PoolKind::Large, -5),
+            (PoolKind::Huge, 4),
+            (PoolKind::Small, 0),
+            (PoolKind::Small, -3),
+        ] {
+            a.add(kind, d);
+            if d >= 0 {
+                b.increase(kind, d as u64);
+            } else {
+                b.decrease(kind, d.unsigned_abs());
+            }
+            assert_eq!(a, b, "after {d} on {kind:?}");
+        }
+        assert_eq!(a.all().peak, 10);
+        assert_eq!(a.pool(PoolKind::Large).freed, 5);
+    }
 
     #[test]
     fn stat_tracks_peak_and_totals() {
