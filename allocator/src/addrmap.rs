@@ -267,9 +267,9 @@ mod tests {
                 let addr = g << 9;
                 if ins {
                     // The allocator never maps a mapped address again.
-                    if !model.contains_key(&addr) {
+                    if let std::collections::hash_map::Entry::Vacant(e) = model.entry(addr) {
                         m.insert(addr, BlockId(v));
-                        model.insert(addr, BlockId(v));
+                        e.insert(BlockId(v));
                     }
                 } else {
                     prop_assert_eq!(m.remove(addr), model.remove(&addr));

@@ -986,7 +986,7 @@ impl<E> State<E> {
                     self.blocks.get_mut(n.0).prev = Some(id);
                 }
             }
-            self.blocks.remove(c.0);
+            self.blocks.discard(c.0);
             net_blocks -= 1;
             net_bytes -= csize as i64;
         }
@@ -1107,7 +1107,7 @@ impl<E> State<E> {
         let (addr, size, pool, head) = (s.addr, s.size, s.pool, s.head);
         dev.free(DevicePtr(addr), size)?;
         self.bins_mut(pool).remove(size, addr, head);
-        self.blocks.remove(head.0);
+        self.blocks.discard(head.0);
         self.segments.remove(seg.0);
         self.segment_by_addr.remove(&addr);
         let kind = pool.kind();

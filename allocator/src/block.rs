@@ -133,6 +133,8 @@ impl Block {
 /// block has any, and a pointer keeps the block record 16 bytes smaller
 /// than an inline `Vec` (records are read and written on every call).
 #[derive(Clone, Debug, Default)]
+// A thin pointer on purpose: `Vec` inline is 24 bytes, `Box<[_]>` 16.
+#[allow(clippy::box_collection)]
 pub(crate) struct StreamUses(Option<Box<Vec<StreamId>>>);
 
 impl StreamUses {
@@ -215,6 +217,16 @@ impl<T> Slab<T> {
         }
     }
 
+    /// Removes the item at `i` in place, without moving it out: for callers
+    /// that do not need it (a merged block record).
+    pub fn discard(&mut self, i: u32) {
+        let slot = &mut self.items[i as usize];
+        assert!(slot.is_some(), "slab slot vacant");
+        *slot = None;
+        self.vacant.push(i);
+        self.len -= 1;
+    }
+
     pub fn remove(&mut self, i: u32) -> T {
         let item = self.items[i as usize].take().expect("slab slot vacant");
         self.vacant.push(i);
@@ -251,6 +263,9 @@ mod tests {
         assert_eq!(c, a);
         assert_eq!(*s.get(b), "b");
         assert_eq!(s.len(), 2);
+        s.discard(b);
+        assert_eq!(s.len(), 1);
+        assert_eq!(s.insert("d"), b);
     }
 
     #[test]

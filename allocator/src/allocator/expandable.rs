@@ -736,7 +736,7 @@ impl<E> State<E> {
             let (addr, size, pool, head_id) = (s.addr, s.size, s.pool, s.head);
             dev.vmm_free_range(DevicePtr(addr), size)?;
             self.bins_mut(pool).remove(size, addr, head_id);
-            self.blocks.remove(head_id.0);
+            self.blocks.discard(head_id.0);
             self.segments.remove(seg.0);
             self.segment_by_addr.remove(&addr);
             self.ranges[i] = None;
