@@ -732,17 +732,17 @@ impl<E> State<E> {
 
     /// Hands out block `id` (already out of the bins), splitting off the remainder if worth it.
     fn alloc_found_block(&mut self, id: BlockId, rounded: u64, requested: u64) -> DevicePtr {
-        let (addr, size, pool, already_split, next, segment) = {
-            let b = self.blocks.get(id.0);
-            (b.addr, b.size, b.pool, b.is_split(), b.next, b.segment)
-        };
         // Free space of an expandable segment is not "inactive split" memory:
         // not counted. (Every segment is expandable in expandable mode, none otherwise.)
         let expandable = self.granularity.is_some();
-        let tracked = !expandable;
+        let b = self.blocks.get_mut(id.0);
+        // Allocated before any merge below could look at it.
+        b.state = BlockState::Allocated;
+        b.requested = requested;
+        let (addr, size, pool, already_split, next, segment) =
+            (b.addr, b.size, b.pool, b.is_split(), b.next, b.segment);
         let kind = pool.kind();
         let remaining = size - rounded;
-        self.blocks.get_mut(id.0).state = BlockState::Allocated;
         let final_size = if self.should_split(kind, rounded, remaining) {
             let gc_base = self.lookups[pool.index()];
             let rest = BlockId(self.blocks.insert(Block {
@@ -764,24 +764,22 @@ impl<E> State<E> {
             } else {
                 // The next block is not free (free neighbours are always merged).
                 self.bins_mut(pool).insert(remaining, addr + rounded, rest);
-            }
-            if !tracked {
-            } else if already_split {
-                self.stats.inactive_split_bytes.decrease(kind, rounded);
-            } else {
-                self.stats.inactive_split_bytes.increase(kind, remaining);
-                self.stats.inactive_split.increase(kind, 1);
+                let s = &mut self.stats;
+                if already_split {
+                    s.inactive_split_bytes.decrease(kind, rounded);
+                } else {
+                    s.inactive_split_bytes.increase(kind, remaining);
+                    s.inactive_split.increase(kind, 1);
+                }
             }
             rounded
         } else {
-            if already_split && tracked {
+            if already_split && !expandable {
                 self.stats.inactive_split_bytes.decrease(kind, size);
                 self.stats.inactive_split.decrease(kind, 1);
             }
             size
         };
-        // (The state became Allocated above, before any merge could look at it.)
-        self.blocks.get_mut(id.0).requested = requested;
         self.live.insert(addr, id);
         self.count_allocated(kind, final_size, true);
         self.count_active(kind, final_size, requested, true);
@@ -956,53 +954,70 @@ impl<E> State<E> {
     /// result in the bins. Returns the change in inactive split blocks and
     /// bytes (zero in expandable segments, where they are not counted).
     fn merge_into_bins(&mut self, id: BlockId) -> (i64, i64) {
-        let pool = self.blocks.get(id.0).pool;
+        // Disjoint borrows of the fields: one bins lookup, no repeated
+        // record lookups for the block itself.
+        let State {
+            blocks,
+            segments,
+            bins,
+            lookups,
+            clock,
+            granularity,
+            ..
+        } = self;
+        let b = blocks.get(id.0);
+        let (pool, mut addr, mut size) = (b.pool, b.addr, b.size);
+        let (mut prev, mut next) = (b.prev, b.next);
+        let bins = bins[pool.index()].get_or_insert_with(Box::default);
         let mut net_blocks: i64 = 0;
         let mut net_bytes: i64 = 0;
-        for before in [true, false] {
-            let b = self.blocks.get(id.0);
-            let Some(c) = (if before { b.prev } else { b.next }) else {
-                continue;
-            };
-            let cand = self.blocks.get(c.0);
-            if cand.state != BlockState::Free {
-                continue;
-            }
-            let (csize, caddr, cprev, cnext) = (cand.size, cand.addr, cand.prev, cand.next);
-            self.bins_mut(pool).remove(csize, caddr, c);
-            let b = self.blocks.get_mut(id.0);
-            b.size += csize;
-            if before {
-                b.addr = caddr;
-                b.prev = cprev;
-                let seg = b.segment;
-                match cprev {
-                    Some(p) => self.blocks.get_mut(p.0).next = Some(id),
-                    None => self.segments.get_mut(seg.0).head = id,
+        if let Some(p) = prev {
+            let pb = blocks.get(p.0);
+            if pb.state == BlockState::Free {
+                let (psize, paddr, pprev) = (pb.size, pb.addr, pb.prev);
+                bins.remove(psize, paddr, p);
+                addr = paddr;
+                size += psize;
+                prev = pprev;
+                match pprev {
+                    Some(pp) => blocks.get_mut(pp.0).next = Some(id),
+                    None => segments.get_mut(blocks.get(id.0).segment.0).head = id,
                 }
-            } else {
-                b.next = cnext;
-                if let Some(n) = cnext {
-                    self.blocks.get_mut(n.0).prev = Some(id);
-                }
+                blocks.discard(p.0);
+                net_blocks -= 1;
+                net_bytes -= psize as i64;
             }
-            self.blocks.discard(c.0);
-            net_blocks -= 1;
-            net_bytes -= csize as i64;
         }
-        let gc_base = self.lookups[pool.index()];
-        let b = self.blocks.get_mut(id.0);
-        b.gc_base = gc_base;
-        b.freed_at = self.clock;
-        let (size, addr, split) = (b.size, b.addr, b.is_split());
-        self.bins_mut(pool).insert(size, addr, id);
-        if split {
-            net_blocks += 1;
-            net_bytes += size as i64;
+        if let Some(n) = next {
+            let nb = blocks.get(n.0);
+            if nb.state == BlockState::Free {
+                let (nsize, naddr, nnext) = (nb.size, nb.addr, nb.next);
+                bins.remove(nsize, naddr, n);
+                size += nsize;
+                next = nnext;
+                if let Some(nn) = nnext {
+                    blocks.get_mut(nn.0).prev = Some(id);
+                }
+                blocks.discard(n.0);
+                net_blocks -= 1;
+                net_bytes -= nsize as i64;
+            }
         }
-        if self.granularity.is_some() {
+        let b = blocks.get_mut(id.0);
+        b.addr = addr;
+        b.size = size;
+        b.prev = prev;
+        b.next = next;
+        b.gc_base = lookups[pool.index()];
+        b.freed_at = *clock;
+        bins.insert(size, addr, id);
+        if granularity.is_some() {
             return (0, 0);
         }
+        // The merged block counts as inactive split if it shares its segment.
+        let split = prev.is_some() || next.is_some();
+        net_blocks += i64::from(split);
+        net_bytes += if split { size as i64 } else { 0 };
         (net_blocks, net_bytes)
     }
 

@@ -136,6 +136,7 @@ impl Class {
         }
     }
 
+    #[inline]
     fn is_empty(&self) -> bool {
         match self {
             Class::Few(v) => v.is_empty(),
@@ -144,6 +145,7 @@ impl Class {
     }
 
     /// The first entry of at least `size` bytes, with its index (0 in a tree).
+    #[inline]
     fn first_at_least(&self, size: u64) -> Option<(usize, Entry)> {
         match self {
             Class::Few(v) => {
@@ -158,6 +160,7 @@ impl Class {
         }
     }
 
+    #[inline]
     fn first(&self) -> Option<Entry> {
         match self {
             Class::Few(v) => v.first().copied(),
