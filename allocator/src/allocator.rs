@@ -469,6 +469,15 @@ impl<E> State<E> {
 
     #[inline]
     fn stream_slot(&mut self, stream: StreamId) -> u32 {
+        // Most requests come on the first stream used (the default stream).
+        if self.stream_list.first() == Some(&stream) {
+            return 0;
+        }
+        self.other_stream_slot(stream)
+    }
+
+    /// [`State::stream_slot`] past the first stream.
+    fn other_stream_slot(&mut self, stream: StreamId) -> u32 {
         // Most programs use a few streams: a short scan beats hashing.
         if self.stream_list.len() <= 4 {
             if let Some(i) = self.stream_list.iter().position(|s| *s == stream) {
