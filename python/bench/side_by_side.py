@@ -1,0 +1,138 @@
+# Side-by-side latency of PyTorch's caching allocator and cachealloc in ONE
+# process, alternating: each repetition runs PyTorch's case and then the same
+# case on cachealloc, so both see the same moment of a host whose speed moves
+# by ±30% from one minute to the next (the lent GPU machines do). cachealloc
+# is called through its C ABI (libcachealloc.so, `cachealloc_alloc` /
+# `cachealloc_free`: what PyTorch's CUDAPluggableAllocator calls), so the
+# ABI's own checks are in its figures; PyTorch through raw_alloc/raw_delete
+# as in latency_bench.py. Same cases, sizes and random plans as
+# latency_bench.py (std::mt19937_64, log-uniform sizes, warm pass then timed
+# pass over the same sequence).
+#
+#   python3 python/bench/side_by_side.py --lib gpu-bundle/lib/libcachealloc.so OUT.json [--reps N]
+#
+# Prints, per case, the minimum of each allocator over the repetitions, the
+# ratio of the minimums and the median of the per-repetition ratios.
+import argparse, json, statistics, time
+import torch
+from torch.utils.cpp_extension import load_inline
+
+SRC = r'''
+#include <torch/extension.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+using clk = std::chrono::steady_clock;
+static double ns_since(clk::time_point t0, long n) {
+  return std::chrono::duration<double, std::nano>(clk::now() - t0).count() / n;
+}
+typedef void* (*ca_alloc_t)(ssize_t, int, void*);
+typedef void (*ca_free_t)(void*, ssize_t, int, void*);
+static ca_alloc_t ca_alloc_fn = nullptr;
+static ca_free_t ca_free_fn = nullptr;
+
+bool ca_load(std::string path) {
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!h) return false;
+  ca_alloc_fn = (ca_alloc_t)dlsym(h, "cachealloc_alloc");
+  ca_free_fn = (ca_free_t)dlsym(h, "cachealloc_free");
+  return ca_alloc_fn != nullptr && ca_free_fn != nullptr;
+}
+
+struct Torch {
+  void* alloc(long n) { return c10::cuda::CUDACachingAllocator::raw_alloc(n); }
+  void release(void* p, long) { c10::cuda::CUDACachingAllocator::raw_delete(p); }
+};
+struct Ca {
+  void* alloc(long n) { return ca_alloc_fn((ssize_t)n, 0, nullptr); }
+  void release(void* p, long n) { ca_free_fn(p, (ssize_t)n, 0, nullptr); }
+};
+
+template <class A> double pair(A a, long size, long iters) {
+  for (int i = 0; i < 1000; i++) a.release(a.alloc(size), size);
+  auto t0 = clk::now();
+  for (long i = 0; i < iters; i++) a.release(a.alloc(size), size);
+  return ns_since(t0, iters);
+}
+
+template <class A> double mixed(A a, long iters, int slots, long max_bytes, int seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(std::log(512.0), std::log((double)max_bytes));
+  std::vector<void*> live(slots, nullptr);
+  std::vector<long> held(slots, 0);
+  std::vector<long> sizes(iters);
+  for (long i = 0; i < iters; i++) sizes[i] = (long)std::exp(u(rng));
+  std::vector<int> pick(iters);
+  for (long i = 0; i < iters; i++) pick[i] = rng() % slots;
+  auto run = [&]() {
+    for (long i = 0; i < iters; i++) {
+      int s = pick[i];
+      if (live[s]) { a.release(live[s], held[s]); live[s] = nullptr; }
+      else { live[s] = a.alloc(sizes[i]); held[s] = sizes[i]; }
+    }
+  };
+  run();  // warm
+  auto t0 = clk::now();
+  run();
+  double r = ns_since(t0, iters);
+  for (int s = 0; s < slots; s++) if (live[s]) a.release(live[s], held[s]);
+  return r;
+}
+
+double torch_pair(long size, long iters) { return pair(Torch{}, size, iters); }
+double ca_pair(long size, long iters) { return pair(Ca{}, size, iters); }
+double torch_mixed(long iters, int slots, long max_bytes, int seed) { return mixed(Torch{}, iters, slots, max_bytes, seed); }
+double ca_mixed(long iters, int slots, long max_bytes, int seed) { return mixed(Ca{}, iters, slots, max_bytes, seed); }
+'''
+FUNCS = ["ca_load", "torch_pair", "ca_pair", "torch_mixed", "ca_mixed"]
+
+CASES = [
+    ("pair 512 B", lambda e, w: getattr(e, f"{w}_pair")(512, 200000)),
+    ("pair 64 KiB", lambda e, w: getattr(e, f"{w}_pair")(65536, 200000)),
+    ("pair 1 MiB", lambda e, w: getattr(e, f"{w}_pair")(1 << 20, 200000)),
+    ("pair 16 MiB", lambda e, w: getattr(e, f"{w}_pair")(16 << 20, 200000)),
+    ("pair 256 MiB", lambda e, w: getattr(e, f"{w}_pair")(256 << 20, 200000)),
+    ("random ops, 256 slots <= 8 MiB", lambda e, w: getattr(e, f"{w}_mixed")(400000, 256, 8 << 20, 1)),
+    ("random ops, 4096 slots <= 64 MiB", lambda e, w: getattr(e, f"{w}_mixed")(400000, 4096, 64 << 20, 2)),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--lib", default="gpu-bundle/lib/libcachealloc.so")
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    t0 = time.time()
+    ext = load_inline("side_by_side", cpp_sources=SRC, functions=FUNCS, with_cuda=True,
+                      extra_ldflags=["-lcudart", "-ldl"], verbose=False)
+    print(f"compiled in {time.time() - t0:.0f}s", flush=True)
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    if not ext.ca_load(args.lib):
+        raise SystemExit(f"cannot load cachealloc_alloc/cachealloc_free from {args.lib}")
+    print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
+          f"{args.reps} alternating repetitions per case", flush=True)
+    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "reps": args.reps, "cases": {}}
+    print("| case | PyTorch min (ns) | cachealloc min (ns) | ratio of minimums | median of paired ratios | paired ratios |")
+    print("|---|---:|---:|---:|---:|---|")
+    for label, run in CASES:
+        t, c = [], []
+        for _ in range(args.reps):
+            t.append(run(ext, "torch"))
+            c.append(run(ext, "ca"))
+        paired = [ci / ti for ti, ci in zip(t, c)]
+        res["cases"][label] = {"torch_ns": t, "cachealloc_ns": c}
+        print(f"| {label} | {min(t):.0f} | {min(c):.0f} | {min(c) / min(t):.2f} | "
+              f"{statistics.median(paired):.2f} | {' '.join(f'{p:.2f}' for p in paired)} |", flush=True)
+    json.dump(res, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
