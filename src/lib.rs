@@ -5,6 +5,10 @@
 //! `cust` (feature `cuda`), the RAII buffer type for Rust tensor code, and the
 //! C ABI that PyTorch loads.
 
+// An eager `ok_or(f())` in the allocator lookup ran a driver call on every
+// C ABI allocation and free: arguments that call functions are computed lazily.
+#![warn(clippy::or_fun_call)]
+
 pub use cachealloc_core as core;
 pub use cachealloc_core::{
     AllocError, CachingAllocator, Config, Device, DevicePtr, FragmentationReport, MemoryCap,

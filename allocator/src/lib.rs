@@ -27,6 +27,8 @@
 //! assert_eq!(device.outstanding(), 0);
 //! ```
 #![forbid(unsafe_code)]
+// An eager `ok_or(f())` in a lookup ran a driver call on every C ABI call once.
+#![warn(clippy::or_fun_call)]
 #![warn(missing_docs)]
 
 mod addrmap;
