@@ -522,6 +522,8 @@ impl<E> State<E> {
         }
     }
 
+    // Inlined into the locked wrapper: returned through memory, its result
+    // was reloaded there with a store-forwarding stall (perf, random mix).
     #[inline(always)]
     fn malloc<D: Device<Event = E>>(
         &mut self,
@@ -832,6 +834,7 @@ impl<E> State<E> {
         AllocError::UnknownPointer(ptr)
     }
 
+    // Inlined into the locked wrapper, as `malloc`.
     #[inline(always)]
     fn free<D: Device<Event = E>>(
         &mut self,
