@@ -19,6 +19,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUTDIR="${1:?usage: $0 OUTDIR [ROUNDS] [NAME=BENCH ...]}"
 ROUNDS="${2:-3}"
+case "$ROUNDS" in
+  ''|*[!0-9]*) echo "error: ROUNDS must be a number, got '$ROUNDS' (usage: $0 OUTDIR [ROUNDS] [NAME=BENCH ...])" >&2; exit 2 ;;
+esac
 shift $(( $# >= 2 ? 2 : 1 ))
 BUNDLE="${BUNDLE_DIR:-gpu-bundle}"
 mkdir -p "$OUTDIR/rounds"

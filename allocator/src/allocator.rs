@@ -915,7 +915,7 @@ impl<E> State<E> {
             (b.size, std::mem::take(&mut b.requested), b.pool)
         };
         let kind = pool.kind();
-        self.merge_counted(id);
+        self.merge_counted(id, kind);
         self.count_active(kind, orig_size, requested, false);
     }
 
@@ -954,8 +954,8 @@ impl<E> State<E> {
     }
 
     /// [`State::merge_into_bins`], with the change in inactive split blocks counted.
-    fn merge_counted(&mut self, id: BlockId) {
-        let kind = self.blocks.get(id.0).pool.kind();
+    /// `kind` is the block's pool kind (the callers have it at hand).
+    fn merge_counted(&mut self, id: BlockId, kind: PoolKind) {
         let (net_blocks, net_bytes) = self.merge_into_bins(id);
         // The sign depends on which neighbours were free: no branch on it.
         self.stats.inactive_split.add(kind, net_blocks);

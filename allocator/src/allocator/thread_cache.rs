@@ -372,7 +372,7 @@ impl<E> State<E> {
             self.stats.inactive_split.decrease(kind, 1);
             self.stats.inactive_split_bytes.decrease(kind, size);
         }
-        self.merge_counted(id);
+        self.merge_counted(id, kind);
         self.blocks.get_mut(id.0).freed_at = parked_at;
     }
 
