@@ -10,9 +10,13 @@
 # pass over the same sequence).
 #
 #   python3 python/bench/side_by_side.py --lib gpu-bundle/lib/libcachealloc.so OUT.json [--reps N]
+#   python3 python/bench/side_by_side.py --lib new=A.so --lib old=B.so OUT.json [--only random]
 #
 # Prints, per case, the minimum of each allocator over the repetitions, the
-# ratio of the minimums and the median of the per-repetition ratios.
+# ratio of the minimums and the median of the per-repetition ratios. With
+# several `--lib NAME=PATH`, every build runs after PyTorch in each
+# repetition (each library is loaded on its own, with its own cache), so two
+# builds are compared in one process, as the ratio to the same PyTorch runs.
 import argparse, json, statistics, time
 import torch
 from torch.utils.cpp_extension import load_inline
@@ -33,15 +37,19 @@ static double ns_since(clk::time_point t0, long n) {
 }
 typedef void* (*ca_alloc_t)(ssize_t, int, void*);
 typedef void (*ca_free_t)(void*, ssize_t, int, void*);
-static ca_alloc_t ca_alloc_fn = nullptr;
-static ca_free_t ca_free_fn = nullptr;
+static std::vector<ca_alloc_t> ca_alloc_fns;
+static std::vector<ca_free_t> ca_free_fns;
 
-bool ca_load(std::string path) {
+// Loads one build of libcachealloc.so; returns its index, or -1.
+long ca_load(std::string path) {
   void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (!h) return false;
-  ca_alloc_fn = (ca_alloc_t)dlsym(h, "cachealloc_alloc");
-  ca_free_fn = (ca_free_t)dlsym(h, "cachealloc_free");
-  return ca_alloc_fn != nullptr && ca_free_fn != nullptr;
+  if (!h) return -1;
+  auto a = (ca_alloc_t)dlsym(h, "cachealloc_alloc");
+  auto f = (ca_free_t)dlsym(h, "cachealloc_free");
+  if (a == nullptr || f == nullptr) return -1;
+  ca_alloc_fns.push_back(a);
+  ca_free_fns.push_back(f);
+  return (long)ca_alloc_fns.size() - 1;
 }
 
 struct Torch {
@@ -49,8 +57,11 @@ struct Torch {
   void release(void* p, long) { c10::cuda::CUDACachingAllocator::raw_delete(p); }
 };
 struct Ca {
-  void* alloc(long n) { return ca_alloc_fn((ssize_t)n, 0, nullptr); }
-  void release(void* p, long n) { ca_free_fn(p, (ssize_t)n, 0, nullptr); }
+  ca_alloc_t a;
+  ca_free_t f;
+  explicit Ca(long lib) : a(ca_alloc_fns.at(lib)), f(ca_free_fns.at(lib)) {}
+  void* alloc(long n) { return a((ssize_t)n, 0, nullptr); }
+  void release(void* p, long n) { f(p, (ssize_t)n, 0, nullptr); }
 };
 
 template <class A> double pair(A a, long size, long iters) {
@@ -84,53 +95,78 @@ template <class A> double mixed(A a, long iters, int slots, long max_bytes, int 
   return r;
 }
 
-double torch_pair(long size, long iters) { return pair(Torch{}, size, iters); }
-double ca_pair(long size, long iters) { return pair(Ca{}, size, iters); }
-double torch_mixed(long iters, int slots, long max_bytes, int seed) { return mixed(Torch{}, iters, slots, max_bytes, seed); }
-double ca_mixed(long iters, int slots, long max_bytes, int seed) { return mixed(Ca{}, iters, slots, max_bytes, seed); }
+double torch_pair(long lib, long size, long iters) { return pair(Torch{}, size, iters); }
+double ca_pair(long lib, long size, long iters) { return pair(Ca(lib), size, iters); }
+double torch_mixed(long lib, long iters, int slots, long max_bytes, int seed) { return mixed(Torch{}, iters, slots, max_bytes, seed); }
+double ca_mixed(long lib, long iters, int slots, long max_bytes, int seed) { return mixed(Ca(lib), iters, slots, max_bytes, seed); }
 '''
 FUNCS = ["ca_load", "torch_pair", "ca_pair", "torch_mixed", "ca_mixed"]
 
 CASES = [
-    ("pair 512 B", lambda e, w: getattr(e, f"{w}_pair")(512, 200000)),
-    ("pair 64 KiB", lambda e, w: getattr(e, f"{w}_pair")(65536, 200000)),
-    ("pair 1 MiB", lambda e, w: getattr(e, f"{w}_pair")(1 << 20, 200000)),
-    ("pair 16 MiB", lambda e, w: getattr(e, f"{w}_pair")(16 << 20, 200000)),
-    ("pair 256 MiB", lambda e, w: getattr(e, f"{w}_pair")(256 << 20, 200000)),
-    ("random ops, 256 slots <= 8 MiB", lambda e, w: getattr(e, f"{w}_mixed")(400000, 256, 8 << 20, 1)),
-    ("random ops, 4096 slots <= 64 MiB", lambda e, w: getattr(e, f"{w}_mixed")(400000, 4096, 64 << 20, 2)),
+    ("pair 512 B", lambda e, w, i: getattr(e, f"{w}_pair")(i, 512, 200000)),
+    ("pair 64 KiB", lambda e, w, i: getattr(e, f"{w}_pair")(i, 65536, 200000)),
+    ("pair 1 MiB", lambda e, w, i: getattr(e, f"{w}_pair")(i, 1 << 20, 200000)),
+    ("pair 16 MiB", lambda e, w, i: getattr(e, f"{w}_pair")(i, 16 << 20, 200000)),
+    ("pair 256 MiB", lambda e, w, i: getattr(e, f"{w}_pair")(i, 256 << 20, 200000)),
+    ("random ops, 256 slots <= 8 MiB", lambda e, w, i: getattr(e, f"{w}_mixed")(i, 400000, 256, 8 << 20, 1)),
+    ("random ops, 4096 slots <= 64 MiB", lambda e, w, i: getattr(e, f"{w}_mixed")(i, 400000, 4096, 64 << 20, 2)),
 ]
+
+
+def parse_lib(spec):
+    """`NAME=PATH` or a plain path (named `cachealloc`)."""
+    name, sep, path = spec.partition("=")
+    return (name, path) if sep and name and path else ("cachealloc", spec)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--lib", default="gpu-bundle/lib/libcachealloc.so")
+    ap.add_argument("--lib", action="append", metavar="[NAME=]PATH",
+                    help="a build of libcachealloc.so; repeat to compare builds "
+                         "(default: gpu-bundle/lib/libcachealloc.so)")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--only", metavar="TEXT", help="run only the cases whose label contains TEXT")
     args = ap.parse_args()
+    cases = [c for c in CASES if args.only is None or args.only in c[0]]
+    if not cases:
+        ap.error(f"no case matches --only {args.only!r} (cases: {', '.join(l for l, _ in CASES)})")
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
+    libs = [parse_lib(s) for s in (args.lib or ["gpu-bundle/lib/libcachealloc.so"])]
+    names = [n for n, _ in libs]
+    if len(set(names)) != len(names):
+        ap.error(f"two --lib builds share a name: {names}")
     t0 = time.time()
     ext = load_inline("side_by_side", cpp_sources=SRC, functions=FUNCS, with_cuda=True,
                       extra_ldflags=["-lcudart", "-ldl"], verbose=False)
     print(f"compiled in {time.time() - t0:.0f}s", flush=True)
     torch.cuda.init()
     torch.empty(1, device="cuda")
-    if not ext.ca_load(args.lib):
-        raise SystemExit(f"cannot load cachealloc_alloc/cachealloc_free from {args.lib}")
+    index = {}
+    for name, path in libs:
+        i = ext.ca_load(path)
+        if i < 0:
+            raise SystemExit(f"cannot load cachealloc_alloc/cachealloc_free from {path}")
+        index[name] = i
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
-          f"{args.reps} alternating repetitions per case", flush=True)
+          f"{args.reps} alternating repetitions per case; builds: "
+          + ", ".join(f"{n}={p}" for n, p in libs), flush=True)
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "reps": args.reps, "cases": {}}
-    print("| case | PyTorch min (ns) | cachealloc min (ns) | ratio of minimums | median of paired ratios | paired ratios |")
-    print("|---|---:|---:|---:|---:|---|")
-    for label, run in CASES:
-        t, c = [], []
+           "reps": args.reps, "libs": dict(libs), "cases": {}}
+    print("| case | build | PyTorch min (ns) | cachealloc min (ns) | ratio of minimums | median of paired ratios | paired ratios |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for label, run in cases:
+        t, c = [], {n: [] for n in names}
         for _ in range(args.reps):
-            t.append(run(ext, "torch"))
-            c.append(run(ext, "ca"))
-        paired = [ci / ti for ti, ci in zip(t, c)]
-        res["cases"][label] = {"torch_ns": t, "cachealloc_ns": c}
-        print(f"| {label} | {min(t):.0f} | {min(c):.0f} | {min(c) / min(t):.2f} | "
-              f"{statistics.median(paired):.2f} | {' '.join(f'{p:.2f}' for p in paired)} |", flush=True)
+            t.append(run(ext, "torch", 0))
+            for n in names:
+                c[n].append(run(ext, "ca", index[n]))
+        res["cases"][label] = {"torch_ns": t, **{f"{n}_ns": c[n] for n in names}}
+        for n in names:
+            paired = [ci / ti for ti, ci in zip(t, c[n])]
+            print(f"| {label} | {n} | {min(t):.0f} | {min(c[n]):.0f} | {min(c[n]) / min(t):.2f} | "
+                  f"{statistics.median(paired):.2f} | {' '.join(f'{p:.2f}' for p in paired)} |", flush=True)
     json.dump(res, open(args.out, "w"), indent=1)
 
 
