@@ -1655,7 +1655,7 @@ impl<E> State<E> {
         let currents = |m: &MemoryStats| -> Vec<(&'static str, [u64; 3])> {
             m.arrays()
                 .iter()
-                .map(|(n, a)| (*n, [a.0[0].current, a.0[1].current, a.0[2].current]))
+                .map(|(n, a)| (*n, a.stats().map(|s| s.current)))
                 .collect()
         };
         if currents(&expect) != currents(&self.stats) {
@@ -1666,7 +1666,7 @@ impl<E> State<E> {
             ));
         }
         for (name, arr) in self.stats.arrays() {
-            for s in &arr.0 {
+            for s in &arr.stats() {
                 if s.peak < s.current || s.allocated - s.freed != s.current {
                     return Err(format!("stat {name} is inconsistent: {s:?}"));
                 }

@@ -43,60 +43,155 @@ impl Stat {
 }
 
 /// A stat for `all`, `small_pool` and `large_pool`.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct StatArray(pub [Stat; 3]);
+///
+/// Kept in the form that is cheapest to update on every malloc and free:
+/// per pool group only the current value, the sum of increases and the peak;
+/// `freed` is what was added and is no longer there, and `all` is the sum of
+/// the two groups, except for its peak, which is tracked (the peak of a sum
+/// is not the sum of the peaks). [`StatArray::stats`] gives PyTorch's four
+/// numbers for each of the three entries.
+#[derive(Copy, Clone, Default)]
+pub struct StatArray {
+    /// `small_pool` and `large_pool`.
+    groups: [Group; 2],
+    /// `all`'s current value (the groups' sum, kept so that its peak is
+    /// updated without reading back both groups).
+    all_current: u64,
+    /// The highest value `all` reached since the last peak reset.
+    all_peak: u64,
+    /// Bytes moved between groups ([`StatArray::move_group`]): counted in the
+    /// groups' totals but not in `all`'s.
+    moved: u64,
+}
 
-/// The pool-group names, in [`StatArray`] order.
+/// One pool group of a [`StatArray`].
+#[derive(Copy, Clone, Default, PartialEq, Eq, Debug)]
+struct Group {
+    current: u64,
+    /// Sum of all increases (so `freed` is `allocated - current`).
+    allocated: u64,
+    peak: u64,
+}
+
+impl Group {
+    fn stat(&self) -> Stat {
+        Stat {
+            current: self.current,
+            peak: self.peak,
+            allocated: self.allocated,
+            freed: self.allocated - self.current,
+        }
+    }
+}
+
+/// The pool-group names, in [`StatArray::stats`] order.
 pub const STAT_GROUPS: [&str; 3] = ["all", "small_pool", "large_pool"];
 
 impl StatArray {
+    /// `all`, `small_pool` and `large_pool`, in [`STAT_GROUPS`] order.
+    pub fn stats(&self) -> [Stat; 3] {
+        let [small, large] = self.groups.map(|g| g.stat());
+        let allocated = small.allocated + large.allocated - self.moved;
+        let current = self.all_current;
+        debug_assert_eq!(current, small.current + large.current);
+        let all = Stat {
+            current,
+            peak: self.all_peak,
+            allocated,
+            freed: allocated - current,
+        };
+        [all, small, large]
+    }
+
     /// The `all` entry.
-    pub fn all(&self) -> &Stat {
-        &self.0[0]
+    pub fn all(&self) -> Stat {
+        self.stats()[0]
     }
 
     /// The entry of one pool.
-    pub fn pool(&self, kind: PoolKind) -> &Stat {
-        &self.0[kind.stat_group()]
+    pub fn pool(&self, kind: PoolKind) -> Stat {
+        self.groups[kind.stat_group() - 1].stat()
     }
 
     #[inline]
     pub(crate) fn increase(&mut self, kind: PoolKind, n: u64) {
-        self.0[0].increase(n);
-        self.0[kind.stat_group()].increase(n);
+        let g = &mut self.groups[kind.stat_group() - 1];
+        g.current += n;
+        g.allocated += n;
+        g.peak = g.peak.max(g.current);
+        self.all_current += n;
+        self.all_peak = self.all_peak.max(self.all_current);
     }
 
     #[inline]
     pub(crate) fn decrease(&mut self, kind: PoolKind, n: u64) {
-        self.0[0].decrease(n);
-        self.0[kind.stat_group()].decrease(n);
+        let g = &mut self.groups[kind.stat_group() - 1];
+        debug_assert!(g.current >= n, "stat went below zero");
+        g.current -= n;
+        self.all_current -= n;
     }
 
-    /// Adds `d` (up or down) to `all` and the pool's group, without a branch
-    /// on its sign: for changes whose sign the data decides (merges).
+    /// Adds `d` (up or down) to the pool's group, without a branch on its
+    /// sign: for changes whose sign the data decides (merges).
     #[inline]
     pub(crate) fn add(&mut self, kind: PoolKind, d: i64) {
-        let (up, down) = (d.max(0) as u64, d.min(0).unsigned_abs());
-        for g in [0, kind.stat_group()] {
-            let s = &mut self.0[g];
-            debug_assert!(s.current + up >= down, "stat went below zero");
-            s.current = s.current.wrapping_add(d as u64);
-            s.allocated += up;
-            s.freed += down;
-            s.peak = s.peak.max(s.current);
-        }
+        let g = &mut self.groups[kind.stat_group() - 1];
+        debug_assert!(
+            g.current.checked_add_signed(d).is_some(),
+            "stat went below zero"
+        );
+        g.current = g.current.wrapping_add(d as u64);
+        g.allocated += d.max(0) as u64;
+        g.peak = g.peak.max(g.current);
+        self.all_current = self.all_current.wrapping_add(d as u64);
+        self.all_peak = self.all_peak.max(self.all_current);
+    }
+
+    /// Counts `n` more both allocated and freed (moves that came and went
+    /// while a thread cache kept them out of the statistics).
+    pub(crate) fn churn(&mut self, kind: PoolKind, n: u64) {
+        self.groups[kind.stat_group() - 1].allocated += n;
     }
 
     /// Moves `n` from one pool group to another; `all` does not change.
     pub(crate) fn move_group(&mut self, from: PoolKind, to: PoolKind, n: u64) {
         if from.stat_group() != to.stat_group() {
-            self.0[from.stat_group()].decrease(n);
-            self.0[to.stat_group()].increase(n);
+            let f = &mut self.groups[from.stat_group() - 1];
+            debug_assert!(f.current >= n, "stat went below zero");
+            f.current -= n;
+            let g = &mut self.groups[to.stat_group() - 1];
+            g.current += n;
+            g.allocated += n;
+            g.peak = g.peak.max(g.current);
+            self.moved += n;
         }
     }
 
     fn reset_peak(&mut self) {
-        self.0.iter_mut().for_each(Stat::reset_peak);
+        for g in &mut self.groups {
+            g.peak = g.current;
+        }
+        self.all_peak = self.all_current;
+    }
+}
+
+/// Equal when PyTorch's numbers are (however they were reached).
+impl PartialEq for StatArray {
+    fn eq(&self, other: &Self) -> bool {
+        self.stats() == other.stats()
+    }
+}
+
+impl Eq for StatArray {}
+
+impl std::fmt::Debug for StatArray {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let [all, small, large] = self.stats();
+        f.debug_struct("StatArray")
+            .field("all", &all)
+            .field("small_pool", &small)
+            .field("large_pool", &large)
+            .finish()
     }
 }
 
@@ -210,7 +305,7 @@ impl MemoryStats {
         let mut out = Vec::with_capacity(120);
         let v = |x: u64| i64::try_from(x).unwrap_or(i64::MAX);
         for (name, arr) in self.arrays() {
-            for (group, s) in STAT_GROUPS.iter().zip(arr.0.iter()) {
+            for (group, s) in STAT_GROUPS.iter().zip(arr.stats().iter()) {
                 out.push((format!("{name}.{group}.current"), v(s.current)));
                 out.push((format!("{name}.{group}.peak"), v(s.peak)));
                 out.push((format!("{name}.{group}.allocated"), v(s.allocated)));
@@ -253,6 +348,7 @@ impl MemoryStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     /// A signed change lands exactly as the matching increase or decrease.
     #[test]
@@ -277,6 +373,90 @@ mod tests {
         }
         assert_eq!(a.all().peak, 10);
         assert_eq!(a.pool(PoolKind::Large).freed, 5);
+    }
+
+    /// The plain form: PyTorch's four numbers per entry, each updated as
+    /// the operations say (what `StatArray` stored before it was compacted).
+    #[derive(Default)]
+    struct Plain([Stat; 3]);
+
+    impl Plain {
+        fn up(&mut self, kind: PoolKind, n: u64) {
+            for g in [0, kind.stat_group()] {
+                self.0[g].increase(n);
+            }
+        }
+        fn down(&mut self, kind: PoolKind, n: u64) {
+            for g in [0, kind.stat_group()] {
+                self.0[g].decrease(n);
+            }
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum StatOp {
+        Increase(PoolKind, u64),
+        Decrease(PoolKind, u64),
+        Add(PoolKind, i64),
+        Churn(PoolKind, u64),
+        Move(PoolKind, PoolKind, u64),
+        ResetPeak,
+    }
+
+    fn kind() -> impl Strategy<Value = PoolKind> {
+        prop_oneof![
+            Just(PoolKind::Small),
+            Just(PoolKind::Large),
+            Just(PoolKind::Huge)
+        ]
+    }
+
+    fn stat_op() -> impl Strategy<Value = StatOp> {
+        prop_oneof![
+            (kind(), 0u64..1000).prop_map(|(k, n)| StatOp::Increase(k, n)),
+            (kind(), 0u64..1000).prop_map(|(k, n)| StatOp::Decrease(k, n)),
+            (kind(), -1000i64..1000).prop_map(|(k, d)| StatOp::Add(k, d)),
+            (kind(), 0u64..100).prop_map(|(k, n)| StatOp::Churn(k, n)),
+            (kind(), kind(), 0u64..1000).prop_map(|(a, b, n)| StatOp::Move(a, b, n)),
+            Just(StatOp::ResetPeak),
+        ]
+    }
+
+    proptest! {
+        /// The compact form gives exactly the plain form's numbers after any
+        /// sequence (decreases larger than the pool's current value are skipped).
+        #[test]
+        fn compact_stats_match_the_plain_form(ops in proptest::collection::vec(stat_op(), 0..200)) {
+            let (mut a, mut p) = (StatArray::default(), Plain::default());
+            for op in ops {
+                let cur = |p: &Plain, k: PoolKind| p.0[k.stat_group()].current;
+                match op {
+                    StatOp::Increase(k, n) => { a.increase(k, n); p.up(k, n); }
+                    StatOp::Decrease(k, n) if n <= cur(&p, k) => { a.decrease(k, n); p.down(k, n); }
+                    StatOp::Add(k, d) if d >= 0 || d.unsigned_abs() <= cur(&p, k) => {
+                        a.add(k, d);
+                        if d >= 0 { p.up(k, d as u64) } else { p.down(k, d.unsigned_abs()) }
+                    }
+                    StatOp::Churn(k, n) => {
+                        a.churn(k, n);
+                        for g in [0, k.stat_group()] {
+                            p.0[g].allocated += n;
+                            p.0[g].freed += n;
+                        }
+                    }
+                    StatOp::Move(f, t, n) if n <= cur(&p, f) => {
+                        a.move_group(f, t, n);
+                        if f.stat_group() != t.stat_group() {
+                            p.0[f.stat_group()].decrease(n);
+                            p.0[t.stat_group()].increase(n);
+                        }
+                    }
+                    StatOp::ResetPeak => { a.reset_peak(); p.0.iter_mut().for_each(Stat::reset_peak); }
+                    _ => continue,
+                }
+                prop_assert_eq!(a.stats(), p.0);
+            }
+        }
     }
 
     #[test]

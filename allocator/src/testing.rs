@@ -379,13 +379,13 @@ pub fn check_stats_against_snapshot(
     }
     for (i, (name, got)) in stats.arrays().iter().enumerate() {
         for (g, group) in crate::stats::STAT_GROUPS.iter().enumerate() {
-            let (c, w) = (got.0[g].current, expect[i][g]);
+            let s = got.stats()[g];
+            let (c, w) = (s.current, expect[i][g]);
             if c != w {
                 return Err(format!(
                     "stat {name}.{group}.current is {c} but the snapshot recomputes {w}"
                 ));
             }
-            let s = got.0[g];
             if s.peak < s.current || s.allocated.wrapping_sub(s.freed) != s.current {
                 return Err(format!("stat {name}.{group} is inconsistent: {s:?}"));
             }
@@ -410,7 +410,7 @@ fn currents(stats: &MemoryStats) -> Vec<[u64; 3]> {
     stats
         .arrays()
         .iter()
-        .map(|(_, a)| [a.0[0].current, a.0[1].current, a.0[2].current])
+        .map(|(_, a)| a.stats().map(|s| s.current))
         .collect()
 }
 
@@ -728,7 +728,7 @@ impl Model {
                 self.alloc.reset_peak_stats();
                 let st = self.alloc.stats();
                 for (name, a) in st.arrays() {
-                    if a.0.iter().any(|s| s.peak != s.current) {
+                    if a.stats().iter().any(|s| s.peak != s.current) {
                         return Err(format!("after reset_peak_stats, {name} has {a:?}"));
                     }
                 }
@@ -977,11 +977,12 @@ impl Model {
         // Peaks: at least every value seen since the last reset, never below current.
         for (i, (name, a)) in stats.arrays().iter().enumerate() {
             for g in 0..3 {
-                self.seen_peak[i][g] = self.seen_peak[i][g].max(a.0[g].current);
-                if a.0[g].peak < self.seen_peak[i][g] {
+                let s = a.stats()[g];
+                self.seen_peak[i][g] = self.seen_peak[i][g].max(s.current);
+                if s.peak < self.seen_peak[i][g] {
                     return Err(format!(
                         "peak of {name}[{g}] is {} but {} was reached since the last reset",
-                        a.0[g].peak, self.seen_peak[i][g]
+                        s.peak, self.seen_peak[i][g]
                     ));
                 }
             }
@@ -1144,7 +1145,7 @@ impl Model {
         }
         let st = self.alloc.stats();
         for (name, a) in st.arrays() {
-            if a.0.iter().any(|s| s.current != 0) {
+            if a.stats().iter().any(|s| s.current != 0) {
                 return Err(format!(
                     "after freeing everything and empty_cache, {name} is {a:?}"
                 ));

@@ -126,7 +126,7 @@ fn sequence(name: &str, config: Config, capacity: u64, seed: u64, complete_at_en
     let stats = alloc.stats();
     for (stat, a) in stats.arrays() {
         assert!(
-            a.0.iter().all(|s| s.current == 0),
+            a.stats().iter().all(|s| s.current == 0),
             "{name}: after freeing everything and empty_cache, {stat} is {a:?}"
         );
     }

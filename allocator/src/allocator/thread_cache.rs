@@ -328,10 +328,7 @@ impl<E> State<E> {
                     if let Some((up, down, extra)) = fold(&tracks[t]) {
                         a.increase(kind, up);
                         a.decrease(kind, down);
-                        for g in [0, kind.stat_group()] {
-                            a.0[g].allocated += extra;
-                            a.0[g].freed += extra;
-                        }
+                        a.churn(kind, extra);
                     }
                 }
                 if let Some((up, down, extra)) = fold(&tracks[OVERSIZE]) {
