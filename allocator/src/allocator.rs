@@ -599,8 +599,8 @@ impl<E> State<E> {
             return None;
         }
         let ratio = self.config.oversize_ratio;
-        if ratio > 0
-            && pool.kind() == PoolKind::Huge
+        if pool.kind() == PoolKind::Huge
+            && ratio > 0
             && bsize / ratio > size
             && !self.blocks.get(id.0).is_split()
         {
@@ -886,7 +886,13 @@ impl<E> State<E> {
                 (r.sink)(&TraceEvent::Free { id: tid });
             }
         }
-        let uses = self.blocks.get_mut(id.0).stream_uses.take();
+        // Almost no block was used on another stream: no `Vec` to take then.
+        let b = self.blocks.get_mut(id.0);
+        let uses = if b.stream_uses.is_empty() {
+            Vec::new()
+        } else {
+            b.stream_uses.take()
+        };
         if uses.is_empty() {
             self.free_block(id);
             if !self.config.caching {
