@@ -97,6 +97,13 @@ pub trait Registry: Sync {
     type Dev: Device;
     /// The allocator of `device` (0 ≤ device < [`MAX_DEVICES`]), created on first use.
     fn get(&self, device: i32) -> Result<&CachingAllocator<Self::Dev>, String>;
+    /// The allocator of `device` if it exists: the lookup behind every
+    /// allocation and free once the device is in use, so it should cost no
+    /// more than a load (the default goes through [`Registry::get`]).
+    #[inline]
+    fn existing(&self, device: i32) -> Option<&CachingAllocator<Self::Dev>> {
+        self.get(device).ok()
+    }
     /// Checks the configuration the allocators will be created with.
     fn check_config(&self) -> Result<(), String> {
         Ok(())
@@ -241,7 +248,23 @@ impl<R: Registry> Abi<R> {
     }
 
     /// The allocator of `device`, created if needed; checks the ordinal first.
+    #[inline]
     fn get(&self, device: i32) -> Result<&CachingAllocator<R::Dev>, AbiError> {
+        // A device in use: one load here and one in the registry.
+        if (0..MAX_DEVICES).contains(&device)
+            && self.in_use.load(Ordering::Relaxed) & (1u64 << device) != 0
+        {
+            if let Some(a) = self.registry.existing(device) {
+                return Ok(a);
+            }
+        }
+        self.get_slow(device)
+    }
+
+    /// [`Abi::get`] for a device not yet in use, or a bad ordinal.
+    #[cold]
+    #[inline(never)]
+    fn get_slow(&self, device: i32) -> Result<&CachingAllocator<R::Dev>, AbiError> {
         if !(0..MAX_DEVICES).contains(&device) {
             return Err(AbiError::Device {
                 device,
@@ -260,6 +283,7 @@ impl<R: Registry> Abi<R> {
     }
 
     /// The allocator of `device` if it was used before (never creates one).
+    #[inline]
     fn existing(&self, device: i32) -> Option<&CachingAllocator<R::Dev>> {
         if !(0..MAX_DEVICES).contains(&device) {
             return None;
@@ -267,7 +291,7 @@ impl<R: Registry> Abi<R> {
         if self.in_use.load(Ordering::Relaxed) & (1u64 << device) == 0 {
             return None;
         }
-        self.registry.get(device).ok()
+        self.registry.existing(device)
     }
 
     /// Devices whose allocators exist, lowest first.
@@ -591,6 +615,11 @@ mod exports {
             crate::cuda::allocator(device).map_err(|e| e.to_string())
         }
 
+        #[inline]
+        fn existing(&self, device: i32) -> Option<&CachingAllocator<CudaDevice>> {
+            crate::cuda::existing_allocator(device)
+        }
+
         fn check_config(&self) -> Result<(), String> {
             crate::cuda::config_from_env()
                 .map(|_| ())
@@ -815,12 +844,15 @@ mod tests {
     /// Two simulated devices of 1 GiB (addresses 1 TiB apart); device 2 and above "do not exist".
     struct SimRegistry {
         devices: [OnceLock<CachingAllocator<OffsetDevice>>; 2],
+        /// Calls of `get` (the slow lookup, which may create an allocator).
+        gets: AtomicUsize,
     }
 
     impl SimRegistry {
         fn new() -> Self {
             SimRegistry {
                 devices: [OnceLock::new(), OnceLock::new()],
+                gets: AtomicUsize::new(0),
             }
         }
     }
@@ -828,6 +860,7 @@ mod tests {
     impl Registry for SimRegistry {
         type Dev = OffsetDevice;
         fn get(&self, device: i32) -> Result<&CachingAllocator<OffsetDevice>, String> {
+            self.gets.fetch_add(1, Ordering::Relaxed);
             let slot = usize::try_from(device)
                 .ok()
                 .and_then(|d| self.devices.get(d))
@@ -840,6 +873,12 @@ mod tests {
                 CachingAllocator::new(dev, Config::default())
             }))
         }
+        fn existing(&self, device: i32) -> Option<&CachingAllocator<OffsetDevice>> {
+            usize::try_from(device)
+                .ok()
+                .and_then(|d| self.devices.get(d))
+                .and_then(OnceLock::get)
+        }
         fn device_name(&self, _: &CachingAllocator<OffsetDevice>) -> String {
             "simulated".into()
         }
@@ -847,6 +886,30 @@ mod tests {
 
     fn abi() -> Abi<SimRegistry> {
         Abi::new(SimRegistry::new())
+    }
+
+    /// Once a device is in use, allocations and frees find its allocator
+    /// through `Registry::existing` alone: the slow lookup (which for CUDA
+    /// may create an allocator, and once called the driver on every call)
+    /// is not on their path.
+    #[test]
+    fn calls_after_the_first_skip_the_slow_lookup() {
+        let abi = abi();
+        let p = abi.alloc(4096, 1, 0).unwrap();
+        let gets = abi.registry.gets.load(Ordering::Relaxed);
+        assert!(gets >= 1, "the first allocation creates the allocator");
+        for size in [512, 1 << 20, 3 << 20] {
+            let q = abi.alloc(size, 1, 0).unwrap();
+            abi.free(q, size, 1).unwrap();
+        }
+        abi.free(p, 4096, 1).unwrap();
+        assert_eq!(abi.registry.gets.load(Ordering::Relaxed), gets);
+        // A device never used: still an error, not a lookup that creates.
+        assert!(matches!(
+            abi.free(p, 4096, 0),
+            Err(AbiError::ForeignPointer(_))
+        ));
+        assert!(abi.alloc(512, 7, 0).is_err());
     }
 
     #[test]

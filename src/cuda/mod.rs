@@ -153,12 +153,33 @@ static INIT: Mutex<()> = Mutex::new(());
 /// `CACHEALLOC_CONF`) and kept for the life of the process; later calls cost
 /// one atomic load. A failed creation (no driver, no such device, a bad
 /// configuration) is reported and not remembered: a later call tries again.
+#[inline]
 pub fn allocator(device: i32) -> Result<&'static CachingAllocator<CudaDevice>, CudaError> {
+    match existing_allocator(device) {
+        Some(a) => Ok(a),
+        None => create_allocator(device),
+    }
+}
+
+/// The allocator of `device` if it was created already: one atomic load, no
+/// driver call (the C ABI's lookup on every allocation and free).
+#[inline]
+pub fn existing_allocator(device: i32) -> Option<&'static CachingAllocator<CudaDevice>> {
+    usize::try_from(device)
+        .ok()
+        .and_then(|i| ALLOCATORS.get(i))
+        .and_then(OnceLock::get)
+}
+
+/// [`allocator`] when the device's allocator does not exist yet.
+#[cold]
+#[inline(never)]
+fn create_allocator(device: i32) -> Result<&'static CachingAllocator<CudaDevice>, CudaError> {
     let slot = usize::try_from(device)
         .ok()
         .and_then(|i| ALLOCATORS.get(i))
-        // Lazily: the device count is a driver call, and this lookup runs on
-        // every C ABI allocation and free (it cost ~0.5 µs per call).
+        // Lazily: the device count is a driver call (when this lookup ran
+        // on every C ABI call, it cost ~0.5 µs each).
         .ok_or_else(|| CudaError::NoSuchDevice {
             ordinal: device,
             count: driver::device_count().unwrap_or(0),
