@@ -255,7 +255,7 @@ pub fn run_unmodelled(setup: &Setup, ops: &[Op]) -> Result<(), String> {
         .map_err(|e| format!("check_invariants after the final empty_cache: {e}"))?;
     let st = alloc.stats();
     for (name, a) in st.arrays() {
-        if a.0.iter().any(|s| s.current != 0) {
+        if a.stats().iter().any(|s| s.current != 0) {
             return Err(format!(
                 "after freeing everything and empty_cache, {name} is {a:?}"
             ));
