@@ -45,11 +45,12 @@ impl Stat {
 /// A stat for `all`, `small_pool` and `large_pool`.
 ///
 /// Kept in the form that is cheapest to update on every malloc and free:
-/// per pool group only the current value, the sum of increases and the peak;
-/// `freed` is what was added and is no longer there, and `all` is the sum of
-/// the two groups, except for its peak, which is tracked (the peak of a sum
-/// is not the sum of the peaks). [`StatArray::stats`] gives PyTorch's four
-/// numbers for each of the three entries.
+/// per pool group only the current value, the sum of increases and the peak
+/// (`freed` is what was added and is no longer there); for `all` only the
+/// current value and the peak (the peak of a sum is not the sum of the
+/// peaks), its totals being the groups' sums. A decrease writes two words,
+/// not four. [`StatArray::stats`] gives PyTorch's four numbers for each of
+/// the three entries.
 #[derive(Copy, Clone, Default)]
 pub struct StatArray {
     /// `small_pool` and `large_pool`.
