@@ -298,8 +298,9 @@ impl<D: Device> CachingAllocator<D> {
 
     /// [`CachingAllocator::locked`] for a malloc or free, with the error
     /// boxed inside the lock: the result then comes back in registers. A
-    /// 40-byte `Result` went through a stack temporary, and copying it out
-    /// stalled on store forwarding (a third of `free`'s time in perf).
+    /// 40-byte `Result` went through a stack temporary, and perf put a third
+    /// of `free`'s samples on copying it out (a store-forwarding stall; the
+    /// gain in time was within the development box's noise).
     #[inline(always)]
     fn locked_op<T>(
         &self,
