@@ -99,7 +99,8 @@ pub trait Registry: Sync {
     fn get(&self, device: i32) -> Result<&CachingAllocator<Self::Dev>, String>;
     /// The allocator of `device` if it exists: the lookup behind every
     /// allocation and free once the device is in use, so it should cost no
-    /// more than a load (the default goes through [`Registry::get`]).
+    /// more than a load. The ABI asks only for devices it has used; the
+    /// default goes through [`Registry::get`], which may create one.
     #[inline]
     fn existing(&self, device: i32) -> Option<&CachingAllocator<Self::Dev>> {
         self.get(device).ok()
