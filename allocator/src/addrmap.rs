@@ -6,9 +6,11 @@
 //! its time on machinery this key type does not need; here a slot is 16
 //! bytes (address and block index), the hash is one multiply (Fibonacci
 //! hashing of the address's granule number) and probing is linear. Removal
-//! leaves a tombstone, so it costs one probe and no data-dependent loop (a
-//! backward shift mispredicted about once per free); the table is rebuilt
-//! when live entries and tombstones together fill half of it.
+//! leaves a tombstone (or an empty slot where the next slot is empty, since
+//! no probe run goes on past it), so it costs one probe and no
+//! data-dependent loop (a backward shift mispredicted about once per free);
+//! the table is rebuilt when live entries and tombstones together fill half
+//! of it.
 
 use crate::block::BlockId;
 

@@ -887,14 +887,8 @@ impl<E> State<E> {
                 (r.sink)(&TraceEvent::Free { id: tid });
             }
         }
-        // Almost no block was used on another stream: no `Vec` to take then.
-        let b = self.blocks.get_mut(id.0);
-        let uses = if b.stream_uses.is_empty() {
-            Vec::new()
-        } else {
-            b.stream_uses.take()
-        };
-        if uses.is_empty() {
+        // Almost no block was used on another stream: back to the pool at once.
+        if self.blocks.get(id.0).stream_uses.is_empty() {
             self.free_block(id);
             if !self.config.caching {
                 let seg = self.blocks.get(id.0).segment;
@@ -902,7 +896,9 @@ impl<E> State<E> {
             }
             return Ok(());
         }
-        self.blocks.get_mut(id.0).state = BlockState::AwaitingEvents;
+        let b = self.blocks.get_mut(id.0);
+        let uses = b.stream_uses.take();
+        b.state = BlockState::AwaitingEvents;
         let mut recorded = 0u32;
         for s in uses {
             match dev.record_event(s) {

@@ -147,14 +147,9 @@ impl<E> State<E> {
             return;
         }
         let r = &mut self.review;
-        // Most mallocs miss: test all entries at once, without a branch per
-        // entry, and look for the index only on a hit.
-        let hit = r.shadow.iter().fold(false, |h, &k| h | (k == rounded));
-        if hit {
-            if let Some(i) = r.shadow.iter().position(|&k| k == rounded) {
-                r.shadow[i] = u64::MAX;
-                r.shadow_hits += 1;
-            }
+        if let Some(i) = r.shadow.iter().position(|&k| k == rounded) {
+            r.shadow[i] = u64::MAX;
+            r.shadow_hits += 1;
         }
     }
 
