@@ -1288,7 +1288,7 @@ impl<E> State<E> {
             None => {
                 let mut total = 0;
                 let mut v = Vec::new();
-                for &(size, _, id) in bins.iter().rev() {
+                for (size, _, id) in bins.iter().rev() {
                     if total >= key || size < max_split {
                         break;
                     }
@@ -1369,7 +1369,7 @@ impl<E> State<E> {
             match self.ranges.get(i).copied().flatten() {
                 Some(seg) => {
                     let s = self.segments.get(seg.0);
-                    for &(size, addr, _) in bins.iter() {
+                    for (size, addr, _) in bins.iter() {
                         let mapped = self.mapped_bytes_in(s, addr, addr + size);
                         free += mapped;
                         largest = largest.max(mapped);
@@ -1537,7 +1537,7 @@ impl<E> State<E> {
                     BlockState::Free => {
                         let in_bins = self.bins[b.pool.index()]
                             .as_ref()
-                            .is_some_and(|bins| bins.iter().any(|e| *e == (b.size, b.addr, id)));
+                            .is_some_and(|bins| bins.iter().any(|e| e == (b.size, b.addr, id)));
                         if !in_bins {
                             return Err(format!(
                                 "free block at {:#x} missing from its bins",

@@ -666,7 +666,7 @@ impl<E> State<E> {
             let Some(bins) = self.bins[s.pool.index()].as_ref() else {
                 continue;
             };
-            for &(size, addr, id) in bins.iter() {
+            for (size, addr, id) in bins.iter() {
                 collect(s, seg, addr, addr + size, self.blocks.get(id.0).freed_at);
             }
         }
