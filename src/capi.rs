@@ -252,14 +252,10 @@ impl<R: Registry> Abi<R> {
     #[inline]
     fn get(&self, device: i32) -> Result<&CachingAllocator<R::Dev>, AbiError> {
         // A device in use: one load here and one in the registry.
-        if (0..MAX_DEVICES).contains(&device)
-            && self.in_use.load(Ordering::Relaxed) & (1u64 << device) != 0
-        {
-            if let Some(a) = self.registry.existing(device) {
-                return Ok(a);
-            }
+        match self.existing(device) {
+            Some(a) => Ok(a),
+            None => self.get_slow(device),
         }
-        self.get_slow(device)
     }
 
     /// [`Abi::get`] for a device not yet in use, or a bad ordinal.

@@ -237,8 +237,9 @@ impl Class {
         (self.size, self.addr, self.id) = e;
     }
 
+    /// The rest of the class, allocated on the first insert that needs it.
     #[inline(always)]
-    fn more(&mut self) -> &mut More {
+    fn more_for_insert(&mut self) -> &mut More {
         self.more.get_or_insert_with(Box::default)
     }
 
@@ -252,9 +253,9 @@ impl Class {
         let first = self.first_entry();
         let inserted = if key(&e) < key(&first) {
             self.set_first(e);
-            self.more().insert(first)
+            self.more_for_insert().insert(first)
         } else {
-            e != first && self.more().insert(e)
+            e != first && self.more_for_insert().insert(e)
         };
         self.len += u32::from(inserted);
         inserted
@@ -269,7 +270,10 @@ impl Class {
             self.pop_first();
             return true;
         }
-        let removed = self.len > 1 && self.more().remove(e);
+        let removed = match self.more.as_deref_mut() {
+            Some(m) if self.len > 1 => m.remove(e),
+            _ => false,
+        };
         self.len -= u32::from(removed);
         removed
     }
@@ -277,8 +281,8 @@ impl Class {
     /// Removes the first entry (there is one).
     #[inline]
     fn pop_first(&mut self) {
-        if self.len > 1 {
-            let next = self.more().pop_first();
+        if let (true, Some(m)) = (self.len > 1, self.more.as_deref_mut()) {
+            let next = m.pop_first();
             self.set_first(next);
         }
         self.len -= 1;

@@ -75,6 +75,19 @@ struct Group {
 }
 
 impl Group {
+    #[inline(always)]
+    fn up(&mut self, n: u64) {
+        self.current += n;
+        self.allocated += n;
+        self.peak = self.peak.max(self.current);
+    }
+
+    #[inline(always)]
+    fn down(&mut self, n: u64) {
+        debug_assert!(self.current >= n, "stat went below zero");
+        self.current -= n;
+    }
+
     fn stat(&self) -> Stat {
         Stat {
             current: self.current,
@@ -116,19 +129,14 @@ impl StatArray {
 
     #[inline]
     pub(crate) fn increase(&mut self, kind: PoolKind, n: u64) {
-        let g = &mut self.groups[kind.stat_group() - 1];
-        g.current += n;
-        g.allocated += n;
-        g.peak = g.peak.max(g.current);
+        self.groups[kind.stat_group() - 1].up(n);
         self.all_current += n;
         self.all_peak = self.all_peak.max(self.all_current);
     }
 
     #[inline]
     pub(crate) fn decrease(&mut self, kind: PoolKind, n: u64) {
-        let g = &mut self.groups[kind.stat_group() - 1];
-        debug_assert!(g.current >= n, "stat went below zero");
-        g.current -= n;
+        self.groups[kind.stat_group() - 1].down(n);
         self.all_current -= n;
     }
 
@@ -157,13 +165,8 @@ impl StatArray {
     /// Moves `n` from one pool group to another; `all` does not change.
     pub(crate) fn move_group(&mut self, from: PoolKind, to: PoolKind, n: u64) {
         if from.stat_group() != to.stat_group() {
-            let f = &mut self.groups[from.stat_group() - 1];
-            debug_assert!(f.current >= n, "stat went below zero");
-            f.current -= n;
-            let g = &mut self.groups[to.stat_group() - 1];
-            g.current += n;
-            g.allocated += n;
-            g.peak = g.peak.max(g.current);
+            self.groups[from.stat_group() - 1].down(n);
+            self.groups[to.stat_group() - 1].up(n);
             self.moved += n;
         }
     }
