@@ -17,6 +17,13 @@
 # several `--lib NAME=PATH`, every build runs after PyTorch in each
 # repetition (each library is loaded on its own, with its own cache), so two
 # builds are compared in one process, as the ratio to the same PyTorch runs.
+#
+# `--floor PATH` (a build of python/bench/null_abi.c: the two ABI functions
+# with no allocator behind them) times the bench's own loop, plan and call in
+# every repetition too. That floor is in both allocators' figures and pulls
+# the faster one's ratio towards 1, so each build's line then also gives the
+# median of the paired ratios with the floor taken off both sides:
+# (cachealloc - floor) / (PyTorch - floor), the allocators' own work.
 import argparse, json, statistics, time
 import torch
 from torch.utils.cpp_extension import load_inline
@@ -127,6 +134,9 @@ def main():
                          "(default: gpu-bundle/lib/libcachealloc.so)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--only", metavar="TEXT", help="run only the cases whose label contains TEXT")
+    ap.add_argument("--floor", metavar="PATH",
+                    help="a build of python/bench/null_abi.c, timed in every repetition "
+                         "as the bench's floor (see the top of this file)")
     args = ap.parse_args()
     cases = [c for c in CASES if args.only is None or args.only in c[0]]
     if not cases:
@@ -137,6 +147,10 @@ def main():
     names = [n for n, _ in libs]
     if len(set(names)) != len(names):
         ap.error(f"two --lib builds share a name: {names}")
+    if args.floor is not None:
+        if "floor" in names:
+            ap.error("--lib may not be named 'floor' together with --floor")
+        libs.append(("floor", args.floor))
     t0 = time.time()
     ext = load_inline("side_by_side", cpp_sources=SRC, functions=FUNCS, with_cuda=True,
                       extra_ldflags=["-lcudart", "-ldl"], verbose=False)
@@ -154,19 +168,29 @@ def main():
           + ", ".join(f"{n}={p}" for n, p in libs), flush=True)
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "reps": args.reps, "libs": dict(libs), "cases": {}}
-    print("| case | build | PyTorch min (ns) | cachealloc min (ns) | ratio of minimums | median of paired ratios | paired ratios |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    shown = [n for n, _ in libs]
+    floored = args.floor is not None
+    extra = " floor off: median of paired ratios |" if floored else ""
+    print("| case | build | PyTorch min (ns) | cachealloc min (ns) | ratio of minimums | median of paired ratios |"
+          + extra + " paired ratios |")
+    print("|---|---|---:|---:|---:|---:|" + ("---:|" if floored else "") + "---|")
     for label, run in cases:
-        t, c = [], {n: [] for n in names}
+        t, c = [], {n: [] for n in shown}
         for _ in range(args.reps):
             t.append(run(ext, "torch", 0))
-            for n in names:
+            for n in shown:
                 c[n].append(run(ext, "ca", index[n]))
-        res["cases"][label] = {"torch_ns": t, **{f"{n}_ns": c[n] for n in names}}
-        for n in names:
+        res["cases"][label] = {"torch_ns": t, **{f"{n}_ns": c[n] for n in shown}}
+        for n in shown:
             paired = [ci / ti for ti, ci in zip(t, c[n])]
+            off = ""
+            if floored and n != "floor":
+                net = [(ci - fi) / (ti - fi) for ti, ci, fi in zip(t, c[n], c["floor"])]
+                off = f" {statistics.median(net):.2f} |"
+            elif floored:
+                off = " – |"
             print(f"| {label} | {n} | {min(t):.0f} | {min(c[n]):.0f} | {min(c[n]) / min(t):.2f} | "
-                  f"{statistics.median(paired):.2f} | {' '.join(f'{p:.2f}' for p in paired)} |", flush=True)
+                  f"{statistics.median(paired):.2f} |{off} {' '.join(f'{p:.2f}' for p in paired)} |", flush=True)
     json.dump(res, open(args.out, "w"), indent=1)
 
 
