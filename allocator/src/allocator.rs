@@ -862,7 +862,13 @@ impl<E> State<E> {
         let Some(id) = self.live.remove(ptr.0) else {
             return Err(self.classify_bad_pointer(ptr));
         };
-        if let Some(holder) = self.blocks.get(id.0).front {
+        // One read of the record: taking the block back from a thread cache
+        // or parking it changes neither its size, its pool nor its streams.
+        let (size, pool, holder, shared) = {
+            let b = self.blocks.get(id.0);
+            (b.size, b.pool, b.front, !b.stream_uses.is_empty())
+        };
+        if let Some(holder) = holder {
             if let Err(e) = self.take_back(holder, ptr.0) {
                 self.live.insert(ptr.0, id);
                 return Err(e);
@@ -875,10 +881,6 @@ impl<E> State<E> {
                 return Ok(());
             }
         }
-        let (size, pool) = {
-            let b = self.blocks.get(id.0);
-            (b.size, b.pool)
-        };
         self.shadow_free(size);
         let kind = pool.kind();
         self.count_allocated(kind, size, false);
@@ -888,7 +890,7 @@ impl<E> State<E> {
             }
         }
         // Almost no block was used on another stream: back to the pool at once.
-        if self.blocks.get(id.0).stream_uses.is_empty() {
+        if !shared {
             self.free_block(id);
             if !self.config.caching {
                 let seg = self.blocks.get(id.0).segment;
