@@ -1,0 +1,609 @@
+//! How fast can the core's algorithm go? A lean re-implementation of the
+//! `pytorch` policy's hot path, with the same decisions, timed on the GPU
+//! bench's random-op mix next to the real allocator.
+//!
+//! ```text
+//! cargo run --release -p cachealloc-core --example lean_core -- [SLOTS] [MAX_MIB] [OPS] [lean|core|null|check]
+//! ```
+//! Defaults: 256 slots, 8 MiB, 2 000 000 ops, `lean`; `SEED` picks the plan
+//! as in the `random_ops` example. `core` times the real allocator (the
+//! `pytorch` configuration, which makes the same decisions as `default` on
+//! this mix but has no thread caches), `null` the loop alone. `check` runs both on the same plan and
+//! fails unless every allocation lands at the same address, with the same
+//! device calls (so the lean path makes exactly the real core's decisions).
+//!
+//! What the lean path keeps: best fit by (size, address) over a two-level
+//! bitmap of size classes (64 per power of two), split and merge with
+//! address-ordered neighbours, an address → block map, the allocation
+//! statistics (current, peak and cumulative counts and bytes, per pool kind
+//! and in all), and a mutex around it all. What it leaves out: streams other
+//! than one, events, thread caches, expandable segments, the out-of-memory
+//! ladder (the device here is unlimited) and every policy knob but PyTorch's.
+//! Its records differ from the core's: a block is 32 bytes and is linked
+//! into its size class's list (intrusive lists, kept sorted), so filing a
+//! block in the bins moves no entry and allocates nothing. A crowded class
+//! makes that sorted insert linear, which the core's vector-then-tree
+//! classes bound; this is a measurement, not a replacement.
+
+use cachealloc_core::{
+    round_size, CachingAllocator, Config, Device, DevicePtr, SimulatedDevice, StreamId,
+};
+use parking_lot::Mutex;
+use std::time::Instant;
+
+const NIL: u32 = u32::MAX;
+const GRANULE: u64 = 512;
+const SL_BITS: u32 = 6;
+const SL_COUNT: usize = 1 << SL_BITS;
+const FL_COUNT: usize = 48;
+const MIB: u64 = 1 << 20;
+
+/// A block: 32 bytes, sizes in 512-byte granules.
+#[derive(Clone, Copy)]
+struct Block {
+    addr: u64,
+    granules: u32,
+    /// Address-ordered neighbours in the segment.
+    prev: u32,
+    next: u32,
+    /// Neighbours in the size class's free list (while free).
+    fprev: u32,
+    fnext: u32,
+    /// Bit 0: free; bit 1: large pool.
+    flags: u32,
+}
+
+const FREE: u32 = 1;
+const LARGE: u32 = 2;
+
+impl Block {
+    fn size(&self) -> u64 {
+        u64::from(self.granules) * GRANULE
+    }
+    fn key(&self) -> (u32, u64) {
+        (self.granules, self.addr)
+    }
+}
+
+fn class_of(granules: u32) -> (usize, usize) {
+    let units = u64::from(granules.max(1));
+    let fl = 63 - units.leading_zeros();
+    let sl = ((units << SL_BITS) >> fl) as usize;
+    ((fl as usize).min(FL_COUNT - 1), sl & (SL_COUNT - 1))
+}
+
+/// Free lists of one pool.
+struct Bins {
+    fl: u64,
+    sl: [u64; FL_COUNT],
+    heads: Vec<u32>,
+}
+
+impl Bins {
+    fn new() -> Self {
+        Bins {
+            fl: 0,
+            sl: [0; FL_COUNT],
+            heads: vec![NIL; FL_COUNT * SL_COUNT],
+        }
+    }
+}
+
+/// Statistic: current, peak, allocated and freed, as the core keeps them.
+#[derive(Default, Clone, Copy)]
+struct Stat {
+    current: u64,
+    peak: u64,
+    allocated: u64,
+    freed: u64,
+}
+
+impl Stat {
+    fn up(&mut self, n: u64) {
+        self.current += n;
+        self.allocated += n;
+        self.peak = self.peak.max(self.current);
+    }
+    fn down(&mut self, n: u64) {
+        self.current -= n;
+        self.freed += n;
+    }
+}
+
+/// The statistics the core updates on every malloc and free: allocation
+/// count and bytes, active count and bytes, requested bytes, inactive
+/// split count and bytes; each for all pools and per kind.
+#[derive(Default)]
+struct Stats {
+    s: [[Stat; 7]; 3],
+}
+
+impl Stats {
+    fn up(&mut self, kind: usize, i: usize, n: u64) {
+        self.s[0][i].up(n);
+        self.s[kind][i].up(n);
+    }
+    fn down(&mut self, kind: usize, i: usize, n: u64) {
+        self.s[0][i].down(n);
+        self.s[kind][i].down(n);
+    }
+}
+
+const ALLOC: usize = 0;
+const ALLOC_BYTES: usize = 1;
+const ACTIVE: usize = 2;
+const ACTIVE_BYTES: usize = 3;
+const REQUESTED: usize = 4;
+const SPLIT: usize = 5;
+const SPLIT_BYTES: usize = 6;
+
+/// Allocated blocks by address: open addressing, linear probing, backward-shift removal.
+struct AddrMap {
+    keys: Vec<u64>,
+    vals: Vec<u32>,
+    len: usize,
+    shift: u32,
+}
+
+const EMPTY: u64 = u64::MAX;
+
+impl AddrMap {
+    fn new() -> Self {
+        Self::with(64)
+    }
+    fn with(n: usize) -> Self {
+        AddrMap {
+            keys: vec![EMPTY; n],
+            vals: vec![NIL; n],
+            len: 0,
+            shift: 64 - n.trailing_zeros(),
+        }
+    }
+    fn home(&self, k: u64) -> usize {
+        ((k >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+    }
+    fn insert(&mut self, k: u64, v: u32) {
+        if (self.len + 1) * 2 > self.keys.len() {
+            let old = std::mem::replace(self, Self::with(self.keys.len() * 2));
+            for (k, v) in old.keys.iter().zip(&old.vals) {
+                if *k != EMPTY {
+                    self.insert(*k, *v);
+                }
+            }
+        }
+        let mask = self.keys.len() - 1;
+        let mut i = self.home(k);
+        while self.keys[i] != EMPTY {
+            i = (i + 1) & mask;
+        }
+        self.keys[i] = k;
+        self.vals[i] = v;
+        self.len += 1;
+    }
+    fn remove(&mut self, k: u64) -> Option<u32> {
+        let mask = self.keys.len() - 1;
+        let mut i = self.home(k);
+        loop {
+            if self.keys[i] == k {
+                break;
+            }
+            if self.keys[i] == EMPTY {
+                return None;
+            }
+            i = (i + 1) & mask;
+        }
+        let v = self.vals[i];
+        // Backward shift: pull later entries of the run into the hole.
+        let mut hole = i;
+        let mut j = (i + 1) & mask;
+        while self.keys[j] != EMPTY {
+            let h = self.home(self.keys[j]);
+            if (j.wrapping_sub(h) & mask) >= (j.wrapping_sub(hole) & mask) {
+                self.keys[hole] = self.keys[j];
+                self.vals[hole] = self.vals[j];
+                hole = j;
+            }
+            j = (j + 1) & mask;
+        }
+        self.keys[hole] = EMPTY;
+        self.len -= 1;
+        Some(v)
+    }
+}
+
+struct State {
+    blocks: Vec<Block>,
+    vacant: Vec<u32>,
+    bins: [Bins; 2],
+    live: AddrMap,
+    requested: Vec<u64>,
+    stats: Stats,
+}
+
+/// The lean allocator over a device.
+struct Lean<D: Device> {
+    dev: D,
+    state: Mutex<State>,
+}
+
+impl State {
+    fn new_block(&mut self, b: Block) -> u32 {
+        match self.vacant.pop() {
+            Some(i) => {
+                self.blocks[i as usize] = b;
+                i
+            }
+            None => {
+                self.blocks.push(b);
+                self.requested.push(0);
+                (self.blocks.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Files free block `i` in its pool's class list, sorted by (size, address).
+    fn file(&mut self, i: u32) {
+        let b = self.blocks[i as usize];
+        let pool = (b.flags & LARGE != 0) as usize;
+        let (fl, sl) = class_of(b.granules);
+        let c = fl * SL_COUNT + sl;
+        let bins = &mut self.bins[pool];
+        let mut prev = NIL;
+        let mut cur = bins.heads[c];
+        while cur != NIL && self.blocks[cur as usize].key() < b.key() {
+            prev = cur;
+            cur = self.blocks[cur as usize].fnext;
+        }
+        let nb = &mut self.blocks[i as usize];
+        nb.fprev = prev;
+        nb.fnext = cur;
+        if cur != NIL {
+            self.blocks[cur as usize].fprev = i;
+        }
+        if prev == NIL {
+            bins.heads[c] = i;
+        } else {
+            self.blocks[prev as usize].fnext = i;
+        }
+        bins.sl[fl] |= 1 << sl;
+        bins.fl |= 1 << fl;
+    }
+
+    /// Takes free block `i` out of its class list.
+    fn unfile(&mut self, i: u32) {
+        let b = self.blocks[i as usize];
+        let pool = (b.flags & LARGE != 0) as usize;
+        if b.fnext != NIL {
+            self.blocks[b.fnext as usize].fprev = b.fprev;
+        }
+        if b.fprev != NIL {
+            self.blocks[b.fprev as usize].fnext = b.fnext;
+        } else {
+            let (fl, sl) = class_of(b.granules);
+            let bins = &mut self.bins[pool];
+            bins.heads[fl * SL_COUNT + sl] = b.fnext;
+            if b.fnext == NIL {
+                bins.sl[fl] &= !(1 << sl);
+                if bins.sl[fl] == 0 {
+                    bins.fl &= !(1 << fl);
+                }
+            }
+        }
+    }
+
+    /// The best fit of at least `g` granules in `pool`.
+    fn find(&self, pool: usize, g: u32) -> Option<u32> {
+        let bins = &self.bins[pool];
+        let (fl, sl) = class_of(g);
+        if bins.sl[fl] & (1 << sl) != 0 {
+            let mut cur = bins.heads[fl * SL_COUNT + sl];
+            while cur != NIL {
+                let b = &self.blocks[cur as usize];
+                if b.granules >= g {
+                    return Some(cur);
+                }
+                cur = b.fnext;
+            }
+        }
+        let above = bins.sl[fl] & u64::MAX.checked_shl(sl as u32 + 1).unwrap_or(0);
+        let (fl, sl) = if above != 0 {
+            (fl, above.trailing_zeros() as usize)
+        } else {
+            let above = bins.fl & u64::MAX.checked_shl(fl as u32 + 1).unwrap_or(0);
+            if above == 0 {
+                return None;
+            }
+            let fl = above.trailing_zeros() as usize;
+            (fl, bins.sl[fl].trailing_zeros() as usize)
+        };
+        Some(bins.heads[fl * SL_COUNT + sl])
+    }
+}
+
+impl<D: Device> Lean<D> {
+    fn new(dev: D) -> Self {
+        Lean {
+            dev,
+            state: Mutex::new(State {
+                blocks: Vec::new(),
+                vacant: Vec::new(),
+                bins: [Bins::new(), Bins::new()],
+                live: AddrMap::new(),
+                requested: Vec::new(),
+                stats: Stats::default(),
+            }),
+        }
+    }
+
+    fn malloc(&self, size: u64) -> DevicePtr {
+        let rounded =
+            round_size(size, &[0; cachealloc_core::rounding::POWER2_INTERVALS]).expect("size");
+        let g = (rounded / GRANULE) as u32;
+        let large = rounded > MIB;
+        let pool = usize::from(large);
+        let kind = 1 + pool;
+        let st = &mut *self.state.lock();
+        let i = match st.find(pool, g) {
+            Some(i) => {
+                st.unfile(i);
+                i
+            }
+            None => {
+                let seg = if !large {
+                    2 * MIB
+                } else if rounded < 10 * MIB {
+                    20 * MIB
+                } else {
+                    rounded.div_ceil(2 * MIB) * 2 * MIB
+                };
+                let p = self.dev.allocate(seg).expect("unlimited device");
+                st.new_block(Block {
+                    addr: p.0,
+                    granules: (seg / GRANULE) as u32,
+                    prev: NIL,
+                    next: NIL,
+                    fprev: NIL,
+                    fnext: NIL,
+                    flags: if large { LARGE } else { 0 },
+                })
+            }
+        };
+        let b = st.blocks[i as usize];
+        let was_split = b.prev != NIL || b.next != NIL;
+        let remaining = b.size() - rounded;
+        let split = if large {
+            remaining > MIB
+        } else {
+            remaining >= GRANULE
+        };
+        let final_size = if split {
+            let rest = st.new_block(Block {
+                addr: b.addr + rounded,
+                granules: b.granules - g,
+                prev: i,
+                next: b.next,
+                fprev: NIL,
+                fnext: NIL,
+                flags: b.flags | FREE,
+            });
+            if b.next != NIL {
+                st.blocks[b.next as usize].prev = rest;
+            }
+            let nb = &mut st.blocks[i as usize];
+            nb.next = rest;
+            nb.granules = g;
+            nb.flags &= !FREE;
+            st.file(rest);
+            if was_split {
+                st.stats.down(kind, SPLIT_BYTES, rounded);
+            } else {
+                st.stats.up(kind, SPLIT_BYTES, remaining);
+                st.stats.up(kind, SPLIT, 1);
+            }
+            rounded
+        } else {
+            st.blocks[i as usize].flags &= !FREE;
+            if was_split {
+                st.stats.down(kind, SPLIT_BYTES, b.size());
+                st.stats.down(kind, SPLIT, 1);
+            }
+            b.size()
+        };
+        st.requested[i as usize] = size;
+        st.live.insert(b.addr, i);
+        let s = &mut st.stats;
+        s.up(kind, ALLOC, 1);
+        s.up(kind, ALLOC_BYTES, final_size);
+        s.up(kind, ACTIVE, 1);
+        s.up(kind, ACTIVE_BYTES, final_size);
+        s.up(kind, REQUESTED, size);
+        DevicePtr(b.addr)
+    }
+
+    fn free(&self, p: DevicePtr) {
+        let st = &mut *self.state.lock();
+        let i = st.live.remove(p.0).expect("allocated here");
+        let b = st.blocks[i as usize];
+        let kind = 1 + usize::from(b.flags & LARGE != 0);
+        let size = b.size();
+        let requested = st.requested[i as usize];
+        let s = &mut st.stats;
+        s.down(kind, ALLOC, 1);
+        s.down(kind, ALLOC_BYTES, size);
+        s.down(kind, ACTIVE, 1);
+        s.down(kind, ACTIVE_BYTES, size);
+        s.down(kind, REQUESTED, requested);
+        let (mut addr, mut granules, mut prev, mut next) = (b.addr, b.granules, b.prev, b.next);
+        let mut net_blocks = 0i64;
+        let mut net_bytes = 0i64;
+        if prev != NIL && st.blocks[prev as usize].flags & FREE != 0 {
+            let pb = st.blocks[prev as usize];
+            st.unfile(prev);
+            st.vacant.push(prev);
+            addr = pb.addr;
+            granules += pb.granules;
+            net_blocks -= 1;
+            net_bytes -= pb.size() as i64;
+            prev = pb.prev;
+            if prev != NIL {
+                st.blocks[prev as usize].next = i;
+            }
+        }
+        if next != NIL && st.blocks[next as usize].flags & FREE != 0 {
+            let nb = st.blocks[next as usize];
+            st.unfile(next);
+            st.vacant.push(next);
+            granules += nb.granules;
+            net_blocks -= 1;
+            net_bytes -= nb.size() as i64;
+            next = nb.next;
+            if next != NIL {
+                st.blocks[next as usize].prev = i;
+            }
+        }
+        let nb = &mut st.blocks[i as usize];
+        nb.addr = addr;
+        nb.granules = granules;
+        nb.prev = prev;
+        nb.next = next;
+        nb.flags |= FREE;
+        st.file(i);
+        if prev != NIL || next != NIL {
+            net_blocks += 1;
+            net_bytes += i64::from(granules) * GRANULE as i64;
+        }
+        for (stat, net) in [(SPLIT, net_blocks), (SPLIT_BYTES, net_bytes)] {
+            if net > 0 {
+                st.stats.up(kind, stat, net as u64);
+            } else if net < 0 {
+                st.stats.down(kind, stat, (-net) as u64);
+            }
+        }
+    }
+}
+
+/// The random-op plan of the `random_ops` example (same generator and seed).
+fn plan(slots: usize, max_mib: u64, ops: usize, seed: u64) -> Vec<(usize, u64)> {
+    let mut x: u64 = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let (lo, hi) = (512f64.ln(), ((max_mib << 20) as f64).ln());
+    (0..ops)
+        .map(|_| {
+            let mut next = || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            let u = (next() >> 11) as f64 / (1u64 << 53) as f64;
+            let size = (lo + u * (hi - lo)).exp() as u64;
+            ((next() % slots as u64) as usize, size)
+        })
+        .collect()
+}
+
+/// Runs `plan` on the lean path and on the real core (`pytorch`
+/// configuration) side by side; panics at the first allocation that lands
+/// elsewhere, or if device calls or statistics differ. Returns a summary.
+fn check(plan: &[(usize, u64)], slots: usize) -> String {
+    let lean = Lean::new(SimulatedDevice::unlimited());
+    let core = CachingAllocator::new(SimulatedDevice::unlimited(), Config::pytorch());
+    let mut a: Vec<Option<DevicePtr>> = vec![None; slots];
+    let mut b: Vec<Option<DevicePtr>> = vec![None; slots];
+    for (n, &(slot, size)) in plan.iter().enumerate() {
+        match (a[slot].take(), b[slot].take()) {
+            (Some(p), Some(q)) => {
+                lean.free(p);
+                core.free(q).expect("free");
+            }
+            (None, None) => {
+                let p = lean.malloc(size);
+                let q = core.malloc(size, StreamId(0)).expect("malloc");
+                assert_eq!(p, q, "op {n}: malloc({size}) differs");
+                a[slot] = Some(p);
+                b[slot] = Some(q);
+            }
+            _ => unreachable!("the slots move together"),
+        }
+    }
+    let (x, y) = (lean.dev.counters(), core.device().counters());
+    assert_eq!(
+        (x.allocs, x.frees),
+        (y.allocs, y.frees),
+        "device calls differ"
+    );
+    let st = lean.state.lock();
+    let ours = &st.stats.s[0];
+    let theirs = core.stats();
+    assert_eq!(
+        ours[ALLOC_BYTES].current,
+        theirs.allocated_bytes.all().current
+    );
+    assert_eq!(ours[ALLOC_BYTES].peak, theirs.allocated_bytes.all().peak);
+    assert_eq!(
+        ours[SPLIT_BYTES].current,
+        theirs.inactive_split_bytes.all().current
+    );
+    assert_eq!(ours[REQUESTED].peak, theirs.requested_bytes.all().peak);
+    format!(
+        "same decisions: {} ops, {} segments, allocated peak {} bytes, inactive split {} bytes",
+        plan.len(),
+        x.allocs,
+        ours[ALLOC_BYTES].peak,
+        ours[SPLIT_BYTES].current
+    )
+}
+
+/// The lean path's timings mean something only while it decides as the core does.
+#[test]
+fn lean_path_makes_the_core_s_decisions() {
+    for (seed, slots, max_mib) in [(1, 256, 8), (2, 4096, 64), (3, 64, 2)] {
+        check(&plan(slots, max_mib, 100_000, seed), slots);
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let slots: usize = args.first().map_or(256, |s| s.parse().expect("SLOTS"));
+    let max_mib: u64 = args.get(1).map_or(8, |s| s.parse().expect("MAX_MIB"));
+    let ops: usize = args.get(2).map_or(2_000_000, |s| s.parse().expect("OPS"));
+    let mode = args.get(3).map_or("lean", String::as_str);
+    let seed: u64 = std::env::var("SEED").map_or(1, |s| s.parse().expect("SEED"));
+    let plan = plan(slots, max_mib, ops, seed);
+
+    let lean = Lean::new(SimulatedDevice::unlimited());
+    let core = CachingAllocator::new(SimulatedDevice::unlimited(), Config::pytorch());
+    match mode {
+        "check" => println!("{}", check(&plan, slots)),
+        "lean" | "core" | "null" => {
+            let mut live: Vec<Option<DevicePtr>> = vec![None; slots];
+            // `null`: the loop alone (a bump pointer, frees ignored), the floor under both.
+            let bump = std::cell::Cell::new(1u64 << 40);
+            let run = |live: &mut Vec<Option<DevicePtr>>| {
+                for &(slot, size) in &plan {
+                    match live[slot].take() {
+                        Some(p) if mode == "lean" => lean.free(p),
+                        Some(p) if mode == "core" => core.free(p).expect("free"),
+                        Some(p) => {
+                            std::hint::black_box(p);
+                        }
+                        None if mode == "lean" => live[slot] = Some(lean.malloc(size)),
+                        None if mode == "core" => {
+                            live[slot] = Some(core.malloc(size, StreamId(0)).expect("malloc"))
+                        }
+                        None => {
+                            let p = bump.get();
+                            bump.set(p + size.div_ceil(GRANULE) * GRANULE);
+                            live[slot] = Some(DevicePtr(std::hint::black_box(p)));
+                        }
+                    }
+                }
+            };
+            run(&mut live);
+            let t0 = Instant::now();
+            run(&mut live);
+            let ns = t0.elapsed().as_nanos() as f64 / ops as f64;
+            println!("{mode}: {slots} slots, <= {max_mib} MiB, {ops} ops: {ns:.1} ns/op");
+        }
+        other => panic!("mode {other:?}: lean, core, null or check"),
+    }
+}
