@@ -31,6 +31,8 @@ use cachealloc_core::{
 use parking_lot::Mutex;
 use std::time::Instant;
 
+mod common;
+
 const NIL: u32 = u32::MAX;
 const GRANULE: u64 = 512;
 const SL_BITS: u32 = 6;
@@ -482,25 +484,6 @@ impl<D: Device> Lean<D> {
     }
 }
 
-/// The random-op plan of the `random_ops` example (same generator and seed).
-fn plan(slots: usize, max_mib: u64, ops: usize, seed: u64) -> Vec<(usize, u64)> {
-    let mut x: u64 = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let (lo, hi) = (512f64.ln(), ((max_mib << 20) as f64).ln());
-    (0..ops)
-        .map(|_| {
-            let mut next = || {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x
-            };
-            let u = (next() >> 11) as f64 / (1u64 << 53) as f64;
-            let size = (lo + u * (hi - lo)).exp() as u64;
-            ((next() % slots as u64) as usize, size)
-        })
-        .collect()
-}
-
 /// Runs `plan` on the lean path and on the real core (`pytorch`
 /// configuration) side by side; panics at the first allocation that lands
 /// elsewhere, or if device calls or statistics differ. Returns a summary.
@@ -557,7 +540,7 @@ fn check(plan: &[(usize, u64)], slots: usize) -> String {
 #[test]
 fn lean_path_makes_the_core_s_decisions() {
     for (seed, slots, max_mib) in [(1, 256, 8), (2, 4096, 64), (3, 64, 2)] {
-        check(&plan(slots, max_mib, 100_000, seed), slots);
+        check(&common::random_plan(slots, max_mib, 100_000, seed), slots);
     }
 }
 
@@ -568,7 +551,7 @@ fn main() {
     let ops: usize = args.get(2).map_or(2_000_000, |s| s.parse().expect("OPS"));
     let mode = args.get(3).map_or("lean", String::as_str);
     let seed: u64 = std::env::var("SEED").map_or(1, |s| s.parse().expect("SEED"));
-    let plan = plan(slots, max_mib, ops, seed);
+    let plan = common::random_plan(slots, max_mib, ops, seed);
 
     let lean = Lean::new(SimulatedDevice::unlimited());
     let core = CachingAllocator::new(SimulatedDevice::unlimited(), Config::pytorch());

@@ -10,6 +10,8 @@
 use cachealloc_core::{CachingAllocator, Config, DevicePtr, SimulatedDevice, StreamId};
 use std::time::Instant;
 
+mod common;
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let slots: usize = args.first().map_or(256, |s| s.parse().expect("SLOTS"));
@@ -20,21 +22,7 @@ fn main() {
     let alloc = CachingAllocator::new(SimulatedDevice::unlimited(), config);
     // The GPU bench's plan: `SEED=1` (256 slots) and `SEED=2` (4096 slots) there.
     let seed: u64 = std::env::var("SEED").map_or(1, |s| s.parse().expect("SEED"));
-    let mut x: u64 = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let (lo, hi) = (512f64.ln(), ((max_mib << 20) as f64).ln());
-    let plan: Vec<(usize, u64)> = (0..ops)
-        .map(|_| {
-            let mut next = || {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x
-            };
-            let u = (next() >> 11) as f64 / (1u64 << 53) as f64;
-            let size = (lo + u * (hi - lo)).exp() as u64;
-            ((next() % slots as u64) as usize, size)
-        })
-        .collect();
+    let plan = common::random_plan(slots, max_mib, ops, seed);
     let mut live: Vec<Option<DevicePtr>> = vec![None; slots];
     let run = |live: &mut Vec<Option<DevicePtr>>| {
         for &(slot, size) in &plan {
