@@ -110,6 +110,13 @@ impl Stat {
         self.current -= n;
         self.freed += n;
     }
+    /// A change whose sign the data decides (merges), without a branch on it.
+    fn add(&mut self, d: i64) {
+        self.current = self.current.wrapping_add(d as u64);
+        self.allocated += d.max(0) as u64;
+        self.freed += (-d).max(0) as u64;
+        self.peak = self.peak.max(self.current);
+    }
 }
 
 /// The statistics the core updates on every malloc and free: allocation
@@ -129,6 +136,10 @@ impl Stats {
         self.s[0][i].down(n);
         self.s[kind][i].down(n);
     }
+    fn add(&mut self, kind: usize, i: usize, d: i64) {
+        self.s[0][i].add(d);
+        self.s[kind][i].add(d);
+    }
 }
 
 const ALLOC: usize = 0;
@@ -139,15 +150,18 @@ const REQUESTED: usize = 4;
 const SPLIT: usize = 5;
 const SPLIT_BYTES: usize = 6;
 
-/// Allocated blocks by address: open addressing, linear probing, backward-shift removal.
+/// Allocated blocks by address: open addressing, linear probing, removal
+/// by tombstone (as the core's map: a backward shift mispredicts).
 struct AddrMap {
     keys: Vec<u64>,
     vals: Vec<u32>,
     len: usize,
+    gone: usize,
     shift: u32,
 }
 
 const EMPTY: u64 = u64::MAX;
+const GONE: u64 = u64::MAX - 1;
 
 impl AddrMap {
     fn new() -> Self {
@@ -158,26 +172,31 @@ impl AddrMap {
             keys: vec![EMPTY; n],
             vals: vec![NIL; n],
             len: 0,
+            gone: 0,
             shift: 64 - n.trailing_zeros(),
         }
     }
     fn home(&self, k: u64) -> usize {
         ((k >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
     }
+    /// Maps `k`, which is not in the map.
     fn insert(&mut self, k: u64, v: u32) {
-        if (self.len + 1) * 2 > self.keys.len() {
-            let old = std::mem::replace(self, Self::with(self.keys.len() * 2));
+        if (self.len + self.gone + 1) * 2 > self.keys.len() {
+            let n = self.keys.len();
+            let n = if (self.len + 1) * 4 > n { n * 2 } else { n };
+            let old = std::mem::replace(self, Self::with(n));
             for (k, v) in old.keys.iter().zip(&old.vals) {
-                if *k != EMPTY {
+                if *k < GONE {
                     self.insert(*k, *v);
                 }
             }
         }
         let mask = self.keys.len() - 1;
         let mut i = self.home(k);
-        while self.keys[i] != EMPTY {
+        while self.keys[i] < GONE {
             i = (i + 1) & mask;
         }
+        self.gone -= usize::from(self.keys[i] == GONE);
         self.keys[i] = k;
         self.vals[i] = v;
         self.len += 1;
@@ -187,29 +206,17 @@ impl AddrMap {
         let mut i = self.home(k);
         loop {
             if self.keys[i] == k {
-                break;
+                let next_empty = self.keys[(i + 1) & mask] == EMPTY;
+                self.keys[i] = if next_empty { EMPTY } else { GONE };
+                self.gone += usize::from(!next_empty);
+                self.len -= 1;
+                return Some(self.vals[i]);
             }
             if self.keys[i] == EMPTY {
                 return None;
             }
             i = (i + 1) & mask;
         }
-        let v = self.vals[i];
-        // Backward shift: pull later entries of the run into the hole.
-        let mut hole = i;
-        let mut j = (i + 1) & mask;
-        while self.keys[j] != EMPTY {
-            let h = self.home(self.keys[j]);
-            if (j.wrapping_sub(h) & mask) >= (j.wrapping_sub(hole) & mask) {
-                self.keys[hole] = self.keys[j];
-                self.vals[hole] = self.vals[j];
-                hole = j;
-            }
-            j = (j + 1) & mask;
-        }
-        self.keys[hole] = EMPTY;
-        self.len -= 1;
-        Some(v)
     }
 }
 
@@ -470,17 +477,15 @@ impl<D: Device> Lean<D> {
         nb.next = next;
         nb.flags |= FREE;
         st.file(i);
-        if prev != NIL || next != NIL {
-            net_blocks += 1;
-            net_bytes += i64::from(granules) * GRANULE as i64;
-        }
-        for (stat, net) in [(SPLIT, net_blocks), (SPLIT_BYTES, net_bytes)] {
-            if net > 0 {
-                st.stats.up(kind, stat, net as u64);
-            } else if net < 0 {
-                st.stats.down(kind, stat, (-net) as u64);
-            }
-        }
+        let split = prev != NIL || next != NIL;
+        net_blocks += i64::from(split);
+        net_bytes += if split {
+            i64::from(granules) * GRANULE as i64
+        } else {
+            0
+        };
+        st.stats.add(kind, SPLIT, net_blocks);
+        st.stats.add(kind, SPLIT_BYTES, net_bytes);
     }
 }
 
