@@ -64,8 +64,9 @@ pub struct CachingAllocator<D: Device> {
     front_on: AtomicBool,
     /// Whether the configuration has thread caches at all.
     front_enabled: bool,
-    /// The rounding rule, for the thread caches' keys.
-    divisions: Power2Divisions,
+    /// The rounding rule, for the thread caches' keys; `None` for plain
+    /// 512-byte rounding (the common case, rounded without a table lookup).
+    divisions: Option<Power2Divisions>,
 }
 
 /// A thread cache's recently missed request sizes: a block freed with one of
@@ -188,7 +189,8 @@ impl<D: Device> CachingAllocator<D> {
         } else {
             0
         };
-        let divisions = config.roundup_power2_divisions;
+        let divisions =
+            Some(config.roundup_power2_divisions).filter(|d| !crate::rounding::is_plain(d));
         CachingAllocator {
             device,
             id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
@@ -263,7 +265,11 @@ impl<D: Device> CachingAllocator<D> {
             return Err(AllocError::ZeroSize);
         }
         // Misuse is answered before anything changes.
-        let rounded = round_size(size, &self.divisions).ok_or(AllocError::SizeTooLarge(size))?;
+        let rounded = match &self.divisions {
+            None => crate::rounding::round_size_plain(size),
+            Some(d) => round_size(size, d),
+        }
+        .ok_or(AllocError::SizeTooLarge(size))?;
         if !self.front_on.load(Ordering::Relaxed) {
             return self.locked_op(|st| st.malloc(&self.device, size, rounded, stream, None));
         }

@@ -46,6 +46,19 @@ pub fn round_size(size: u64, divisions: &Power2Divisions) -> Option<u64> {
     Some(((size + step - 1) & !(step - 1)).max(MIN_BLOCK))
 }
 
+/// [`round_size`] when no interval has divisions (all 0 or 1): 512-byte
+/// granules only, without looking the interval up (a third of a cached
+/// pair's rounding cost went there).
+#[inline]
+pub fn round_size_plain(size: u64) -> Option<u64> {
+    (size <= MAX_REQUEST).then(|| ((size + MIN_BLOCK - 1) & !(MIN_BLOCK - 1)).max(MIN_BLOCK))
+}
+
+/// Whether `divisions` asks for plain 512-byte rounding everywhere.
+pub fn is_plain(divisions: &Power2Divisions) -> bool {
+    divisions.iter().all(|&d| d <= 1)
+}
+
 /// Rounds `size` up to the next of `d` equal steps between the powers of two around it.
 pub(crate) fn round_power2_division(size: u64, d: u64) -> u64 {
     if size.is_power_of_two() {
@@ -128,6 +141,24 @@ mod tests {
                 proptest::prop_assert!(r >= size && r % MIN_BLOCK == 0);
             }
         }
+
+        #[test]
+        fn plain_rounding_matches_round_size_without_divisions(
+            size in proptest::prop_oneof![0u64..1 << 24, 0u64..MAX_REQUEST + 2, proptest::num::u64::ANY],
+            ones in proptest::collection::vec(0u32..=1, POWER2_INTERVALS),
+        ) {
+            let divs: Power2Divisions = ones.try_into().expect("16 intervals");
+            proptest::prop_assert!(is_plain(&divs));
+            proptest::prop_assert_eq!(round_size_plain(size), round_size(size, &divs));
+        }
+    }
+
+    #[test]
+    fn plain_means_no_interval_above_one() {
+        assert!(is_plain(&NONE));
+        let mut d = NONE;
+        d[3] = 2;
+        assert!(!is_plain(&d));
     }
 
     #[test]
