@@ -1663,17 +1663,11 @@ impl<E> State<E> {
                 "{queued} events queued but blocks await {pending_events}"
             ));
         }
-        let currents = |m: &MemoryStats| -> Vec<(&'static str, [u64; 3])> {
-            m.arrays()
-                .iter()
-                .map(|(n, a)| (*n, a.stats().map(|s| s.current)))
-                .collect()
-        };
-        if currents(&expect) != currents(&self.stats) {
+        if expect.currents() != self.stats.currents() {
             return Err(format!(
                 "stats differ from what the blocks recompute: stats {:?}, blocks {:?}",
-                currents(&self.stats),
-                currents(&expect)
+                self.stats.currents(),
+                expect.currents()
             ));
         }
         for (name, arr) in self.stats.arrays() {

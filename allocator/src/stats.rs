@@ -302,6 +302,14 @@ impl MemoryStats {
         ]
     }
 
+    /// The current value of every stat array, as (all, small pool, large
+    /// pool), in [`MemoryStats::arrays`] order: what the invariant check and
+    /// the model compare.
+    pub fn currents(&self) -> [(&'static str, [u64; 3]); 9] {
+        self.arrays()
+            .map(|(n, a)| (n, a.stats().map(|s| s.current)))
+    }
+
     /// Flat `(key, value)` pairs exactly as `torch.cuda.memory_stats()` names
     /// them (`max_split_size` is -1 when unlimited, as in PyTorch), plus our
     /// counters of virtual-memory calls (`num_map`, `num_unmap`, …).

@@ -406,14 +406,6 @@ pub fn check_stats_against_snapshot(
     Ok(())
 }
 
-fn currents(stats: &MemoryStats) -> Vec<[u64; 3]> {
-    stats
-        .arrays()
-        .iter()
-        .map(|(_, a)| a.stats().map(|s| s.current))
-        .collect()
-}
-
 fn overlaps(a: u64, alen: u64, b: u64, blen: u64) -> bool {
     a < b.saturating_add(blen) && b < a.saturating_add(alen)
 }
@@ -732,7 +724,7 @@ impl Model {
                         return Err(format!("after reset_peak_stats, {name} has {a:?}"));
                     }
                 }
-                self.seen_peak = currents(&st);
+                self.seen_peak = st.currents().iter().map(|(_, c)| *c).collect();
                 Ok(())
             }
         }

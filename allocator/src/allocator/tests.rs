@@ -33,6 +33,30 @@ fn freed_block_is_reused_from_the_cache() {
 }
 
 #[test]
+fn invariant_check_catches_a_statistic_that_drifted() {
+    let (_, a) = new(Config::pytorch());
+    let p = a.malloc(3 * MIB, S0).unwrap();
+    ok(&a);
+    // One byte more than the blocks account for, as a missed update would leave it.
+    a.state
+        .lock()
+        .stats
+        .active_bytes
+        .increase(PoolKind::Large, 512);
+    let err = a.check_invariants().unwrap_err();
+    assert!(err.contains("stats differ"), "{err}");
+    assert!(err.contains("active_bytes"), "{err}");
+    a.state
+        .lock()
+        .stats
+        .active_bytes
+        .decrease(PoolKind::Large, 512);
+    ok(&a);
+    a.free(p).unwrap();
+    ok(&a);
+}
+
+#[test]
 fn segment_sizes_follow_pytorch() {
     let segment_for = |size: u64| {
         let (dev, a) = new(Config::pytorch());
