@@ -852,15 +852,20 @@ mod tests {
                 gets: AtomicUsize::new(0),
             }
         }
+
+        fn slot(&self, device: i32) -> Option<&OnceLock<CachingAllocator<OffsetDevice>>> {
+            usize::try_from(device)
+                .ok()
+                .and_then(|d| self.devices.get(d))
+        }
     }
 
     impl Registry for SimRegistry {
         type Dev = OffsetDevice;
         fn get(&self, device: i32) -> Result<&CachingAllocator<OffsetDevice>, String> {
             self.gets.fetch_add(1, Ordering::Relaxed);
-            let slot = usize::try_from(device)
-                .ok()
-                .and_then(|d| self.devices.get(d))
+            let slot = self
+                .slot(device)
                 .ok_or_else(|| format!("no device {device} (2 simulated)"))?;
             Ok(slot.get_or_init(|| {
                 let dev = OffsetDevice {
@@ -871,10 +876,7 @@ mod tests {
             }))
         }
         fn existing(&self, device: i32) -> Option<&CachingAllocator<OffsetDevice>> {
-            usize::try_from(device)
-                .ok()
-                .and_then(|d| self.devices.get(d))
-                .and_then(OnceLock::get)
+            self.slot(device).and_then(OnceLock::get)
         }
         fn device_name(&self, _: &CachingAllocator<OffsetDevice>) -> String {
             "simulated".into()

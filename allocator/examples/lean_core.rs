@@ -26,7 +26,8 @@
 //! classes bound; this is a measurement, not a replacement.
 
 use cachealloc_core::{
-    round_size, CachingAllocator, Config, Device, DevicePtr, SimulatedDevice, StreamId,
+    rounding::round_size_plain, CachingAllocator, Config, Device, DevicePtr, SimulatedDevice,
+    StreamId,
 };
 use parking_lot::Mutex;
 use std::time::Instant;
@@ -345,8 +346,7 @@ impl<D: Device> Lean<D> {
     }
 
     fn malloc(&self, size: u64) -> DevicePtr {
-        let rounded =
-            round_size(size, &[0; cachealloc_core::rounding::POWER2_INTERVALS]).expect("size");
+        let rounded = round_size_plain(size).expect("size");
         let g = (rounded / GRANULE) as u32;
         let large = rounded > MIB;
         let pool = usize::from(large);

@@ -378,8 +378,9 @@ pub fn check_stats_against_snapshot(
         }
     }
     for (i, (name, got)) in stats.arrays().iter().enumerate() {
+        let groups = got.stats();
         for (g, group) in crate::stats::STAT_GROUPS.iter().enumerate() {
-            let s = got.stats()[g];
+            let s = groups[g];
             let (c, w) = (s.current, expect[i][g]);
             if c != w {
                 return Err(format!(
@@ -968,8 +969,7 @@ impl Model {
 
         // Peaks: at least every value seen since the last reset, never below current.
         for (i, (name, a)) in stats.arrays().iter().enumerate() {
-            for g in 0..3 {
-                let s = a.stats()[g];
+            for (g, s) in a.stats().into_iter().enumerate() {
                 self.seen_peak[i][g] = self.seen_peak[i][g].max(s.current);
                 if s.peak < self.seen_peak[i][g] {
                     return Err(format!(

@@ -165,29 +165,27 @@ pub fn allocator(device: i32) -> Result<&'static CachingAllocator<CudaDevice>, C
 /// driver call (the C ABI's lookup on every allocation and free).
 #[inline]
 pub fn existing_allocator(device: i32) -> Option<&'static CachingAllocator<CudaDevice>> {
-    usize::try_from(device)
-        .ok()
-        .and_then(|i| ALLOCATORS.get(i))
-        .and_then(OnceLock::get)
+    allocator_slot(device).and_then(OnceLock::get)
+}
+
+/// The registry's slot of `device`, or `None` for an ordinal outside it.
+#[inline]
+fn allocator_slot(device: i32) -> Option<&'static OnceLock<CachingAllocator<CudaDevice>>> {
+    usize::try_from(device).ok().and_then(|i| ALLOCATORS.get(i))
 }
 
 /// [`allocator`] when the device's allocator does not exist yet.
 #[cold]
 #[inline(never)]
 fn create_allocator(device: i32) -> Result<&'static CachingAllocator<CudaDevice>, CudaError> {
-    let slot = usize::try_from(device)
-        .ok()
-        .and_then(|i| ALLOCATORS.get(i))
-        // Lazily: the device count is a driver call (when this lookup ran
-        // on every C ABI call, it cost ~0.5 µs each).
-        .ok_or_else(|| CudaError::NoSuchDevice {
-            ordinal: device,
-            count: driver::device_count().unwrap_or(0),
-        })?;
-    if let Some(a) = slot.get() {
-        return Ok(a);
-    }
-    // One creation at a time, so that a device is never initialised twice.
+    // Lazily: the device count is a driver call (when this lookup ran on
+    // every C ABI call, it cost ~0.5 µs each).
+    let slot = allocator_slot(device).ok_or_else(|| CudaError::NoSuchDevice {
+        ordinal: device,
+        count: driver::device_count().unwrap_or(0),
+    })?;
+    // One creation at a time, so that a device is never initialised twice;
+    // another thread may have created it since `allocator` looked.
     let _guard = INIT.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(a) = slot.get() {
         return Ok(a);

@@ -37,7 +37,7 @@ fn invariant_check_catches_a_statistic_that_drifted() {
     let (_, a) = new(Config::pytorch());
     let p = a.malloc(3 * MIB, S0).unwrap();
     ok(&a);
-    // One byte more than the blocks account for, as a missed update would leave it.
+    // 512 bytes more than the blocks account for, as a missed update would leave it.
     a.state
         .lock()
         .stats
