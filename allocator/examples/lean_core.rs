@@ -3,7 +3,7 @@
 //! bench's random-op mix next to the real allocator.
 //!
 //! ```text
-//! cargo run --release -p cachealloc-core --example lean_core -- [SLOTS] [MAX_MIB] [OPS] [lean|core|null|check]
+//! cargo run --release -p cachealloc-core --example lean_core -- [SLOTS] [MAX_MIB] [OPS] [lean|core|null|check|slab:KIB]
 //! ```
 //! Defaults: 256 slots, 8 MiB, 2 000 000 ops, `lean`; `SEED` picks the plan
 //! as in the `random_ops` example. `core` times the real allocator (the
@@ -24,6 +24,14 @@
 //! block in the bins moves no entry and allocates nothing. A crowded class
 //! makes that sorted insert linear, which the core's vector-then-tree
 //! classes bound; this is a measurement, not a replacement.
+//!
+//! `slab:KIB` measures a policy change instead: requests of at most KIB
+//! (after rounding; at most 1024) skip best fit, split and merge, and are
+//! served from 2 MiB slabs of one size class each (exact 512-byte multiples
+//! up to 4 KiB, then 8 classes per power of two, so a chunk wastes at most
+//! 1/8 of its size), the rest as in `lean`. What that policy would cost in
+//! fragmentation on the shipped traces is the `slab_eval` example's
+//! question (docs/BENCHMARKS.md).
 
 use cachealloc_core::{
     rounding::round_size_plain, CachingAllocator, Config, Device, DevicePtr, SimulatedDevice,
@@ -33,6 +41,9 @@ use parking_lot::Mutex;
 use std::time::Instant;
 
 mod common;
+#[path = "common/slab.rs"]
+mod slab;
+use slab::{slab_class, SLAB_BYTES, SLAB_CLASSES, SLAB_MAX};
 
 const NIL: u32 = u32::MAX;
 const GRANULE: u64 = 512;
@@ -58,6 +69,15 @@ struct Block {
 
 const FREE: u32 = 1;
 const LARGE: u32 = 2;
+/// A chunk of a slab (`slab:KIB` mode): never split, never merged.
+const SLAB: u32 = 4;
+
+/// Free chunks of each slab class (their block records), and the unused
+/// tail of the class's newest slab.
+struct Slabs {
+    free: Vec<Vec<u32>>,
+    bump: Vec<(u64, u64)>,
+}
 
 impl Block {
     fn size(&self) -> u64 {
@@ -202,6 +222,17 @@ impl AddrMap {
         self.vals[i] = v;
         self.len += 1;
     }
+    /// The value of `k`, which is in the map.
+    #[cfg(test)]
+    fn get(&self, k: u64) -> u32 {
+        let mask = self.keys.len() - 1;
+        let mut i = self.home(k);
+        while self.keys[i] != k {
+            i = (i + 1) & mask;
+        }
+        self.vals[i]
+    }
+
     fn remove(&mut self, k: u64) -> Option<u32> {
         let mask = self.keys.len() - 1;
         let mut i = self.home(k);
@@ -228,12 +259,15 @@ struct State {
     live: AddrMap,
     requested: Vec<u64>,
     stats: Stats,
+    slabs: Slabs,
 }
 
 /// The lean allocator over a device.
 struct Lean<D: Device> {
     dev: D,
     state: Mutex<State>,
+    /// Requests up to this many bytes go to slabs (0: none, as the core).
+    slab_limit: u64,
 }
 
 impl State {
@@ -332,8 +366,14 @@ impl State {
 
 impl<D: Device> Lean<D> {
     fn new(dev: D) -> Self {
+        Self::with_slabs(dev, 0)
+    }
+
+    fn with_slabs(dev: D, slab_limit: u64) -> Self {
+        assert!(slab_limit <= SLAB_MAX, "slabs serve at most 1 MiB");
         Lean {
             dev,
+            slab_limit,
             state: Mutex::new(State {
                 blocks: Vec::new(),
                 vacant: Vec::new(),
@@ -341,6 +381,10 @@ impl<D: Device> Lean<D> {
                 live: AddrMap::new(),
                 requested: Vec::new(),
                 stats: Stats::default(),
+                slabs: Slabs {
+                    free: vec![Vec::new(); SLAB_CLASSES],
+                    bump: vec![(0, 0); SLAB_CLASSES],
+                },
             }),
         }
     }
@@ -352,6 +396,9 @@ impl<D: Device> Lean<D> {
         let pool = usize::from(large);
         let kind = 1 + pool;
         let st = &mut *self.state.lock();
+        if rounded <= self.slab_limit {
+            return self.slab_malloc(st, size, rounded);
+        }
         let i = match st.find(pool, g) {
             Some(i) => {
                 st.unfile(i);
@@ -429,10 +476,57 @@ impl<D: Device> Lean<D> {
         DevicePtr(b.addr)
     }
 
+    /// A chunk of `rounded`'s slab class: a free one, the next of the
+    /// class's newest slab, or the first of a new slab.
+    fn slab_malloc(&self, st: &mut State, size: u64, rounded: u64) -> DevicePtr {
+        let (c, chunk) = slab_class(rounded);
+        let i = match st.slabs.free[c].pop() {
+            Some(i) => i,
+            None => {
+                let (mut next, mut end) = st.slabs.bump[c];
+                if next + chunk > end {
+                    next = self.dev.allocate(SLAB_BYTES).expect("unlimited device").0;
+                    end = next + SLAB_BYTES;
+                }
+                st.slabs.bump[c] = (next + chunk, end);
+                st.new_block(Block {
+                    addr: next,
+                    granules: (chunk / GRANULE) as u32,
+                    prev: NIL,
+                    next: NIL,
+                    fprev: NIL,
+                    fnext: NIL,
+                    flags: SLAB,
+                })
+            }
+        };
+        let addr = st.blocks[i as usize].addr;
+        st.requested[i as usize] = size;
+        st.live.insert(addr, i);
+        let s = &mut st.stats;
+        s.up(1, ALLOC, 1);
+        s.up(1, ALLOC_BYTES, chunk);
+        s.up(1, ACTIVE, 1);
+        s.up(1, ACTIVE_BYTES, chunk);
+        s.up(1, REQUESTED, size);
+        DevicePtr(addr)
+    }
+
     fn free(&self, p: DevicePtr) {
         let st = &mut *self.state.lock();
         let i = st.live.remove(p.0).expect("allocated here");
         let b = st.blocks[i as usize];
+        if b.flags & SLAB != 0 {
+            let (chunk, requested) = (b.size(), st.requested[i as usize]);
+            let s = &mut st.stats;
+            s.down(1, ALLOC, 1);
+            s.down(1, ALLOC_BYTES, chunk);
+            s.down(1, ACTIVE, 1);
+            s.down(1, ACTIVE_BYTES, chunk);
+            s.down(1, REQUESTED, requested);
+            st.slabs.free[slab_class(chunk).0].push(i);
+            return;
+        }
         let kind = 1 + usize::from(b.flags & LARGE != 0);
         let size = b.size();
         let requested = st.requested[i as usize];
@@ -549,16 +643,76 @@ fn lean_path_makes_the_core_s_decisions() {
     }
 }
 
+/// The `slab:KIB` mode's timings mean something only while it is an
+/// allocator: no two live allocations overlap, every chunk holds its
+/// request, and the allocated bytes are the live chunks' sum.
+#[test]
+fn slab_mode_hands_out_disjoint_chunks_that_fit() {
+    use std::collections::BTreeMap;
+    for (seed, slots, max_mib, limit) in [(1, 256, 8, MIB), (2, 4096, 64, 64 << 10)] {
+        let lean = Lean::with_slabs(SimulatedDevice::unlimited(), limit);
+        let mut live: Vec<Option<(DevicePtr, u64)>> = vec![None; slots];
+        let mut spans: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut chunks = 0u64;
+        for &(slot, size) in &common::random_plan(slots, max_mib, 50_000, seed) {
+            match live[slot].take() {
+                Some((p, len)) => {
+                    lean.free(p);
+                    spans.remove(&p.0);
+                    chunks -= len;
+                }
+                None => {
+                    let p = lean.malloc(size);
+                    let rounded = round_size_plain(size).expect("size");
+                    let len = if rounded <= limit {
+                        let chunk = slab_class(rounded).1;
+                        assert!(chunk >= rounded && chunk - rounded <= chunk / 8);
+                        chunks += chunk;
+                        chunk
+                    } else {
+                        0
+                    };
+                    let end = p.0 + rounded;
+                    if let Some((&a, &e)) = spans.range(..end).next_back() {
+                        assert!(e <= p.0, "[{:#x}, {end:#x}) overlaps [{a:#x}, {e:#x})", p.0);
+                    }
+                    spans.insert(p.0, end);
+                    live[slot] = Some((p, len));
+                }
+            }
+        }
+        let st = lean.state.lock();
+        let slab_bytes: u64 = live.iter().flatten().map(|&(_, len)| len).sum();
+        assert_eq!(slab_bytes, chunks);
+        let core_bytes: u64 = live
+            .iter()
+            .flatten()
+            .filter(|&&(_, len)| len == 0)
+            .map(|&(p, _)| st.blocks[st.live.get(p.0) as usize].size())
+            .sum();
+        assert_eq!(st.stats.s[0][ALLOC_BYTES].current, slab_bytes + core_bytes);
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let slots: usize = args.first().map_or(256, |s| s.parse().expect("SLOTS"));
     let max_mib: u64 = args.get(1).map_or(8, |s| s.parse().expect("MAX_MIB"));
     let ops: usize = args.get(2).map_or(2_000_000, |s| s.parse().expect("OPS"));
-    let mode = args.get(3).map_or("lean", String::as_str);
+    let arg = args.get(3).map_or("lean", String::as_str);
+    // `slab:KIB` is the lean path with slabs for requests up to KIB.
+    let (mode, slab_limit) = match arg.split_once(':') {
+        Some(("slab", kib)) => {
+            let kib: u64 = kib.parse().expect("slab:KIB, KIB a number");
+            assert!(kib * 1024 <= SLAB_MAX, "slab:KIB serves at most 1024 KiB");
+            ("lean", kib * 1024)
+        }
+        _ => (arg, 0),
+    };
     let seed: u64 = std::env::var("SEED").map_or(1, |s| s.parse().expect("SEED"));
     let plan = common::random_plan(slots, max_mib, ops, seed);
 
-    let lean = Lean::new(SimulatedDevice::unlimited());
+    let lean = Lean::with_slabs(SimulatedDevice::unlimited(), slab_limit);
     let core = CachingAllocator::new(SimulatedDevice::unlimited(), Config::pytorch());
     match mode {
         "check" => println!("{}", check(&plan, slots)),
@@ -590,8 +744,8 @@ fn main() {
             let t0 = Instant::now();
             run(&mut live);
             let ns = t0.elapsed().as_nanos() as f64 / ops as f64;
-            println!("{mode}: {slots} slots, <= {max_mib} MiB, {ops} ops: {ns:.1} ns/op");
+            println!("{arg}: {slots} slots, <= {max_mib} MiB, {ops} ops: {ns:.1} ns/op");
         }
-        other => panic!("mode {other:?}: lean, core, null or check"),
+        other => panic!("mode {other:?}: lean, core, null, check or slab:KIB"),
     }
 }

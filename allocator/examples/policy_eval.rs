@@ -6,22 +6,11 @@
 //! calls for each, plus their mean over the jittered variants.
 //! `POLICY_EVAL_VARIANTS=N` replays N jittered variants instead of 4.
 use cachealloc_core::replay::{replay, ReplayOptions, ReplayResult};
-use cachealloc_core::{Config, TraceEvent, TraceReader};
-use std::io::BufReader;
-use std::process::{Command, Stdio};
+use cachealloc_core::{Config, TraceEvent};
 
-fn load(path: &str) -> Vec<TraceEvent> {
-    let mut child = Command::new("zcat")
-        .arg(path)
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("zcat runs");
-    let events = TraceReader::new(BufReader::new(child.stdout.take().unwrap()))
-        .map(Result::unwrap)
-        .collect();
-    child.wait().expect("zcat exits");
-    events
-}
+#[path = "common/traces.rs"]
+mod traces;
+use traces::load;
 
 fn mix(mut x: u64) -> u64 {
     x ^= x >> 33;
