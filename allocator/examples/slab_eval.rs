@@ -13,12 +13,15 @@
 //! return that pool to the device (a full device also flushes the core, as
 //! its own ladder would). Prints, over `default`'s own peak allocated bytes:
 //! peak reserved, min-capacity (the smallest device that replays the trace,
-//! to 0.1%), and the share of operations the slabs took.
+//! to 0.1%), device calls over `pytorch`'s, and the share of operations
+//! the slabs took.
 //!
-//! The core's minimum idle age (`release_min_idle`, 25 operations) counts
-//! only its own operations, so with slabs taking a third or more of them
-//! it releases idle segments later in the trace than `default` does;
-//! `MIN_IDLE=N` sets it for the slab runs.
+//! The slab operations count on the core's idle clock (the clock of
+//! `release_min_idle`, 25 operations), as they would inside the allocator:
+//! without them the small operations between training steps no longer age
+//! the segments freed at a step's end (docs/POLICY.md), and nmt's ratio
+//! rises to 1.19. `FOREIGN_OPS=0` leaves them off the clock, to show that;
+//! `MIN_IDLE=N` sets the idle age of the slab runs.
 
 use cachealloc_core::TraceEvent;
 use cachealloc_core::{CachingAllocator, Config, Device, DevicePtr, SimulatedDevice, StreamId};
@@ -139,13 +142,16 @@ impl Slabs {
 }
 
 /// Peak reserved and peak allocated bytes (the core's allocated bytes plus
-/// the live slab chunks), peak bytes in slabs, and the share of operations
-/// the slabs served; None if the device ran out of memory.
+/// the live slab chunks), peak bytes in slabs, the share of operations
+/// the slabs served and the device calls; None if the device ran out of
+/// memory.
 struct Run {
     peak_reserved: u64,
     peak_allocated: u64,
     peak_slabs: u64,
     slab_share: f64,
+    /// Device allocations and frees, the slabs' included.
+    calls: u64,
 }
 
 fn replay(
@@ -153,6 +159,7 @@ fn replay(
     limit: u64,
     config: &Config,
     capacity: Option<u64>,
+    tick: bool,
 ) -> Option<Run> {
     let dev = capacity.map_or_else(SimulatedDevice::unlimited, SimulatedDevice::new);
     let core = CachingAllocator::new(dev, config.clone());
@@ -168,6 +175,7 @@ fn replay(
         peak_allocated: 0,
         peak_slabs: 0,
         slab_share: 0.0,
+        calls: 0,
     };
     for e in events {
         match *e {
@@ -187,6 +195,9 @@ fn replay(
                     let (s, off) = got?;
                     chunks += chunk;
                     slab_ops += 1;
+                    if tick {
+                        core.count_foreign_ops(1);
+                    }
                     live.insert(id, Live::Slab(s, off, chunk));
                 } else {
                     let p = match core.malloc(bytes, StreamId(stream)) {
@@ -207,6 +218,12 @@ fn replay(
                         slabs.free(s, off, chunk);
                         chunks -= chunk;
                         slab_ops += 1;
+                        if tick {
+                            core.count_foreign_ops(1);
+                        }
+                        if tick {
+                            core.count_foreign_ops(1);
+                        }
                     }
                 }
             }
@@ -221,57 +238,96 @@ fn replay(
         run.peak_slabs = run.peak_slabs.max(slabs.held * SLAB_BYTES);
     }
     run.slab_share = slab_ops as f64 / ops.max(1) as f64;
+    let c = core.device().counters();
+    run.calls = c.allocs + c.frees;
     Some(run)
 }
 
 /// The smallest capacity (to 0.1%) at which the trace completes.
-fn min_capacity(events: &[TraceEvent], limit: u64, config: &Config, lo: u64, hi: u64) -> u64 {
-    let (mut lo, mut hi) = (lo, hi);
-    while hi - lo > (2 << 20).max(hi / 1000) {
-        let mid = lo + (hi - lo) / 2;
-        if replay(events, limit, config, Some(mid)).is_some() {
-            hi = mid;
-        } else {
-            lo = mid;
-        }
+/// One slab policy to replay: the limit, the core's configuration, and
+/// whether slab operations count on the core's idle clock.
+struct Study {
+    limit: u64,
+    config: Config,
+    tick: bool,
+}
+
+impl Study {
+    fn replay(&self, events: &[TraceEvent], capacity: Option<u64>) -> Option<Run> {
+        replay(events, self.limit, &self.config, capacity, self.tick)
     }
-    hi
+
+    /// The smallest capacity in (lo, hi], to 0.1% (or 2 MiB), at which the
+    /// trace completes.
+    fn min_capacity(&self, events: &[TraceEvent], lo: u64, hi: u64) -> u64 {
+        let (mut lo, mut hi) = (lo, hi);
+        while hi - lo > (2 << 20).max(hi / 1000) {
+            let mid = lo + (hi - lo) / 2;
+            if self.replay(events, Some(mid)).is_some() {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        hi
+    }
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 3 {
-        eprintln!("usage: slab_eval LIMIT_KIB TRACE.gz...");
+        eprintln!("usage: slab_eval LIMIT_KIB TRACE.gz...  (env: MIN_IDLE=N, FOREIGN_OPS=0)");
         std::process::exit(2);
     }
-    let limit: u64 = args[1].parse::<u64>().expect("LIMIT_KIB, a number") * 1024;
-    assert!(limit <= SLAB_MAX, "slabs serve at most 1024 KiB");
+    let limit: u64 = match args[1].parse::<u64>() {
+        Ok(kib) if kib * 1024 <= SLAB_MAX => kib * 1024,
+        _ => {
+            eprintln!(
+                "LIMIT_KIB must be a number of KiB up to 1024, got {:?}",
+                args[1]
+            );
+            std::process::exit(2);
+        }
+    };
     let idle: Option<u64> = std::env::var("MIN_IDLE")
         .ok()
-        .map(|v| v.parse().expect("MIN_IDLE"));
-    for path in &args[2..] {
-        let events = traces::load(path);
-        let base = replay(&events, 0, &Config::default(), None).expect("unlimited");
-        let config = match idle {
+        .map(|v| v.parse().expect("MIN_IDLE, a number of operations"));
+    let base = Study {
+        limit: 0,
+        config: Config::default(),
+        tick: true,
+    };
+    let study = Study {
+        limit,
+        config: match idle {
             Some(n) => Config::parse(&format!("default,release_min_idle:{n}")).expect("config"),
             None => Config::default(),
-        };
-        let run = replay(&events, limit, &config, None).expect("unlimited");
-        let hi = run.peak_reserved.max(base.peak_reserved) * 3 / 2;
-        let cap_base = min_capacity(&events, 0, &Config::default(), base.peak_allocated / 2, hi);
-        let cap = min_capacity(&events, limit, &config, base.peak_allocated / 2, hi);
+        },
+        tick: std::env::var("FOREIGN_OPS").map_or(true, |v| v != "0"),
+    };
+    for path in &args[2..] {
+        let events = traces::load(path);
+        let b = base.replay(&events, None).expect("unlimited");
+        let pytorch = replay(&events, 0, &Config::pytorch(), None, true).expect("unlimited");
+        let run = study.replay(&events, None).expect("unlimited");
+        let hi = run.peak_reserved.max(b.peak_reserved) * 3 / 2;
+        let cap_base = base.min_capacity(&events, b.peak_allocated / 2, hi);
+        let cap = study.min_capacity(&events, b.peak_allocated / 2, hi);
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        let pa = base.peak_allocated as f64;
+        let pa = b.peak_allocated as f64;
         println!(
-            "{:<24} slabs <= {:>4} KiB, min idle {:>2}: {:>4.1}% of ops in slabs | reserved / allocated {:.3} (default {:.3}) | min-capacity {:.3} (default {:.3}) | slabs at most {:.3} GiB",
+            "{:<24} slabs <= {:>4} KiB, min idle {:>2}{}: {:>4.1}% of ops in slabs | reserved / allocated {:.3} (default {:.3}) | min-capacity {:.3} (default {:.3}) | calls {:.2}x PyTorch's (default {:.2}x) | slabs at most {:.3} GiB",
             path.rsplit('/').next().unwrap_or(path),
             limit / 1024,
             idle.unwrap_or(25),
+            if study.tick { "" } else { ", slab ops off the clock" },
             100.0 * run.slab_share,
             run.peak_reserved as f64 / pa,
-            base.peak_reserved as f64 / pa,
+            b.peak_reserved as f64 / pa,
             cap as f64 / pa,
             cap_base as f64 / pa,
+            run.calls as f64 / pytorch.calls as f64,
+            b.calls as f64 / pytorch.calls as f64,
             gib(run.peak_slabs),
         );
     }
@@ -313,7 +369,7 @@ mod common;
 fn without_slabs_the_study_replays_the_core() {
     use cachealloc_core::replay::{replay as core_replay, ReplayOptions};
     let events = plan_trace(128, 16, 40_000, 7);
-    let ours = replay(&events, 0, &Config::default(), None).expect("unlimited");
+    let ours = replay(&events, 0, &Config::default(), None, true).expect("unlimited");
     let opts = ReplayOptions {
         report_at_peak: false,
         ..Default::default()
@@ -332,7 +388,8 @@ fn without_slabs_the_study_replays_the_core() {
         &events,
         0,
         &Config::default(),
-        Some(ours.peak_allocated / 2)
+        Some(ours.peak_allocated / 2),
+        true
     )
     .is_none());
 }

@@ -154,6 +154,10 @@ struct State<E> {
     review: FrontReview,
     /// Blocks parked per thread cache (0: thread caches off).
     thread_cache: usize,
+    /// Small requests up to this size go to slabs (0: off; see `slabs`).
+    slab_max: u64,
+    /// Per pool: its slabs, indexed by [`PoolId::index`]; created on first use.
+    slab_lists: Vec<Option<Box<SlabLists>>>,
 }
 
 impl<D: Device> CachingAllocator<D> {
@@ -186,6 +190,11 @@ impl<D: Device> CachingAllocator<D> {
         };
         let thread_cache = if config.caching && granularity.is_none() {
             config.thread_cache as usize
+        } else {
+            0
+        };
+        let slab_max = if config.caching && granularity.is_none() {
+            config.slab_max
         } else {
             0
         };
@@ -228,6 +237,8 @@ impl<D: Device> CachingAllocator<D> {
                 front_blocks: 0,
                 review: FrontReview::default(),
                 thread_cache,
+                slab_max,
+                slab_lists: Vec::new(),
             }),
         }
     }
@@ -318,6 +329,15 @@ impl<D: Device> CachingAllocator<D> {
     /// A thread cache for the calling thread, if the configuration has them.
     fn register_slot(&self) -> Option<Arc<Slot>> {
         self.state.lock().register_slot()
+    }
+
+    /// Counts `ops` mallocs and frees that were served outside this
+    /// allocator on its idle clock (the clock of `release_min_idle`), as if
+    /// they had been its own: for policy studies that route some requests
+    /// elsewhere (the `slab_eval` example). Only with the `testing` feature.
+    #[cfg(feature = "testing")]
+    pub fn count_foreign_ops(&self, ops: u64) {
+        self.state.lock().clock += ops;
     }
 
     /// Returns an allocation to the cache. If other streams used it
@@ -510,6 +530,7 @@ impl<E> State<E> {
         self.streams.insert(stream, slot);
         let pools = crate::block::POOLS_PER_STREAM as usize * self.stream_list.len();
         self.bins.resize_with(pools, || None);
+        self.slab_lists.resize_with(pools, || None);
         self.lookups.resize(pools, 0);
         self.ranges.resize(pools, None);
         slot
@@ -570,6 +591,10 @@ impl<E> State<E> {
             PoolKind::Large
         };
         let pool = PoolId::new(self.stream_slot(stream), kind);
+        if rounded <= self.slab_max {
+            // (`slab_max` is at most the small-request limit.)
+            return self.slab_malloc(dev, pool, stream, size, rounded);
+        }
         if let (Some(slot), false) = (own, kind == PoolKind::Small) {
             self.flush_own_large(slot);
         }
@@ -627,14 +652,44 @@ impl<E> State<E> {
         size: u64,
         rounded: u64,
     ) -> Result<BlockId, AllocError> {
-        if self.front_blocks > 0 {
-            // Blocks parked in thread caches go back before the device is asked.
-            self.flush_fronts();
+        if pool.kind() == PoolKind::Small && self.unslab_empty(pool) {
             if let Some(id) = self.get_free_block(pool, rounded) {
                 return Ok(id);
             }
         }
         let seg_size = self.segment_size(rounded);
+        let caching = self.config.caching;
+        self.grow_with(dev, pool, stream, size, rounded, seg_size, |st| {
+            if caching {
+                st.get_free_block(pool, rounded)
+            } else {
+                None
+            }
+        })
+    }
+
+    /// [`State::grow`] for a segment of `seg_size`, where `retry` looks in
+    /// the cache again after the thread caches and after the full flush
+    /// gave blocks back. Returns what `retry` found, or the one free block
+    /// of a new segment (not in the bins).
+    #[allow(clippy::too_many_arguments)]
+    fn grow_with<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        pool: PoolId,
+        stream: StreamId,
+        size: u64,
+        rounded: u64,
+        seg_size: u64,
+        retry: impl Fn(&mut Self) -> Option<BlockId>,
+    ) -> Result<BlockId, AllocError> {
+        if self.front_blocks > 0 {
+            // Blocks parked in thread caches go back before the device is asked.
+            self.flush_fronts();
+            if let Some(id) = retry(self) {
+                return Ok(id);
+            }
+        }
         if self.config.garbage_collection_threshold.is_some() && self.cap.is_some() {
             self.garbage_collect(dev)?;
         }
@@ -654,10 +709,8 @@ impl<E> State<E> {
         // Full flush: wait for every pending event, release every free segment, retry.
         self.release_cached(dev)?;
         self.stats.num_alloc_retries += 1;
-        if self.config.caching {
-            if let Some(id) = self.get_free_block(pool, rounded) {
-                return Ok(id);
-            }
+        if let Some(id) = retry(self) {
+            return Ok(id);
         }
         if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
             return Ok(id);
@@ -737,6 +790,7 @@ impl<E> State<E> {
             head: BlockId(u32::MAX),
             pages: page_size.map(|_| PageMap::default()),
             page_size: page_size.unwrap_or(0),
+            slab: None,
         }));
         let head = BlockId(
             self.blocks
@@ -815,6 +869,13 @@ impl<E> State<E> {
         self.live.insert(addr, id);
         self.count_allocated(kind, final_size, true);
         self.count_active(kind, final_size, requested, true);
+        self.record_alloc(addr, requested, pool);
+        DevicePtr(addr)
+    }
+
+    /// Writes an allocation to the trace being recorded, if any.
+    #[inline]
+    fn record_alloc(&mut self, addr: u64, requested: u64, pool: PoolId) {
         if let Some(r) = self.recorder.as_mut() {
             let stream = self.stream_list[pool.stream_slot()];
             r.ids.insert(addr, r.next_id);
@@ -825,7 +886,6 @@ impl<E> State<E> {
             });
             r.next_id += 1;
         }
-        DevicePtr(addr)
     }
 
     /// Tells apart a double free, an interior pointer and a foreign pointer.
@@ -932,16 +992,28 @@ impl<E> State<E> {
         Ok(())
     }
 
-    /// Returns a block to its pool, merging it with free neighbours.
+    /// Returns a block to its pool, merging it with free neighbours (a
+    /// slab's chunk goes back to its slab).
     fn free_block(&mut self, id: BlockId) {
-        let (orig_size, requested, pool) = {
+        let (orig_size, requested, pool, slab) = {
             let b = self.blocks.get_mut(id.0);
             b.state = BlockState::Free;
-            (b.size, std::mem::take(&mut b.requested), b.pool)
+            (b.size, std::mem::take(&mut b.requested), b.pool, b.slab)
         };
         let kind = pool.kind();
-        self.merge_counted(id, kind);
+        self.file_free(id, kind, slab);
         self.count_active(kind, orig_size, requested, false);
+    }
+
+    /// Files the free block `id` where free blocks of its kind go: a slab's
+    /// chunk in its slab, any other block in the bins, merged.
+    #[inline]
+    fn file_free(&mut self, id: BlockId, kind: PoolKind, slab: bool) {
+        if slab {
+            self.slab_free(id);
+        } else {
+            self.merge_counted(id, kind);
+        }
     }
 
     /// Counts a block of `size` bytes handed out (`up`) or given back by its caller.
@@ -1141,11 +1213,24 @@ impl<E> State<E> {
         result
     }
 
-    /// Whether a segment is a single free block (releasable).
+    /// Whether a segment is a single free block, or a slab with no chunk in
+    /// use (releasable).
     fn segment_is_free(&self, seg: SegmentId) -> bool {
         let s = self.segments.get(seg.0);
+        if let Some(slab) = &s.slab {
+            return slab.live == 0;
+        }
         let b = self.blocks.get(s.head.0);
         b.state == BlockState::Free && b.next.is_none() && !s.is_expandable()
+    }
+
+    /// The operation count since which an entirely free segment has been free.
+    fn free_since(&self, seg: SegmentId) -> u64 {
+        let s = self.segments.get(seg.0);
+        match &s.slab {
+            Some(slab) => slab.idle_since,
+            None => self.blocks.get(s.head.0).freed_at,
+        }
     }
 
     /// Frees an entirely free segment to the device.
@@ -1156,10 +1241,14 @@ impl<E> State<E> {
     ) -> Result<u64, AllocError> {
         debug_assert!(self.segment_is_free(seg));
         let s = self.segments.get(seg.0);
-        let (addr, size, pool, head) = (s.addr, s.size, s.pool, s.head);
+        let (addr, size, pool, head, slab) = (s.addr, s.size, s.pool, s.head, s.slab.is_some());
         dev.free(DevicePtr(addr), size)?;
-        self.bins_mut(pool).remove(size, addr, head);
-        self.blocks.discard(head.0);
+        if slab {
+            self.drop_slab(seg);
+        } else {
+            self.bins_mut(pool).remove(size, addr, head);
+            self.blocks.discard(head.0);
+        }
         self.segments.remove(seg.0);
         self.segment_by_addr.remove(&addr);
         let kind = pool.kind();
@@ -1219,9 +1308,7 @@ impl<E> State<E> {
         }
         if min_idle > 0 {
             let now = self.clock;
-            free.retain(|&(_, seg)| {
-                now - self.blocks.get(self.segments.get(seg.0).head.0).freed_at >= min_idle
-            });
+            free.retain(|&(_, seg)| now - self.free_since(seg) >= min_idle);
         }
         if free.is_empty() {
             return Ok(0);
@@ -1240,9 +1327,7 @@ impl<E> State<E> {
             }
             ReleaseOrder::All => {}
             ReleaseOrder::Oldest => {
-                free.sort_by_key(|&(_, seg)| {
-                    self.blocks.get(self.segments.get(seg.0).head.0).freed_at
-                });
+                free.sort_by_key(|&(_, seg)| self.free_since(seg));
             }
         }
         let mut total = 0;
@@ -1389,7 +1474,30 @@ impl<E> State<E> {
                 }
             }
         }
+        // Free chunks and uncarved tails of slabs are outside the bins.
+        for s in self.slab_segments() {
+            let mut cur = Some(s.head);
+            while let Some(id) = cur {
+                let b = self.blocks.get(id.0);
+                if b.state == BlockState::Free {
+                    free += b.size;
+                    largest = largest.max(b.size);
+                }
+                cur = b.next;
+            }
+        }
         (free, largest)
+    }
+
+    /// The slab segments (from the pools' lists and the full ones: all
+    /// segments with slab records).
+    fn slab_segments(&self) -> impl Iterator<Item = &Segment> + '_ {
+        let any = self.slab_lists.iter().any(Option::is_some);
+        self.segment_by_addr
+            .values()
+            .filter(move |_| any)
+            .map(|&seg| self.segments.get(seg.0))
+            .filter(|s| s.slab.is_some())
     }
 
     fn fragmentation(&self) -> FragmentationReport {
@@ -1414,7 +1522,7 @@ impl<E> State<E> {
                 blocks += 1;
                 cur = b.next;
             }
-            if used == 0 && blocks == 1 && !s.is_expandable() {
+            if used == 0 && (blocks == 1 || s.slab.is_some()) && !s.is_expandable() {
                 releasable += s.size;
             }
             segments.push(SegmentUse {
@@ -1482,6 +1590,7 @@ impl<E> State<E> {
         let mut awaiting = 0usize;
         let mut pending_events = 0u64;
         let mut last_end = 0u64;
+        let mut slabs = 0usize;
         self.check_pages()?;
         if self.segment_by_addr.len() != self.segments.len() {
             return Err(format!(
@@ -1515,6 +1624,10 @@ impl<E> State<E> {
             let mut at = s.addr;
             let mut prev_free = false;
             let split = self.blocks.get(s.head.0).next.is_some() && !s.is_expandable();
+            if s.slab.is_some() {
+                self.check_slab(seg)?;
+                slabs += 1;
+            }
             while let Some(id) = cur {
                 let b = self.blocks.get(id.0);
                 seen_blocks += 1;
@@ -1530,6 +1643,14 @@ impl<E> State<E> {
                 if b.prev != prev || b.segment != seg || b.pool != s.pool {
                     return Err(format!("block {id:?} at {:#x} has broken links", b.addr));
                 }
+                if b.slab != s.slab.is_some() {
+                    return Err(format!(
+                        "block at {:#x} is marked as a slab's: {}, its segment is a slab: {}",
+                        b.addr,
+                        b.slab,
+                        s.slab.is_some()
+                    ));
+                }
                 if b.addr != at || b.size == 0 || b.addr % 512 != 0 || b.size % 512 != 0 {
                     return Err(format!(
                         "block {id:?} at {:#x}+{} does not tile its segment (expected {at:#x})",
@@ -1537,7 +1658,7 @@ impl<E> State<E> {
                     ));
                 }
                 let free = b.state == BlockState::Free;
-                if free && prev_free {
+                if free && prev_free && !b.slab {
                     return Err(format!("free neighbours left unmerged at {:#x}", b.addr));
                 }
                 prev_free = free;
@@ -1546,13 +1667,19 @@ impl<E> State<E> {
                         let in_bins = self.bins[b.pool.index()]
                             .as_ref()
                             .is_some_and(|bins| bins.iter().any(|e| e == (b.size, b.addr, id)));
-                        if !in_bins {
+                        // (A slab's free blocks are checked by `check_slab`.)
+                        if in_bins == b.slab {
                             return Err(format!(
-                                "free block at {:#x} missing from its bins",
-                                b.addr
+                                "free block at {:#x} {} its bins",
+                                b.addr,
+                                if b.slab {
+                                    "of a slab is in"
+                                } else {
+                                    "missing from"
+                                }
                             ));
                         }
-                        free_blocks[b.pool.index()] += 1;
+                        free_blocks[b.pool.index()] += usize::from(!b.slab);
                         if split {
                             expect.inactive_split.increase(kind, 1);
                             expect.inactive_split_bytes.increase(kind, b.size);
@@ -1622,6 +1749,13 @@ impl<E> State<E> {
         for &(_, kind, size) in &self.page_pool {
             expect.reserved_bytes.increase(kind, size);
         }
+        // Full slabs are in no list; every listed one was checked above.
+        if self.listed_slabs() > slabs {
+            return Err(format!(
+                "{} slabs listed but {slabs} segments are slabs",
+                self.listed_slabs()
+            ));
+        }
         if seen_blocks != self.blocks.len() {
             return Err(format!(
                 "{} block records but {} reachable from segments",
@@ -1682,7 +1816,9 @@ impl<E> State<E> {
 }
 
 mod expandable;
+mod slabs;
 mod thread_cache;
+use slabs::SlabLists;
 use thread_cache::FrontReview;
 
 #[cfg(test)]

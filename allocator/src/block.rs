@@ -91,6 +91,9 @@ pub(crate) struct Block {
     pub segment: SegmentId,
     pub pool: PoolId,
     pub state: BlockState,
+    /// A chunk (or the uncarved tail) of a slab segment: never split,
+    /// merged or filed in the bins (see `allocator::slabs`).
+    pub slab: bool,
     /// Streams other than the owner's that used the block (`record_stream`).
     pub stream_uses: StreamUses,
     /// Events still guarding the block after it was freed.
@@ -115,6 +118,7 @@ impl Block {
             segment,
             pool,
             state: BlockState::Free,
+            slab: false,
             stream_uses: StreamUses::default(),
             pending_events: 0,
             gc_base: 0,
@@ -178,6 +182,38 @@ pub(crate) struct Segment {
     pub pages: Option<PageMap>,
     /// For an expandable segment: the bytes of each page (0 for a plain segment).
     pub page_size: u64,
+    /// For a slab (a small-pool segment cut into chunks of one size class):
+    /// its chunks' bookkeeping.
+    pub slab: Option<SlabSeg>,
+}
+
+/// Where a slab is listed in its pool (see `allocator::slabs`).
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub(crate) enum Listed {
+    /// Full: no free chunk and no room in the tail for one.
+    Nowhere,
+    /// In its class's list of slabs with room.
+    Partial,
+    /// In its pool's list of slabs with no chunk in use (any class may take it).
+    Empty,
+}
+
+/// A slab's chunks: they are blocks of the segment, all of one size,
+/// carved from the front of the uncarved tail as needed.
+#[derive(Clone, Debug)]
+pub(crate) struct SlabSeg {
+    /// Size class (`rounding::slab_class`) and its chunk size.
+    pub class: usize,
+    pub chunk: u64,
+    /// Chunks in use (allocated, awaiting events or parked in a thread cache).
+    pub live: u32,
+    /// Free chunks, the most recently freed last.
+    pub free: Vec<BlockId>,
+    /// The uncarved rest of the segment, the last block (None once carved up).
+    pub tail: Option<BlockId>,
+    pub listed: Listed,
+    /// The allocator's operation count when the last chunk in use came back.
+    pub idle_since: u64,
 }
 
 impl Segment {

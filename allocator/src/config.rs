@@ -5,7 +5,7 @@
 //! a preset (`pytorch`, `default`, `no-caching`), which the keys then modify:
 //! `pytorch,max_split_size_mb:64`.
 
-use crate::rounding::{Power2Divisions, POWER2_INTERVALS};
+use crate::rounding::{Power2Divisions, POWER2_INTERVALS, SLAB_MAX};
 use std::fmt;
 
 const MIB: u64 = 1 << 20;
@@ -137,6 +137,12 @@ pub struct Config {
     /// rounded size and stream, served without the allocator's lock (0: off;
     /// ignored with expandable segments or without caching). See `docs/POLICY.md`.
     pub thread_cache: u32,
+    /// Small requests up to this many bytes (rounded) take a chunk of their
+    /// size class from a small-pool segment that holds only that class (a
+    /// slab): no best-fit search, no split, no merge (0: off; at most
+    /// [`SLAB_MAX`]; ignored with expandable segments or without caching).
+    /// See `docs/POLICY.md`, "Slabs".
+    pub slab_max: u64,
 }
 
 impl Config {
@@ -154,6 +160,7 @@ impl Config {
             huge_size: u64::MAX,
             huge_segment_divisions: 0,
             thread_cache: 0,
+            slab_max: 0,
             max_split_size: u64::MAX,
             oversize_slack: 20 * MIB,
             roundup_power2_divisions: [0; POWER2_INTERVALS],
@@ -401,6 +408,15 @@ impl Config {
                 }
                 self.thread_cache = n;
             }
+            "slab_max_kb" => {
+                let kib: u64 = value
+                    .parse()
+                    .map_err(|_| bad("expected a whole number of KiB"))?;
+                if kib > SLAB_MAX / 1024 {
+                    return Err(bad("at most 1024 KiB (a slab holds at least two chunks)"));
+                }
+                self.slab_max = kib * 1024;
+            }
             "huge_segment_divisions" => {
                 let d: u32 = value.parse().map_err(|_| bad("expected a whole number"))?;
                 if d > 1 << 16 || (d > 1 && !d.is_power_of_two()) {
@@ -430,6 +446,13 @@ impl Config {
         }
         if self.segment_round == 0 {
             return bad("segment_round_mb", 0, "must be positive");
+        }
+        if self.slab_max > self.small_size || self.slab_max * 2 > self.small_segment {
+            return bad(
+                "slab_max_kb",
+                self.slab_max / 1024,
+                "slabs are small-pool segments: at most the small-request limit and half a small segment",
+            );
         }
         if self.medium_segment < self.large_threshold {
             return bad(
@@ -496,6 +519,7 @@ impl Config {
             .collect();
         s += &format!(",roundup_power2_divisions:[{}]", list.join(","));
         s += &format!(",thread_cache:{}", self.thread_cache);
+        s += &format!(",slab_max_kb:{}", self.slab_max / 1024);
         if let Some(t) = self.garbage_collection_threshold {
             s += &format!(",garbage_collection_threshold:{t}");
         }
@@ -667,7 +691,7 @@ impl fmt::Display for ConfigError {
         match self {
             ConfigError::UnknownKey(k) => write!(
                 f,
-                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, release_same_kind, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb, expandable_edges, thread_cache)"
+                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, release_same_kind, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb, expandable_edges, thread_cache, slab_max_kb)"
             ),
             ConfigError::UnknownPreset(p) => {
                 write!(f, "unknown configuration `{p}` (presets: {}; or key:value,…)", Config::PRESETS.join(", "))

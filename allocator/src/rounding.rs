@@ -59,6 +59,30 @@ pub fn is_plain(divisions: &Power2Divisions) -> bool {
     divisions.iter().all(|&d| d <= 1)
 }
 
+/// Largest chunk a slab serves (`slab_max_kb` is at most this).
+pub const SLAB_MAX: u64 = 1 << 20;
+
+/// Slab size classes up to [`SLAB_MAX`]: 8 exact ones up to 4 KiB, then 8
+/// in each power of two from 4 KiB (excluded) to 1 MiB (included).
+pub const SLAB_CLASSES: usize = 8 + 8 * 8;
+
+/// The slab class of a rounded size (a multiple of 512 of at most
+/// [`SLAB_MAX`]) and its chunk size: exact multiples of 512 bytes up to
+/// 4 KiB, then 8 classes per power of two, so that a chunk is at most 1/8
+/// larger than the request it serves.
+#[inline]
+pub fn slab_class(rounded: u64) -> (usize, u64) {
+    let g = (rounded / MIN_BLOCK).max(1);
+    if g <= 8 {
+        return ((g - 1) as usize, g * MIN_BLOCK);
+    }
+    let fl = 63 - u64::from((g - 1).leading_zeros());
+    let step = 1u64 << (fl - 3);
+    let up = g.div_ceil(step) * step;
+    let class = 7 + (fl as usize - 3) * 8 + ((up >> (fl - 3)) as usize - 8);
+    (class, up * MIN_BLOCK)
+}
+
 /// Rounds `size` up to the next of `d` equal steps between the powers of two around it.
 pub(crate) fn round_power2_division(size: u64, d: u64) -> u64 {
     if size.is_power_of_two() {
@@ -79,6 +103,29 @@ pub(crate) fn round_power2_division(size: u64, d: u64) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn slab_classes_fit_waste_at_most_an_eighth_and_follow_sizes() {
+        let mut last: Option<(usize, u64)> = None;
+        for g in 1..=SLAB_MAX / MIN_BLOCK {
+            let rounded = g * MIN_BLOCK;
+            let (class, chunk) = slab_class(rounded);
+            assert!(chunk >= rounded, "{rounded}: chunk {chunk}");
+            assert!((chunk - rounded) * 8 <= chunk, "{rounded}: chunk {chunk}");
+            assert!(class < SLAB_CLASSES, "{rounded}: class {class}");
+            // A chunk is its class's largest request.
+            assert_eq!(slab_class(chunk), (class, chunk));
+            // The same class has the same chunk, the next class a larger one.
+            if let Some((c, k)) = last {
+                assert!(
+                    class == c && chunk == k || class == c + 1 && chunk > k,
+                    "{rounded}"
+                );
+            }
+            last = Some((class, chunk));
+        }
+        assert_eq!(last, Some((SLAB_CLASSES - 1, SLAB_MAX)));
+    }
+
     use super::*;
 
     const NONE: Power2Divisions = [0; POWER2_INTERVALS];

@@ -139,6 +139,9 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         ),
         // One parked block per thread: every park past the first evicts.
         ("default-thread-cache-1", parse("default,thread_cache:1")),
+        // Slabs for every small request, and for the smallest next to the bins.
+        ("default-slabs-1024", parse("default,slab_max_kb:1024")),
+        ("pytorch-slabs-16", parse("pytorch,slab_max_kb:16")),
     ]
 }
 

@@ -176,6 +176,16 @@ fn model_default_huge_pool_64() {
     run_config("default-huge-64", config("default-huge-64"), 96);
 }
 
+#[test]
+fn model_default_slabs_1024() {
+    run_config("default-slabs-1024", config("default-slabs-1024"), 256);
+}
+
+#[test]
+fn model_pytorch_slabs_16() {
+    run_config("pytorch-slabs-16", config("pytorch-slabs-16"), 128);
+}
+
 /// The fuzzers' entry point: arbitrary bytes decode to a valid sequence.
 #[test]
 fn model_from_bytes() {

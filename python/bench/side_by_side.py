@@ -11,6 +11,7 @@
 #
 #   python3 python/bench/side_by_side.py --lib gpu-bundle/lib/libcachealloc.so OUT.json [--reps N]
 #   python3 python/bench/side_by_side.py --lib new=A.so --lib old=B.so OUT.json [--only random]
+#   python3 python/bench/side_by_side.py --lib a=A.so --lib b=copy-of-A.so --conf b=default,slab_max_kb:64 OUT.json
 #
 # Prints, per case, the minimum of each allocator over the repetitions, the
 # ratio of the minimums and the median of the per-repetition ratios. With
@@ -24,7 +25,7 @@
 # the faster one's ratio towards 1, so each build's line then also gives the
 # median of the paired ratios with the floor taken off both sides:
 # (cachealloc - floor) / (PyTorch - floor), the allocators' own work.
-import argparse, json, statistics, time
+import argparse, json, os, statistics, time
 import torch
 from torch.utils.cpp_extension import load_inline
 
@@ -102,12 +103,21 @@ template <class A> double mixed(A a, long iters, int slots, long max_bytes, int 
   return r;
 }
 
+// Creates build `lib`'s allocator now (one alloc and free), so that it reads
+// CACHEALLOC_CONF as the caller set it for this build.
+long ca_warm(long lib) {
+  Ca a(lib);
+  void* p = a.alloc(512);
+  if (p == nullptr) return -1;
+  a.release(p, 512);
+  return 0;
+}
 double torch_pair(long lib, long size, long iters) { return pair(Torch{}, size, iters); }
 double ca_pair(long lib, long size, long iters) { return pair(Ca(lib), size, iters); }
 double torch_mixed(long lib, long iters, int slots, long max_bytes, int seed) { return mixed(Torch{}, iters, slots, max_bytes, seed); }
 double ca_mixed(long lib, long iters, int slots, long max_bytes, int seed) { return mixed(Ca(lib), iters, slots, max_bytes, seed); }
 '''
-FUNCS = ["ca_load", "torch_pair", "ca_pair", "torch_mixed", "ca_mixed"]
+FUNCS = ["ca_load", "ca_warm", "torch_pair", "ca_pair", "torch_mixed", "ca_mixed"]
 
 CASES = [
     ("pair 512 B", lambda e, w, i: getattr(e, f"{w}_pair")(i, 512, 200000)),
@@ -137,6 +147,10 @@ def main():
     ap.add_argument("--floor", metavar="PATH",
                     help="a build of python/bench/null_abi.c, timed in every repetition "
                          "as the bench's floor (see the top of this file)")
+    ap.add_argument("--conf", action="append", metavar="NAME=CONF", default=[],
+                    help="run build NAME with CACHEALLOC_CONF=CONF (its allocator is created "
+                         "at load, reading it then); two builds with different configurations "
+                         "must be two files, as the same path loads once")
     args = ap.parse_args()
     cases = [c for c in CASES if args.only is None or args.only in c[0]]
     if not cases:
@@ -147,6 +161,15 @@ def main():
     names = [n for n, _ in libs]
     if len(set(names)) != len(names):
         ap.error(f"two --lib builds share a name: {names}")
+    confs = {}
+    for spec in args.conf:
+        name, sep, conf = spec.partition("=")
+        if not sep or name not in names:
+            ap.error(f"--conf {spec!r}: expected NAME=CONF with NAME one of {names}")
+        confs[name] = conf
+    paths = [p for _, p in libs]
+    if confs and len(set(paths)) != len(paths):
+        ap.error("with --conf, every --lib must be its own file (a path loads once per process)")
     if args.floor is not None:
         if "floor" in names:
             ap.error("--lib may not be named 'floor' together with --floor")
@@ -158,16 +181,26 @@ def main():
     torch.cuda.init()
     torch.empty(1, device="cuda")
     index = {}
+    base_conf = os.environ.get("CACHEALLOC_CONF")
     for name, path in libs:
         i = ext.ca_load(path)
         if i < 0:
             raise SystemExit(f"cannot load cachealloc_alloc/cachealloc_free from {path}")
         index[name] = i
+        if name in confs:
+            os.environ["CACHEALLOC_CONF"] = confs[name]
+            if ext.ca_warm(i) < 0:
+                raise SystemExit(f"{name}: the first allocation failed with CACHEALLOC_CONF={confs[name]!r}")
+            if base_conf is None:
+                del os.environ["CACHEALLOC_CONF"]
+            else:
+                os.environ["CACHEALLOC_CONF"] = base_conf
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
           f"{args.reps} alternating repetitions per case; builds: "
-          + ", ".join(f"{n}={p}" for n, p in libs), flush=True)
+          + ", ".join(f"{n}={p}" + (f" (CACHEALLOC_CONF={confs[n]})" if n in confs else "")
+                      for n, p in libs), flush=True)
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "reps": args.reps, "libs": dict(libs), "cases": {}}
+           "reps": args.reps, "libs": dict(libs), "confs": confs, "cases": {}}
     shown = [n for n, _ in libs]
     floored = args.floor is not None
     extra = " floor off: median of paired ratios |" if floored else ""

@@ -351,7 +351,7 @@ impl<E> State<E> {
     fn unpark(&mut self, id: BlockId) {
         let b = self.blocks.get_mut(id.0);
         debug_assert_eq!(b.state, BlockState::Parked);
-        let (addr, size, kind, split) = (b.addr, b.size, b.pool.kind(), b.is_split());
+        let (addr, size, kind, split, slab) = (b.addr, b.size, b.pool.kind(), b.is_split(), b.slab);
         // Idle since the caller (or a free neighbour's caller) freed it, not since the flush.
         let mut parked_at = b.freed_at;
         for n in [b.prev, b.next].into_iter().flatten() {
@@ -369,7 +369,7 @@ impl<E> State<E> {
             self.stats.inactive_split.decrease(kind, 1);
             self.stats.inactive_split_bytes.decrease(kind, size);
         }
-        self.merge_counted(id, kind);
+        self.file_free(id, kind, slab);
         self.blocks.get_mut(id.0).freed_at = parked_at;
     }
 

@@ -1,0 +1,465 @@
+//! Slabs: small-pool segments cut into chunks of one size class
+//! (`slab_max_kb`, docs/POLICY.md "Slabs").
+//!
+//! A request of at most `slab_max` bytes (rounded) takes a chunk of its class
+//! (`rounding::slab_class`: exact up to 4 KiB, then 8 classes per power of
+//! two) from a slab of its pool: the most recently freed chunk of the newest
+//! slab with room, else the next chunk carved from the front of that slab's
+//! uncarved tail. There is no best-fit search, no split and no merge, which
+//! is what a small request costs in the bins. Chunks are blocks of their
+//! segment like any other (the snapshot, the live map, the statistics and
+//! the invariant check see them), but a free chunk sits in its slab's free
+//! list instead of the bins.
+//!
+//! A slab whose last chunk comes back moves to its pool's list of empty
+//! slabs, which any class takes (re-cut) before a new segment is made; like
+//! any entirely free segment, an empty slab is released by `empty_cache`,
+//! by the release-before-grow rule (idle since its last chunk came back) and
+//! by the out-of-memory ladder.
+
+use super::State;
+use crate::block::{Block, BlockId, BlockState, Listed, PoolId, PoolKind, SegmentId, SlabSeg};
+use crate::device::{Device, DevicePtr, StreamId};
+use crate::error::AllocError;
+use crate::rounding::{slab_class, SLAB_CLASSES};
+
+/// The slabs of one pool.
+#[derive(Debug)]
+pub(super) struct SlabLists {
+    /// Per class: slabs with a free chunk or room in their tail; the last
+    /// serves first.
+    partial: Vec<Vec<SegmentId>>,
+    /// Slabs with no chunk in use.
+    empty: Vec<SegmentId>,
+}
+
+impl Default for SlabLists {
+    fn default() -> Self {
+        SlabLists {
+            partial: vec![Vec::new(); SLAB_CLASSES],
+            empty: Vec::new(),
+        }
+    }
+}
+
+/// Removes `seg` from `list` (short lists: a scan).
+fn unlist(list: &mut Vec<SegmentId>, seg: SegmentId) {
+    let i = list
+        .iter()
+        .rposition(|&s| s == seg)
+        .expect("a listed slab is in its list");
+    list.swap_remove(i);
+}
+
+impl<E> State<E> {
+    /// Serves a small request from the slabs of `pool`, making a new slab
+    /// (through the same ladder as any growth) when none has room.
+    pub(super) fn slab_malloc<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        pool: PoolId,
+        stream: StreamId,
+        size: u64,
+        rounded: u64,
+    ) -> Result<DevicePtr, AllocError> {
+        let (class, chunk) = slab_class(rounded);
+        let id = match self.take_chunk(pool, class, chunk) {
+            Some(id) => id,
+            None => {
+                let seg_size = self.config.small_segment;
+                let id = self.grow_with(dev, pool, stream, size, rounded, seg_size, |st| {
+                    st.take_chunk(pool, class, chunk)
+                })?;
+                if self.blocks.get(id.0).slab {
+                    // The ladder's flush freed a chunk of this class.
+                    id
+                } else {
+                    // A new segment, one free block outside the bins.
+                    let seg = self.blocks.get(id.0).segment;
+                    self.make_slab(seg, class, chunk);
+                    self.take_chunk(pool, class, chunk)
+                        .expect("a new slab has room for a chunk")
+                }
+            }
+        };
+        let b = self.blocks.get_mut(id.0);
+        b.state = BlockState::Allocated;
+        b.requested = size;
+        let addr = b.addr;
+        self.live.insert(addr, id);
+        self.count_allocated(PoolKind::Small, chunk, true);
+        self.count_active(PoolKind::Small, chunk, size, true);
+        self.record_alloc(addr, size, pool);
+        Ok(DevicePtr(addr))
+    }
+
+    /// A chunk of `class` from the pool's slabs (a slab with room, else an
+    /// empty slab re-cut for the class, else an entirely free segment of the
+    /// pool's bins made a slab), still marked free; None if there is none.
+    fn take_chunk(&mut self, pool: PoolId, class: usize, chunk: u64) -> Option<BlockId> {
+        let lists = self.slab_lists[pool.index()].get_or_insert_with(Box::default);
+        let seg = match lists.partial[class].last() {
+            Some(&seg) => seg,
+            None => match lists.empty.pop() {
+                Some(seg) => {
+                    lists.partial[class].push(seg);
+                    self.recut(seg, class, chunk);
+                    seg
+                }
+                None => {
+                    let seg = self.take_free_segment(pool)?;
+                    self.make_slab(seg, class, chunk);
+                    seg
+                }
+            },
+        };
+        Some(self.pop_chunk(seg))
+    }
+
+    /// An entirely free segment of the pool's bins, taken out of them (so
+    /// that a new slab costs no device call while one is cached).
+    fn take_free_segment(&mut self, pool: PoolId) -> Option<SegmentId> {
+        let seg_size = self.config.small_segment;
+        let bins = self.bins[pool.index()].as_mut()?;
+        let found = bins.find(seg_size)?;
+        let (size, _, id) = found.entry;
+        let b = self.blocks.get(id.0);
+        if size != seg_size || b.is_split() {
+            return None;
+        }
+        let seg = b.segment;
+        bins.take(found);
+        Some(seg)
+    }
+
+    /// Before the pool's bins grow: an empty slab of the pool becomes a
+    /// plain free segment in the bins again (no device call). Returns
+    /// whether there was one.
+    pub(super) fn unslab_empty(&mut self, pool: PoolId) -> bool {
+        let Some(seg) = self
+            .slab_lists
+            .get_mut(pool.index())
+            .and_then(Option::as_mut)
+            .and_then(|l| l.empty.pop())
+        else {
+            return false;
+        };
+        let s = self.segments.get_mut(seg.0);
+        let (head, addr, size) = (s.head, s.addr, s.size);
+        s.slab = None;
+        let blocks = self.join_blocks(head, addr, size);
+        if blocks > 1 {
+            self.stats.inactive_split.decrease(PoolKind::Small, blocks);
+            self.stats
+                .inactive_split_bytes
+                .decrease(PoolKind::Small, size);
+        }
+        let h = self.blocks.get_mut(head.0);
+        h.slab = false;
+        h.freed_at = self.clock;
+        self.bins_mut(pool).insert(size, addr, head);
+        true
+    }
+
+    /// Makes the blocks of an entirely free segment one block again, the
+    /// head's record covering `size` bytes from `addr`; returns how many
+    /// blocks there were.
+    fn join_blocks(&mut self, head: BlockId, addr: u64, size: u64) -> u64 {
+        let mut blocks = 1;
+        let mut cur = self.blocks.get(head.0).next;
+        while let Some(id) = cur {
+            cur = self.blocks.get(id.0).next;
+            self.blocks.discard(id.0);
+            blocks += 1;
+        }
+        let h = self.blocks.get_mut(head.0);
+        h.addr = addr;
+        h.size = size;
+        h.next = None;
+        blocks
+    }
+
+    /// Takes a chunk of slab `seg` (listed as having room): the most recently
+    /// freed one, else one carved from the tail.
+    fn pop_chunk(&mut self, seg: SegmentId) -> BlockId {
+        let s = self.segments.get_mut(seg.0);
+        let pool = s.pool;
+        let slab = s.slab.as_mut().expect("a listed segment is a slab");
+        let chunk = slab.chunk;
+        let id = match slab.free.pop() {
+            Some(id) => {
+                // A free chunk shares its segment: it counted as inactive split.
+                self.stats.inactive_split.decrease(PoolKind::Small, 1);
+                self.stats
+                    .inactive_split_bytes
+                    .decrease(PoolKind::Small, chunk);
+                id
+            }
+            None => self.carve(seg, chunk),
+        };
+        let s = self.segments.get_mut(seg.0);
+        let slab = s.slab.as_mut().expect("a slab");
+        slab.live += 1;
+        let full = slab.free.is_empty()
+            && slab
+                .tail
+                .map_or(true, |t| self.blocks.get(t.0).size < slab.chunk);
+        if full {
+            slab.listed = Listed::Nowhere;
+            let lists = self.slab_lists[pool.index()]
+                .as_mut()
+                .expect("a slab's pool has lists");
+            unlist(&mut lists.partial[slab.class], seg);
+        }
+        id
+    }
+
+    /// Cuts a chunk from the front of slab `seg`'s tail (which has room).
+    fn carve(&mut self, seg: SegmentId, chunk: u64) -> BlockId {
+        let s = self.segments.get(seg.0);
+        let pool = s.pool;
+        let tail = s
+            .slab
+            .as_ref()
+            .and_then(|slab| slab.tail)
+            .expect("a slab with room and no free chunk has a tail");
+        let t = self.blocks.get(tail.0);
+        let (addr, size, prev, split) = (t.addr, t.size, t.prev, t.prev.is_some());
+        debug_assert!(size >= chunk && t.next.is_none());
+        let kind = PoolKind::Small;
+        if size == chunk {
+            // The tail is the last chunk.
+            self.segments
+                .get_mut(seg.0)
+                .slab
+                .as_mut()
+                .expect("a slab")
+                .tail = None;
+            if split {
+                self.stats.inactive_split.decrease(kind, 1);
+                self.stats.inactive_split_bytes.decrease(kind, chunk);
+            }
+            return tail;
+        }
+        let id = BlockId(self.blocks.insert(Block {
+            prev,
+            next: Some(tail),
+            slab: true,
+            ..Block::free(addr, chunk, seg, pool, self.clock)
+        }));
+        match prev {
+            Some(p) => self.blocks.get_mut(p.0).next = Some(id),
+            None => self.segments.get_mut(seg.0).head = id,
+        }
+        let t = self.blocks.get_mut(tail.0);
+        t.prev = Some(id);
+        t.addr += chunk;
+        t.size -= chunk;
+        if split {
+            self.stats.inactive_split_bytes.decrease(kind, chunk);
+        } else {
+            // The segment was one free block; its tail now shares it.
+            self.stats.inactive_split.increase(kind, 1);
+            self.stats.inactive_split_bytes.increase(kind, size - chunk);
+        }
+        id
+    }
+
+    /// Makes the new segment `seg` (one free block, outside the bins) a slab
+    /// of `class`, listed as having room.
+    fn make_slab(&mut self, seg: SegmentId, class: usize, chunk: u64) {
+        let s = self.segments.get_mut(seg.0);
+        let (head, pool) = (s.head, s.pool);
+        s.slab = Some(SlabSeg {
+            class,
+            chunk,
+            live: 0,
+            free: Vec::new(),
+            tail: Some(head),
+            listed: Listed::Partial,
+            idle_since: self.clock,
+        });
+        self.blocks.get_mut(head.0).slab = true;
+        self.slab_lists[pool.index()]
+            .get_or_insert_with(Box::default)
+            .partial[class]
+            .push(seg);
+    }
+
+    /// Re-cuts the empty slab `seg` (already moved to `class`'s list) for
+    /// `class`: its blocks become one uncarved tail again, unless it already
+    /// holds that class.
+    fn recut(&mut self, seg: SegmentId, class: usize, chunk: u64) {
+        let s = self.segments.get_mut(seg.0);
+        let (head, addr, size) = (s.head, s.addr, s.size);
+        let slab = s.slab.as_mut().expect("an empty slab");
+        debug_assert_eq!(slab.live, 0);
+        slab.listed = Listed::Partial;
+        if slab.class == class {
+            return;
+        }
+        slab.class = class;
+        slab.chunk = chunk;
+        slab.free.clear();
+        slab.tail = Some(head);
+        let blocks = self.join_blocks(head, addr, size);
+        if blocks > 1 {
+            // Its free blocks counted as inactive split; one block does not.
+            self.stats.inactive_split.decrease(PoolKind::Small, blocks);
+            self.stats
+                .inactive_split_bytes
+                .decrease(PoolKind::Small, size);
+        }
+    }
+
+    /// Returns chunk `id` (already marked free) to its slab.
+    pub(super) fn slab_free(&mut self, id: BlockId) {
+        let b = self.blocks.get_mut(id.0);
+        b.freed_at = self.clock;
+        let seg = b.segment;
+        let s = self.segments.get_mut(seg.0);
+        let pool = s.pool;
+        let slab = s.slab.as_mut().expect("a chunk's segment is a slab");
+        slab.free.push(id);
+        slab.live -= 1;
+        // A chunk always shares its segment (a slab holds at least two).
+        self.stats.inactive_split.increase(PoolKind::Small, 1);
+        self.stats
+            .inactive_split_bytes
+            .increase(PoolKind::Small, slab.chunk);
+        let lists = self.slab_lists[pool.index()]
+            .as_mut()
+            .expect("a slab's pool has lists");
+        if slab.live == 0 {
+            if slab.listed == Listed::Partial {
+                unlist(&mut lists.partial[slab.class], seg);
+            }
+            slab.listed = Listed::Empty;
+            slab.idle_since = self.clock;
+            lists.empty.push(seg);
+        } else if slab.listed == Listed::Nowhere {
+            slab.listed = Listed::Partial;
+            lists.partial[slab.class].push(seg);
+        }
+    }
+
+    /// Forgets the records of the empty slab `seg`, which is being released:
+    /// its blocks and its place in the empty list.
+    pub(super) fn drop_slab(&mut self, seg: SegmentId) {
+        let s = self.segments.get_mut(seg.0);
+        let (pool, head, size) = (s.pool, s.head, s.size);
+        let slab = s.slab.take().expect("a slab");
+        debug_assert!(slab.live == 0 && slab.listed == Listed::Empty);
+        let lists = self.slab_lists[pool.index()]
+            .as_mut()
+            .expect("a slab's pool has lists");
+        unlist(&mut lists.empty, seg);
+        let mut blocks = 0;
+        let mut cur = Some(head);
+        while let Some(id) = cur {
+            cur = self.blocks.get(id.0).next;
+            self.blocks.discard(id.0);
+            blocks += 1;
+        }
+        if blocks > 1 {
+            self.stats.inactive_split.decrease(PoolKind::Small, blocks);
+            self.stats
+                .inactive_split_bytes
+                .decrease(PoolKind::Small, size);
+        }
+    }
+
+    /// Checks slab `seg`'s bookkeeping against its blocks: every block but
+    /// the tail is a chunk of the class's size, the free list holds exactly
+    /// the free chunks, `live` counts the others, and the slab is listed
+    /// where its state says.
+    pub(super) fn check_slab(&self, seg: SegmentId) -> Result<(), String> {
+        let s = self.segments.get(seg.0);
+        let slab = s.slab.as_ref().expect("a slab");
+        let (mut live, mut free) = (0u32, Vec::new());
+        let mut cur = Some(s.head);
+        let mut last = s.head;
+        while let Some(id) = cur {
+            let b = self.blocks.get(id.0);
+            if !b.slab {
+                return Err(format!("block at {:#x} of a slab is not marked", b.addr));
+            }
+            if Some(id) != slab.tail {
+                if b.size != slab.chunk {
+                    return Err(format!(
+                        "chunk at {:#x} has {} bytes in a slab of {}-byte chunks",
+                        b.addr, b.size, slab.chunk
+                    ));
+                }
+                if b.state == BlockState::Free {
+                    free.push(id);
+                } else {
+                    live += 1;
+                }
+            } else if b.state != BlockState::Free {
+                return Err(format!("slab tail at {:#x} is in use", b.addr));
+            }
+            last = id;
+            cur = b.next;
+        }
+        if slab.tail.is_some_and(|t| t != last) {
+            return Err(format!(
+                "slab at {:#x}: its tail is not its last block",
+                s.addr
+            ));
+        }
+        let mut listed_free = slab.free.clone();
+        listed_free.sort_unstable();
+        free.sort_unstable();
+        if listed_free != free || live != slab.live {
+            return Err(format!(
+                "slab at {:#x}: {} chunks free and {live} in use, but it lists {} free and counts {} in use",
+                s.addr,
+                free.len(),
+                slab.free.len(),
+                slab.live
+            ));
+        }
+        let room = !slab.free.is_empty()
+            || slab
+                .tail
+                .is_some_and(|t| self.blocks.get(t.0).size >= slab.chunk);
+        let expect = if live == 0 {
+            Listed::Empty
+        } else if room {
+            Listed::Partial
+        } else {
+            Listed::Nowhere
+        };
+        let lists = self.slab_lists.get(s.pool.index()).and_then(Option::as_ref);
+        let count = |list: Option<&Vec<SegmentId>>| {
+            list.map_or(0, |l| l.iter().filter(|&&x| x == seg).count())
+        };
+        let (in_partial, in_empty) = (
+            count(lists.map(|l| &l.partial[slab.class])),
+            count(lists.map(|l| &l.empty)),
+        );
+        let ok = match slab.listed {
+            Listed::Nowhere => in_partial == 0 && in_empty == 0,
+            Listed::Partial => in_partial == 1 && in_empty == 0,
+            Listed::Empty => in_partial == 0 && in_empty == 1,
+        };
+        if slab.listed != expect || !ok {
+            return Err(format!(
+                "slab at {:#x} is listed {:?} ({in_partial} times with its class, {in_empty} as empty) but should be {expect:?}",
+                s.addr, slab.listed
+            ));
+        }
+        Ok(())
+    }
+
+    /// Slabs listed in the pools' lists, each once (checked against the
+    /// segments by [`State::check_slab`]).
+    pub(super) fn listed_slabs(&self) -> usize {
+        self.slab_lists
+            .iter()
+            .flatten()
+            .map(|l| l.empty.len() + l.partial.iter().map(Vec::len).sum::<usize>())
+            .sum()
+    }
+}
