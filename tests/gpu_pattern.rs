@@ -54,6 +54,12 @@ fn pattern_two_streams_expandable() {
     pattern_two_streams_with(Config::expandable());
 }
 
+/// Every small request from slabs (chunks of one size class per segment).
+#[test]
+fn pattern_two_streams_slabs() {
+    pattern_two_streams_with(Config::parse("default,slab_max_kb:1024").unwrap());
+}
+
 fn pattern_two_streams_with(config: Config) {
     let Some(dev) = gpu_device() else { return };
     println!("device: {}; config {}", dev.name(), config.name);

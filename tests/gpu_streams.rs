@@ -65,6 +65,61 @@ fn cross_stream_block_not_reused_before_work_completes_expandable() {
     cross_stream_with(Config::expandable());
 }
 
+/// A slab's chunk used by a second stream comes back to its slab only
+/// after that stream's work on it completes: the chunk is small, so the
+/// second stream is kept busy on a large buffer first.
+#[test]
+fn cross_stream_slab_chunk_not_reused_before_work_completes() {
+    let _serial = serial();
+    let Some(dev) = gpu_device() else { return };
+    dev.bind_thread().unwrap();
+    let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
+    let alloc = CachingAllocator::new(dev, Config::parse("default,slab_max_kb:1024").unwrap());
+    let (big_size, small) = (256 * MIB, 64 * 1024);
+    let big = alloc.malloc(big_size, b.id()).unwrap();
+    let x = alloc.malloc(small, a.id()).unwrap();
+    // SAFETY: x is ours, used by stream a only so far.
+    unsafe { driver::memset_d32_async(x, 0x1111_1111, (small / 4) as usize, a.id()) }.unwrap();
+    a.synchronize().unwrap();
+
+    // Stream b: long work on its own buffer, then a write of x; free x on a.
+    alloc.record_stream(x, b.id()).unwrap();
+    long_work(big, big_size, b.id(), 2000, 1);
+    long_work(x, small, b.id(), 1, 0xB0B0_B0B0);
+    let b_done = alloc.device().record_event(b.id()).unwrap();
+    alloc.free(x).unwrap();
+
+    let y = alloc.malloc(small, a.id()).unwrap();
+    let done_at_malloc = alloc.device().event_completed(&b_done).unwrap();
+    println!("slab chunk x = {x}, y = {y}; stream b done when y was handed out: {done_at_malloc}");
+    assert!(
+        y != x || done_at_malloc,
+        "the chunk was handed out again while stream b still had work on it"
+    );
+    assert!(
+        !done_at_malloc,
+        "stream b finished too early for the test to mean anything"
+    );
+
+    // Once b completes, x goes back to its slab and is the next chunk handed out.
+    b.synchronize().unwrap();
+    alloc.device().release_event(b_done);
+    let z = alloc.malloc(small, a.id()).unwrap();
+    assert_eq!(z, x, "the freed chunk is reused once its events completed");
+    assert_eq!(
+        all_equal(z, small, a.id(), 0xB0B0_B0B0),
+        0,
+        "x was written by someone else"
+    );
+    for p in [y, z, big] {
+        alloc.free(p).unwrap();
+    }
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.stats().num_sync_all_streams, 0);
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.usage().reserved, 0);
+}
+
 fn cross_stream_with(config: Config) {
     let _serial = serial();
     let Some(dev) = gpu_device() else { return };

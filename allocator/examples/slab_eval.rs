@@ -6,15 +6,16 @@
 //! cargo run --release -p cachealloc-core --example slab_eval -- LIMIT_KIB TRACE.gz...
 //! ```
 //! Requests of at most LIMIT_KIB (after rounding to 512 bytes; at most 1024)
-//! get a chunk of their size class (`common/slab.rs`) from a 2 MiB slab
-//! that holds only that class; everything else goes to the core under
-//! `default`. Slabs and core share one simulated device. An emptied slab
-//! waits in a pool that any class reuses; `empty_cache` and a full device
-//! return that pool to the device (a full device also flushes the core, as
-//! its own ladder would). Prints, over `default`'s own peak allocated bytes:
-//! peak reserved, min-capacity (the smallest device that replays the trace,
-//! to 0.1%), device calls over `pytorch`'s, and the share of operations
-//! the slabs took.
+//! get a chunk of their size class (`rounding::slab_class`) from a 2 MiB
+//! slab that holds only that class; everything else goes to the core under
+//! `default` without its own slabs (`default,slab_max_kb:0`: this study came
+//! first, and the core's slabs followed from it). Slabs and core share one
+//! simulated device. An emptied slab waits in a pool that any class reuses;
+//! `empty_cache` and a full device return that pool to the device (a full
+//! device also flushes the core, as its own ladder would). Prints, over the
+//! bins-only `default`'s peak allocated bytes: peak reserved, min-capacity
+//! (the smallest device that replays the trace, to 0.1%), device calls over
+//! `pytorch`'s, and the share of operations the slabs took.
 //!
 //! The slab operations count on the core's idle clock (the clock of
 //! `release_min_idle`, 25 operations), as they would inside the allocator:
@@ -32,6 +33,14 @@ mod slab;
 #[path = "common/traces.rs"]
 mod traces;
 use slab::{slab_class, SLAB_BYTES, SLAB_CLASSES, SLAB_MAX};
+
+/// `default` with every request in the bins: the policy before slabs,
+/// which this study measured them against.
+const BINS_DEFAULT: &str = "default,slab_max_kb:0";
+
+fn bins_default() -> Config {
+    Config::parse(BINS_DEFAULT).expect("valid config")
+}
 
 fn round512(n: u64) -> u64 {
     n.max(1).div_ceil(512) * 512
@@ -294,14 +303,16 @@ fn main() {
         .map(|v| v.parse().expect("MIN_IDLE, a number of operations"));
     let base = Study {
         limit: 0,
-        config: Config::default(),
+        config: bins_default(),
         tick: true,
     };
     let study = Study {
         limit,
         config: match idle {
-            Some(n) => Config::parse(&format!("default,release_min_idle:{n}")).expect("config"),
-            None => Config::default(),
+            Some(n) => {
+                Config::parse(&format!("{BINS_DEFAULT},release_min_idle:{n}")).expect("config")
+            }
+            None => bins_default(),
         },
         tick: std::env::var("FOREIGN_OPS").map_or(true, |v| v != "0"),
     };
@@ -364,22 +375,18 @@ fn plan_trace(slots: usize, max_mib: u64, ops: usize, seed: u64) -> Vec<TraceEve
 mod common;
 
 /// Without slabs the study is the core's own replay, so its slab figures
-/// are measured against the real `default`.
+/// are measured against the real bins-only `default`.
 #[test]
 fn without_slabs_the_study_replays_the_core() {
     use cachealloc_core::replay::{replay as core_replay, ReplayOptions};
     let events = plan_trace(128, 16, 40_000, 7);
-    let ours = replay(&events, 0, &Config::default(), None, true).expect("unlimited");
+    let ours = replay(&events, 0, &bins_default(), None, true).expect("unlimited");
     let opts = ReplayOptions {
         report_at_peak: false,
         ..Default::default()
     };
-    let theirs = core_replay(
-        || Ok(events.iter().copied().map(Ok)),
-        &Config::default(),
-        opts,
-    )
-    .expect("replays");
+    let theirs =
+        core_replay(|| Ok(events.iter().copied().map(Ok)), &bins_default(), opts).expect("replays");
     assert_eq!(ours.peak_reserved, theirs.peak_reserved);
     assert_eq!(ours.peak_allocated, theirs.peak_allocated);
     assert_eq!(ours.slab_share, 0.0);
@@ -387,7 +394,7 @@ fn without_slabs_the_study_replays_the_core() {
     assert!(replay(
         &events,
         0,
-        &Config::default(),
+        &bins_default(),
         Some(ours.peak_allocated / 2),
         true
     )

@@ -192,6 +192,7 @@ impl Config {
             oversize_ratio: 2,
             release_same_kind: false,
             release_min_idle: 0,
+            slab_max: 0,
             ..Self::default()
         }
     }
@@ -535,6 +536,9 @@ impl Config {
 /// Blocks each thread keeps in `default` (enough for a few tensors of a
 /// step's repeating shapes; each is flushed back before the allocator grows).
 pub const DEFAULT_THREAD_CACHE: u32 = 8;
+/// Requests that `default` serves from slabs: every small one (see
+/// `docs/POLICY.md`, "Slabs", for what it costs and buys).
+pub const DEFAULT_SLAB_MAX: u64 = SLAB_MAX;
 /// Upper bound of `thread_cache`.
 pub const MAX_THREAD_CACHE: u32 = 1024;
 
@@ -549,6 +553,7 @@ impl Default for Config {
             huge_size: 256 * MIB,
             release_same_kind: true,
             release_min_idle: 25,
+            slab_max: DEFAULT_SLAB_MAX,
             ..Self::pytorch()
         }
     }

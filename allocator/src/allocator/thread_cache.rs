@@ -875,7 +875,9 @@ mod tests {
 
     #[test]
     fn threads_each_keep_their_own_blocks() {
-        let (dev, a) = new("default", 1 << 30);
+        // Without slabs, so that one small segment serves all eight sizes
+        // (slabs would take one segment per size class).
+        let (dev, a) = new("default,slab_max_kb:0", 1 << 30);
         let handles: Vec<_> = (0..8u64)
             .map(|t| {
                 let a = a.clone();
