@@ -29,8 +29,8 @@ pub(super) struct SlabLists {
     /// Per class: slabs with a free chunk or room in their tail; the last
     /// serves first.
     partial: Vec<Vec<SegmentId>>,
-    /// Slabs with no chunk in use.
-    empty: Vec<SegmentId>,
+    /// Slabs with no chunk in use, with the class each was last cut for.
+    empty: Vec<(SegmentId, usize)>,
 }
 
 impl Default for SlabLists {
@@ -100,7 +100,14 @@ impl<E> State<E> {
         let lists = self.slab_lists[pool.index()].get_or_insert_with(Box::default);
         let seg = match lists.partial[class].last() {
             Some(&seg) => seg,
-            None => match lists.empty.pop() {
+            // An empty slab of this class needs no re-cut: it goes first.
+            None => match lists
+                .empty
+                .iter()
+                .rposition(|&(_, c)| c == class)
+                .or_else(|| lists.empty.len().checked_sub(1))
+                .map(|i| lists.empty.swap_remove(i).0)
+            {
                 Some(seg) => {
                     lists.partial[class].push(seg);
                     self.recut(seg, class, chunk);
@@ -141,6 +148,7 @@ impl<E> State<E> {
             .get_mut(pool.index())
             .and_then(Option::as_mut)
             .and_then(|l| l.empty.pop())
+            .map(|(seg, _)| seg)
         else {
             return false;
         };
@@ -336,7 +344,7 @@ impl<E> State<E> {
             }
             slab.listed = Listed::Empty;
             slab.idle_since = self.clock;
-            lists.empty.push(seg);
+            lists.empty.push((seg, slab.class));
         } else if slab.listed == Listed::Nowhere {
             slab.listed = Listed::Partial;
             lists.partial[slab.class].push(seg);
@@ -353,7 +361,12 @@ impl<E> State<E> {
         let lists = self.slab_lists[pool.index()]
             .as_mut()
             .expect("a slab's pool has lists");
-        unlist(&mut lists.empty, seg);
+        let i = lists
+            .empty
+            .iter()
+            .position(|&(s, _)| s == seg)
+            .expect("an empty slab is in its pool's empty list");
+        lists.empty.swap_remove(i);
         let mut blocks = 0;
         let mut cur = Some(head);
         while let Some(id) = cur {
@@ -437,7 +450,12 @@ impl<E> State<E> {
         };
         let (in_partial, in_empty) = (
             count(lists.map(|l| &l.partial[slab.class])),
-            count(lists.map(|l| &l.empty)),
+            lists.map_or(0, |l| {
+                l.empty
+                    .iter()
+                    .filter(|&&(x, c)| x == seg && c == slab.class)
+                    .count()
+            }),
         );
         let ok = match slab.listed {
             Listed::Nowhere => in_partial == 0 && in_empty == 0,
