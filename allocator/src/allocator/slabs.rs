@@ -155,13 +155,7 @@ impl<E> State<E> {
         let s = self.segments.get_mut(seg.0);
         let (head, addr, size) = (s.head, s.addr, s.size);
         s.slab = None;
-        let blocks = self.join_blocks(head, addr, size);
-        if blocks > 1 {
-            self.stats.inactive_split.decrease(PoolKind::Small, blocks);
-            self.stats
-                .inactive_split_bytes
-                .decrease(PoolKind::Small, size);
-        }
+        self.join_blocks(head, addr, size);
         let h = self.blocks.get_mut(head.0);
         h.slab = false;
         h.freed_at = self.clock;
@@ -169,10 +163,10 @@ impl<E> State<E> {
         true
     }
 
-    /// Makes the blocks of an entirely free segment one block again, the
-    /// head's record covering `size` bytes from `addr`; returns how many
-    /// blocks there were.
-    fn join_blocks(&mut self, head: BlockId, addr: u64, size: u64) -> u64 {
+    /// Makes the blocks of an entirely free slab one free block again, the
+    /// head's record covering the segment's `size` bytes from `addr`. Its
+    /// free blocks counted as inactive split; one block alone does not.
+    fn join_blocks(&mut self, head: BlockId, addr: u64, size: u64) {
         let mut blocks = 1;
         let mut cur = self.blocks.get(head.0).next;
         while let Some(id) = cur {
@@ -184,7 +178,12 @@ impl<E> State<E> {
         h.addr = addr;
         h.size = size;
         h.next = None;
-        blocks
+        if blocks > 1 {
+            self.stats.inactive_split.decrease(PoolKind::Small, blocks);
+            self.stats
+                .inactive_split_bytes
+                .decrease(PoolKind::Small, size);
+        }
     }
 
     /// Takes a chunk of slab `seg` (listed as having room): the most recently
@@ -310,14 +309,7 @@ impl<E> State<E> {
         slab.chunk = chunk;
         slab.free.clear();
         slab.tail = Some(head);
-        let blocks = self.join_blocks(head, addr, size);
-        if blocks > 1 {
-            // Its free blocks counted as inactive split; one block does not.
-            self.stats.inactive_split.decrease(PoolKind::Small, blocks);
-            self.stats
-                .inactive_split_bytes
-                .decrease(PoolKind::Small, size);
-        }
+        self.join_blocks(head, addr, size);
     }
 
     /// Returns chunk `id` (already marked free) to its slab.
@@ -355,7 +347,7 @@ impl<E> State<E> {
     /// its blocks and its place in the empty list.
     pub(super) fn drop_slab(&mut self, seg: SegmentId) {
         let s = self.segments.get_mut(seg.0);
-        let (pool, head, size) = (s.pool, s.head, s.size);
+        let (pool, head, addr, size) = (s.pool, s.head, s.addr, s.size);
         let slab = s.slab.take().expect("a slab");
         debug_assert!(slab.live == 0 && slab.listed == Listed::Empty);
         let lists = self.slab_lists[pool.index()]
@@ -367,19 +359,8 @@ impl<E> State<E> {
             .position(|&(s, _)| s == seg)
             .expect("an empty slab is in its pool's empty list");
         lists.empty.swap_remove(i);
-        let mut blocks = 0;
-        let mut cur = Some(head);
-        while let Some(id) = cur {
-            cur = self.blocks.get(id.0).next;
-            self.blocks.discard(id.0);
-            blocks += 1;
-        }
-        if blocks > 1 {
-            self.stats.inactive_split.decrease(PoolKind::Small, blocks);
-            self.stats
-                .inactive_split_bytes
-                .decrease(PoolKind::Small, size);
-        }
+        self.join_blocks(head, addr, size);
+        self.blocks.discard(head.0);
     }
 
     /// Checks slab `seg`'s bookkeeping against its blocks: every block but

@@ -984,3 +984,87 @@ fn expandable_waits_for_a_marker_before_the_whole_device() {
     a.free(keep).unwrap();
     a.check_invariants().unwrap();
 }
+
+/// Slabs without thread caches in front, so that every call reaches them.
+fn slabs(max_kb: u64) -> Config {
+    Config::parse(&format!("default,thread_cache:0,slab_max_kb:{max_kb}")).unwrap()
+}
+
+#[test]
+fn slab_chunks_of_a_class_share_a_segment_and_the_last_freed_goes_first() {
+    let (dev, a) = new(slabs(1024));
+    // 1000 and 900 bytes round to 1024: one class, 1 KiB chunks, carved in order.
+    let p: Vec<DevicePtr> = (0..4).map(|_| a.malloc(1000, S0).unwrap()).collect();
+    for w in p.windows(2) {
+        assert_eq!(w[1].0, w[0].0 + 1024);
+    }
+    a.free(p[1]).unwrap();
+    a.free(p[2]).unwrap();
+    ok(&a);
+    assert_eq!(a.malloc(900, S0).unwrap(), p[2]);
+    assert_eq!(a.malloc(900, S0).unwrap(), p[1]);
+    // Another class gets a slab of its own.
+    let q = a.malloc(5000, S0).unwrap();
+    let snap = a.snapshot();
+    let seg_of = |x: DevicePtr| {
+        snap.segments
+            .iter()
+            .position(|s| x.0 >= s.address.0 && x.0 < s.address.0 + s.total_size)
+    };
+    assert_ne!(seg_of(q), seg_of(p[0]));
+    assert_eq!(dev.counters().allocs, 2);
+    // A chunk is its class's size: 5000 B rounds to 5120, whose class is 5 KiB.
+    let s = a.stats();
+    assert_eq!(s.allocated_bytes.all().current, 4 * 1024 + 5 * 1024);
+    assert_eq!(s.requested_bytes.all().current, 2 * 1000 + 2 * 900 + 5000);
+    ok(&a);
+}
+
+#[test]
+fn an_empty_slab_is_recut_for_another_class_without_a_device_call() {
+    let (dev, a) = new(slabs(1024));
+    let p = a.malloc(1000, S0).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(100 * 1024, S0).unwrap();
+    assert_eq!(
+        q, p,
+        "the empty slab, re-cut, serves the new class from its start"
+    );
+    assert_eq!(dev.counters().allocs, 1);
+    ok(&a);
+}
+
+#[test]
+fn slabs_and_the_bins_trade_free_segments_without_device_calls() {
+    let (dev, a) = new(slabs(64));
+    // An empty slab becomes a free segment of the bins before they grow.
+    let p = a.malloc(1000, S0).unwrap();
+    a.free(p).unwrap();
+    let big = a.malloc(512 * 1024, S0).unwrap();
+    assert_eq!(big, p);
+    assert_eq!(dev.counters().allocs, 1);
+    ok(&a);
+    // And a whole free segment of the bins becomes a slab.
+    a.free(big).unwrap();
+    let small = a.malloc(2000, S0).unwrap();
+    assert_eq!(small, p);
+    assert_eq!(dev.counters().allocs, 1);
+    ok(&a);
+}
+
+#[test]
+fn empty_cache_releases_empty_slabs_and_keeps_used_ones() {
+    let (dev, a) = new(slabs(1024));
+    let keep = a.malloc(1000, S0).unwrap();
+    let gone = a.malloc(300 * 1024, S0).unwrap();
+    a.free(gone).unwrap();
+    let released = a.empty_cache().unwrap();
+    assert_eq!((released.segments, released.bytes), (1, 2 * MIB));
+    assert_eq!(a.usage().reserved, 2 * MIB);
+    ok(&a);
+    a.free(keep).unwrap();
+    assert_eq!(a.empty_cache().unwrap().segments, 1);
+    assert_eq!(a.usage().reserved, 0);
+    assert_eq!(dev.counters().frees, 2);
+    ok(&a);
+}
