@@ -10,7 +10,9 @@
 
 use crate::addrmap::AddrMap;
 use crate::bins::Bins;
-use crate::block::{Block, BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId, Slab};
+use crate::block::{
+    Block, BlockId, BlockState, Listed, PoolId, PoolKind, Segment, SegmentId, Slab,
+};
 use crate::config::{Config, MemoryCap, ReleaseOrder};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::{AllocError, OomReport};
@@ -1489,13 +1491,10 @@ impl<E> State<E> {
         (free, largest)
     }
 
-    /// The slab segments (from the pools' lists and the full ones: all
-    /// segments with slab records).
+    /// The slab segments, full ones included.
     fn slab_segments(&self) -> impl Iterator<Item = &Segment> + '_ {
-        let any = self.slab_lists.iter().any(Option::is_some);
         self.segment_by_addr
             .values()
-            .filter(move |_| any)
             .map(|&seg| self.segments.get(seg.0))
             .filter(|s| s.slab.is_some())
     }
@@ -1590,7 +1589,7 @@ impl<E> State<E> {
         let mut awaiting = 0usize;
         let mut pending_events = 0u64;
         let mut last_end = 0u64;
-        let mut slabs = 0usize;
+        let mut listed = 0usize;
         self.check_pages()?;
         if self.segment_by_addr.len() != self.segments.len() {
             return Err(format!(
@@ -1624,9 +1623,9 @@ impl<E> State<E> {
             let mut at = s.addr;
             let mut prev_free = false;
             let split = self.blocks.get(s.head.0).next.is_some() && !s.is_expandable();
-            if s.slab.is_some() {
+            if let Some(slab) = &s.slab {
                 self.check_slab(seg)?;
-                slabs += 1;
+                listed += usize::from(slab.listed != Listed::Nowhere);
             }
             while let Some(id) = cur {
                 let b = self.blocks.get(id.0);
@@ -1749,10 +1748,10 @@ impl<E> State<E> {
         for &(_, kind, size) in &self.page_pool {
             expect.reserved_bytes.increase(kind, size);
         }
-        // Full slabs are in no list; every listed one was checked above.
-        if self.listed_slabs() > slabs {
+        // Each slab is listed where its state says (`check_slab`); nothing else is.
+        if self.listed_slabs() != listed {
             return Err(format!(
-                "{} slabs listed but {slabs} segments are slabs",
+                "{} entries in the slab lists but {listed} slabs listed",
                 self.listed_slabs()
             ));
         }

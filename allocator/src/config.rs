@@ -448,11 +448,17 @@ impl Config {
         if self.segment_round == 0 {
             return bad("segment_round_mb", 0, "must be positive");
         }
-        if self.slab_max > self.small_size || self.slab_max * 2 > self.small_segment {
+        let slab_limit = self.small_size.min(self.small_segment / 2);
+        if self.slab_max > slab_limit {
             return bad(
                 "slab_max_kb",
                 self.slab_max / 1024,
-                "slabs are small-pool segments: at most the small-request limit and half a small segment",
+                &format!(
+                    "slabs are small-pool segments holding at least two chunks: at most {} KiB \
+                     with small_segment_mb:{} (set slab_max_kb lower, or 0 for no slabs)",
+                    slab_limit / 1024,
+                    self.small_segment / MIB
+                ),
             );
         }
         if self.medium_segment < self.large_threshold {

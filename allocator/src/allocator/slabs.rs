@@ -452,8 +452,8 @@ impl<E> State<E> {
         Ok(())
     }
 
-    /// Slabs listed in the pools' lists, each once (checked against the
-    /// segments by [`State::check_slab`]).
+    /// Entries in the pools' slab lists (each slab is checked against its
+    /// entries by [`State::check_slab`]).
     pub(super) fn listed_slabs(&self) -> usize {
         self.slab_lists
             .iter()
