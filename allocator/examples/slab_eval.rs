@@ -24,6 +24,7 @@
 //! rises to 1.19. `FOREIGN_OPS=0` leaves them off the clock, to show that;
 //! `MIN_IDLE=N` sets the idle age of the slab runs.
 
+use cachealloc_core::rounding::round_size_plain;
 use cachealloc_core::TraceEvent;
 use cachealloc_core::{CachingAllocator, Config, Device, DevicePtr, SimulatedDevice, StreamId};
 use std::collections::HashMap;
@@ -40,10 +41,6 @@ const BINS_DEFAULT: &str = "default,slab_max_kb:0";
 
 fn bins_default() -> Config {
     Config::parse(BINS_DEFAULT).expect("valid config")
-}
-
-fn round512(n: u64) -> u64 {
-    n.max(1).div_ceil(512) * 512
 }
 
 /// The slabs: which class each holds, its live chunks and free offsets.
@@ -190,7 +187,7 @@ fn replay(
         match *e {
             TraceEvent::Alloc { id, bytes, stream } => {
                 ops += 1;
-                let r = round512(bytes);
+                let r = round_size_plain(bytes).expect("a trace's sizes are below MAX_REQUEST");
                 if r <= limit {
                     let (c, chunk) = slab_class(r);
                     // The ladder: a new slab, else release empty slabs, else flush the core.
@@ -421,7 +418,7 @@ fn slabs_hand_out_disjoint_chunks_and_give_every_slab_back() {
             slabs.free(s, off, chunk);
         } else {
             let rounded = (((x >> 20) % 2048 + 1) * 512) >> ((x >> 40) % 8);
-            let (c, chunk) = slab_class(round512(rounded));
+            let (c, chunk) = slab_class(round_size_plain(rounded).expect("small"));
             let (s, off) = slabs.alloc(&dev, c, chunk).expect("unlimited");
             assert!(
                 off + chunk <= SLAB_BYTES,
