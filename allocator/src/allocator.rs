@@ -336,7 +336,7 @@ impl<D: Device> CachingAllocator<D> {
     /// Counts `ops` mallocs and frees that were served outside this
     /// allocator on its idle clock (the clock of `release_min_idle`), as if
     /// they had been its own: for policy studies that route some requests
-    /// elsewhere (the `slab_eval` example). Only with the `testing` feature.
+    /// elsewhere (the lab's `slab_eval`). Only with the `testing` feature.
     #[cfg(feature = "testing")]
     pub fn count_foreign_ops(&self, ops: u64) {
         self.state.lock().clock += ops;

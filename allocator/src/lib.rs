@@ -44,6 +44,8 @@ mod pages;
 pub mod replay;
 pub mod report;
 pub mod rounding;
+#[cfg(feature = "testing")]
+pub mod sample;
 pub mod simulated;
 pub mod stats;
 #[cfg(feature = "testing")]

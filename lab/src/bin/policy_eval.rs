@@ -1,5 +1,9 @@
-//! Policy evaluation on perturbed traces, to choose defaults that generalise:
-//! `policy_eval CONF TRACE.gz...`. Each trace is replayed as recorded and with
+//! Policy evaluation on perturbed traces, to choose defaults that generalise.
+//!
+//! ```text
+//! cargo run -p lab --release --bin policy_eval -- 'CONF[;CONF...]' TRACE.gz...
+//! ```
+//! Each trace is replayed as recorded and with
 //! 4 jittered variants (every allocation's size scaled by a factor in
 //! [0.85, 1.15] drawn from a hash of its id and the seed), and the table gives
 //! peak reserved / peak allocated, min-capacity / peak allocated and driver
@@ -8,9 +12,7 @@
 use cachealloc_core::replay::{replay, ReplayOptions, ReplayResult};
 use cachealloc_core::{Config, TraceEvent};
 
-#[path = "common/traces.rs"]
-mod traces;
-use traces::load;
+use lab::load_trace as load;
 
 fn mix(mut x: u64) -> u64 {
     x ^= x >> 33;
@@ -49,6 +51,10 @@ fn run(events: &[TraceEvent], config: &Config, capacity: Option<u64>) -> ReplayR
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.len() < 3 {
+        eprintln!("usage: policy_eval 'CONF[;CONF...]' TRACE.gz...  (env: POLICY_EVAL_VARIANTS=N)");
+        std::process::exit(2);
+    }
     let configs: Vec<&str> = args[1].split(';').collect();
     let variants: u64 = std::env::var("POLICY_EVAL_VARIANTS")
         .ok()

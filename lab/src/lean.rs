@@ -1,16 +1,7 @@
-//! How fast can the core's algorithm go? A lean re-implementation of the
-//! `pytorch` policy's hot path, with the same decisions, timed on the GPU
-//! bench's random-op mix next to the real allocator.
-//!
-//! ```text
-//! cargo run --release -p cachealloc-core --example lean_core -- [SLOTS] [MAX_MIB] [OPS] [lean|core|null|check|slab:KIB]
-//! ```
-//! Defaults: 256 slots, 8 MiB, 2 000 000 ops, `lean`; `SEED` picks the plan
-//! as in the `random_ops` example. `core` times the real allocator (the
-//! `pytorch` configuration, which makes the same decisions as `default` on
-//! this mix but has no thread caches), `null` the loop alone. `check` runs both on the same plan and
-//! fails unless every allocation lands at the same address, with the same
-//! device calls (so the lean path makes exactly the real core's decisions).
+//! A lean re-implementation of the `pytorch` policy's hot path, with the
+//! same decisions as the core, to time how fast the core's algorithm could
+//! go (the `lean_core` binary times it on the random-op plan next to the
+//! real allocator).
 //!
 //! What the lean path keeps: best fit by (size, address) over a two-level
 //! bitmap of size classes (64 per power of two), split and merge with
@@ -25,32 +16,32 @@
 //! makes that sorted insert linear, which the core's vector-then-tree
 //! classes bound; this is a measurement, not a replacement.
 //!
-//! `slab:KIB` measures a policy change instead: requests of at most KIB
-//! (after rounding; at most 1024) skip best fit, split and merge, and are
-//! served from 2 MiB slabs of one size class each (exact 512-byte multiples
-//! up to 4 KiB, then 8 classes per power of two, so a chunk wastes at most
-//! 1/8 of its size), the rest as in `lean`. What that policy would cost in
-//! fragmentation on the shipped traces is the `slab_eval` example's
-//! question (docs/BENCHMARKS.md).
+//! With a slab limit ([`Lean::with_slabs`]) it measures a policy change
+//! instead: requests of at most the limit (after rounding; at most 1 MiB)
+//! skip best fit, split and merge, and are served from 2 MiB slabs of one
+//! size class each (`rounding::slab_class`: exact 512-byte multiples up to
+//! 4 KiB, then 8 classes per power of two, so a chunk wastes at most 1/8 of
+//! its size). What that policy costs in fragmentation on the shipped traces
+//! is [`crate::slab_study`]'s question.
 
 use cachealloc_core::{
     rounding::round_size_plain, CachingAllocator, Config, Device, DevicePtr, SimulatedDevice,
     StreamId,
 };
 use parking_lot::Mutex;
-use std::time::Instant;
 
-mod common;
-#[path = "common/slab.rs"]
-mod slab;
-use slab::{slab_class, SLAB_BYTES, SLAB_CLASSES, SLAB_MAX};
+use cachealloc_core::rounding::{slab_class, SLAB_CLASSES, SLAB_MAX};
+
+/// Bytes of one slab (the small pool's segment size).
+pub const SLAB_BYTES: u64 = 2 << 20;
 
 const NIL: u32 = u32::MAX;
-const GRANULE: u64 = 512;
+/// Sizes are kept in granules of this many bytes (the rounding unit).
+pub const GRANULE: u64 = 512;
 const SL_BITS: u32 = 6;
 const SL_COUNT: usize = 1 << SL_BITS;
 const FL_COUNT: usize = 48;
-const MIB: u64 = 1 << 20;
+use crate::MIB;
 
 /// A block: 32 bytes, sizes in 512-byte granules.
 #[derive(Clone, Copy)]
@@ -263,8 +254,9 @@ struct State {
 }
 
 /// The lean allocator over a device.
-struct Lean<D: Device> {
-    dev: D,
+pub struct Lean<D: Device> {
+    /// The device it allocates segments from.
+    pub dev: D,
     state: Mutex<State>,
     /// Requests up to this many bytes go to slabs (0: none, as the core).
     slab_limit: u64,
@@ -365,11 +357,14 @@ impl State {
 }
 
 impl<D: Device> Lean<D> {
-    fn new(dev: D) -> Self {
+    /// The lean path without slabs: the core's `pytorch` decisions.
+    pub fn new(dev: D) -> Self {
         Self::with_slabs(dev, 0)
     }
 
-    fn with_slabs(dev: D, slab_limit: u64) -> Self {
+    /// The lean path with slabs for requests of at most `slab_limit` bytes
+    /// (after rounding; at most 1 MiB).
+    pub fn with_slabs(dev: D, slab_limit: u64) -> Self {
         assert!(slab_limit <= SLAB_MAX, "slabs serve at most 1 MiB");
         Lean {
             dev,
@@ -389,7 +384,8 @@ impl<D: Device> Lean<D> {
         }
     }
 
-    fn malloc(&self, size: u64) -> DevicePtr {
+    /// Allocates `size` bytes (panics on a size above the core's limit).
+    pub fn malloc(&self, size: u64) -> DevicePtr {
         let rounded = round_size_plain(size).expect("size");
         let g = (rounded / GRANULE) as u32;
         let large = rounded > MIB;
@@ -512,7 +508,8 @@ impl<D: Device> Lean<D> {
         DevicePtr(addr)
     }
 
-    fn free(&self, p: DevicePtr) {
+    /// Frees `p`, which this allocator returned and which is live.
+    pub fn free(&self, p: DevicePtr) {
         let st = &mut *self.state.lock();
         let i = st.live.remove(p.0).expect("allocated here");
         let b = st.blocks[i as usize];
@@ -586,7 +583,7 @@ impl<D: Device> Lean<D> {
 /// Runs `plan` on the lean path and on the real core (`pytorch`
 /// configuration) side by side; panics at the first allocation that lands
 /// elsewhere, or if device calls or statistics differ. Returns a summary.
-fn check(plan: &[(usize, u64)], slots: usize) -> String {
+pub fn check(plan: &[(usize, u64)], slots: usize) -> String {
     let lean = Lean::new(SimulatedDevice::unlimited());
     let core = CachingAllocator::new(SimulatedDevice::unlimited(), Config::pytorch());
     let mut a: Vec<Option<DevicePtr>> = vec![None; slots];
@@ -635,117 +632,67 @@ fn check(plan: &[(usize, u64)], slots: usize) -> String {
     )
 }
 
-/// The lean path's timings mean something only while it decides as the core does.
-#[test]
-fn lean_path_makes_the_core_s_decisions() {
-    for (seed, slots, max_mib) in [(1, 256, 8), (2, 4096, 64), (3, 64, 2)] {
-        check(&common::random_plan(slots, max_mib, 100_000, seed), slots);
-    }
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::random_plan;
 
-/// The `slab:KIB` mode's timings mean something only while it is an
-/// allocator: no two live allocations overlap, every chunk holds its
-/// request, and the allocated bytes are the live chunks' sum.
-#[test]
-fn slab_mode_hands_out_disjoint_chunks_that_fit() {
-    use std::collections::BTreeMap;
-    for (seed, slots, max_mib, limit) in [(1, 256, 8, MIB), (2, 4096, 64, 64 << 10)] {
-        let lean = Lean::with_slabs(SimulatedDevice::unlimited(), limit);
-        let mut live: Vec<Option<(DevicePtr, u64)>> = vec![None; slots];
-        let mut spans: BTreeMap<u64, u64> = BTreeMap::new();
-        let mut chunks = 0u64;
-        for &(slot, size) in &common::random_plan(slots, max_mib, 50_000, seed) {
-            match live[slot].take() {
-                Some((p, len)) => {
-                    lean.free(p);
-                    spans.remove(&p.0);
-                    chunks -= len;
-                }
-                None => {
-                    let p = lean.malloc(size);
-                    let rounded = round_size_plain(size).expect("size");
-                    let len = if rounded <= limit {
-                        let chunk = slab_class(rounded).1;
-                        assert!(chunk >= rounded && chunk - rounded <= chunk / 8);
-                        chunks += chunk;
-                        chunk
-                    } else {
-                        0
-                    };
-                    let end = p.0 + rounded;
-                    if let Some((&a, &e)) = spans.range(..end).next_back() {
-                        assert!(e <= p.0, "[{:#x}, {end:#x}) overlaps [{a:#x}, {e:#x})", p.0);
+    /// The lean path's timings mean something only while it decides as the core does.
+    #[test]
+    fn lean_path_makes_the_core_s_decisions() {
+        for (seed, slots, max_mib) in [(1, 256, 8), (2, 4096, 64), (3, 64, 2)] {
+            check(&random_plan(slots, max_mib * MIB, 100_000, seed), slots);
+        }
+    }
+
+    /// The `slab:KIB` mode's timings mean something only while it is an
+    /// allocator: no two live allocations overlap, every chunk holds its
+    /// request, and the allocated bytes are the live chunks' sum.
+    #[test]
+    fn slab_mode_hands_out_disjoint_chunks_that_fit() {
+        use std::collections::BTreeMap;
+        for (seed, slots, max_mib, limit) in [(1, 256, 8, MIB), (2, 4096, 64, 64 << 10)] {
+            let lean = Lean::with_slabs(SimulatedDevice::unlimited(), limit);
+            let mut live: Vec<Option<(DevicePtr, u64)>> = vec![None; slots];
+            let mut spans: BTreeMap<u64, u64> = BTreeMap::new();
+            let mut chunks = 0u64;
+            for &(slot, size) in &random_plan(slots, max_mib * MIB, 50_000, seed) {
+                match live[slot].take() {
+                    Some((p, len)) => {
+                        lean.free(p);
+                        spans.remove(&p.0);
+                        chunks -= len;
                     }
-                    spans.insert(p.0, end);
-                    live[slot] = Some((p, len));
+                    None => {
+                        let p = lean.malloc(size);
+                        let rounded = round_size_plain(size).expect("size");
+                        let len = if rounded <= limit {
+                            let chunk = slab_class(rounded).1;
+                            assert!(chunk >= rounded && chunk - rounded <= chunk / 8);
+                            chunks += chunk;
+                            chunk
+                        } else {
+                            0
+                        };
+                        let end = p.0 + rounded;
+                        if let Some((&a, &e)) = spans.range(..end).next_back() {
+                            assert!(e <= p.0, "[{:#x}, {end:#x}) overlaps [{a:#x}, {e:#x})", p.0);
+                        }
+                        spans.insert(p.0, end);
+                        live[slot] = Some((p, len));
+                    }
                 }
             }
+            let st = lean.state.lock();
+            let slab_bytes: u64 = live.iter().flatten().map(|&(_, len)| len).sum();
+            assert_eq!(slab_bytes, chunks);
+            let core_bytes: u64 = live
+                .iter()
+                .flatten()
+                .filter(|&&(_, len)| len == 0)
+                .map(|&(p, _)| st.blocks[st.live.get(p.0) as usize].size())
+                .sum();
+            assert_eq!(st.stats.s[0][ALLOC_BYTES].current, slab_bytes + core_bytes);
         }
-        let st = lean.state.lock();
-        let slab_bytes: u64 = live.iter().flatten().map(|&(_, len)| len).sum();
-        assert_eq!(slab_bytes, chunks);
-        let core_bytes: u64 = live
-            .iter()
-            .flatten()
-            .filter(|&&(_, len)| len == 0)
-            .map(|&(p, _)| st.blocks[st.live.get(p.0) as usize].size())
-            .sum();
-        assert_eq!(st.stats.s[0][ALLOC_BYTES].current, slab_bytes + core_bytes);
-    }
-}
-
-fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let slots: usize = args.first().map_or(256, |s| s.parse().expect("SLOTS"));
-    let max_mib: u64 = args.get(1).map_or(8, |s| s.parse().expect("MAX_MIB"));
-    let ops: usize = args.get(2).map_or(2_000_000, |s| s.parse().expect("OPS"));
-    let arg = args.get(3).map_or("lean", String::as_str);
-    // `slab:KIB` is the lean path with slabs for requests up to KIB.
-    let (mode, slab_limit) = match arg.split_once(':') {
-        Some(("slab", kib)) => {
-            let kib: u64 = kib.parse().expect("slab:KIB, KIB a number");
-            assert!(kib * 1024 <= SLAB_MAX, "slab:KIB serves at most 1024 KiB");
-            ("lean", kib * 1024)
-        }
-        _ => (arg, 0),
-    };
-    let seed: u64 = std::env::var("SEED").map_or(1, |s| s.parse().expect("SEED"));
-    let plan = common::random_plan(slots, max_mib, ops, seed);
-
-    let lean = Lean::with_slabs(SimulatedDevice::unlimited(), slab_limit);
-    let core = CachingAllocator::new(SimulatedDevice::unlimited(), Config::pytorch());
-    match mode {
-        "check" => println!("{}", check(&plan, slots)),
-        "lean" | "core" | "null" => {
-            let mut live: Vec<Option<DevicePtr>> = vec![None; slots];
-            // `null`: the loop alone (a bump pointer, frees ignored), the floor under both.
-            let bump = std::cell::Cell::new(1u64 << 40);
-            let run = |live: &mut Vec<Option<DevicePtr>>| {
-                for &(slot, size) in &plan {
-                    match live[slot].take() {
-                        Some(p) if mode == "lean" => lean.free(p),
-                        Some(p) if mode == "core" => core.free(p).expect("free"),
-                        Some(p) => {
-                            std::hint::black_box(p);
-                        }
-                        None if mode == "lean" => live[slot] = Some(lean.malloc(size)),
-                        None if mode == "core" => {
-                            live[slot] = Some(core.malloc(size, StreamId(0)).expect("malloc"))
-                        }
-                        None => {
-                            let p = bump.get();
-                            bump.set(p + size.div_ceil(GRANULE) * GRANULE);
-                            live[slot] = Some(DevicePtr(std::hint::black_box(p)));
-                        }
-                    }
-                }
-            };
-            run(&mut live);
-            let t0 = Instant::now();
-            run(&mut live);
-            let ns = t0.elapsed().as_nanos() as f64 / ops as f64;
-            println!("{arg}: {slots} slots, <= {max_mib} MiB, {ops} ops: {ns:.1} ns/op");
-        }
-        other => panic!("mode {other:?}: lean, core, null, check or slab:KIB"),
     }
 }

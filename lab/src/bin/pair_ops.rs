@@ -2,21 +2,20 @@
 //! for profiling the thread cache's hit path (the GPU bench's "pair" case).
 //!
 //! ```text
-//! cargo run --release -p cachealloc-core --example pair_ops -- [SIZE] [PAIRS] [CONFIG]
+//! cargo run -p lab --release --bin pair_ops -- [SIZE] [PAIRS] [CONFIG]
 //! ```
 //! Defaults: 512 bytes, 10 000 000 pairs, `default` (after 1 000 warm-up pairs).
 
-use cachealloc_core::{CachingAllocator, Config, SimulatedDevice, StreamId};
+use cachealloc_core::{CachingAllocator, SimulatedDevice, StreamId};
+use lab::arg;
 use std::hint::black_box;
 use std::time::Instant;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let size: u64 = args.first().map_or(512, |s| s.parse().expect("SIZE"));
-    let n: u64 = args
-        .get(1)
-        .map_or(10_000_000, |s| s.parse().expect("PAIRS"));
-    let config = Config::parse(args.get(2).map_or("default", String::as_str)).expect("CONFIG");
+    let size: u64 = arg(&args, 0, "SIZE", 512);
+    let n: u64 = arg(&args, 1, "PAIRS", 10_000_000);
+    let config = lab::config_arg(&args, 2, "default");
     let a = CachingAllocator::new(SimulatedDevice::unlimited(), config);
     for _ in 0..1000 {
         let p = a.malloc(size, StreamId(0)).expect("malloc");

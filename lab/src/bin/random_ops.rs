@@ -2,27 +2,26 @@
 //! "random ops" case, timed on the host: for profiling the core path.
 //!
 //! ```text
-//! cargo run --release -p cachealloc-core --example random_ops -- [SLOTS] [MAX_MIB] [CONFIG] [OPS]
+//! cargo run -p lab --release --bin random_ops -- [SLOTS] [MAX_MIB] [CONFIG] [OPS]
 //! ```
 //! Defaults: 256 slots, 8 MiB, `default`, 2 000 000 ops (after as many warm-up ops);
 //! the environment variable `SEED` picks the plan (default 1).
 
-use cachealloc_core::{CachingAllocator, Config, DevicePtr, SimulatedDevice, StreamId};
+use cachealloc_core::{CachingAllocator, DevicePtr, SimulatedDevice, StreamId};
+use lab::{arg, random_plan, MIB};
 use std::time::Instant;
-
-mod common;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let slots: usize = args.first().map_or(256, |s| s.parse().expect("SLOTS"));
-    let max_mib: u64 = args.get(1).map_or(8, |s| s.parse().expect("MAX_MIB"));
-    let config = Config::parse(args.get(2).map_or("default", String::as_str)).expect("CONFIG");
-    let ops: usize = args.get(3).map_or(2_000_000, |s| s.parse().expect("OPS"));
+    let slots: usize = arg(&args, 0, "SLOTS", 256);
+    let max_mib: u64 = arg(&args, 1, "MAX_MIB", 8);
+    let config = lab::config_arg(&args, 2, "default");
+    let ops: usize = arg(&args, 3, "OPS", 2_000_000);
 
     let alloc = CachingAllocator::new(SimulatedDevice::unlimited(), config);
     // The GPU bench's plan: `SEED=1` (256 slots) and `SEED=2` (4096 slots) there.
     let seed: u64 = std::env::var("SEED").map_or(1, |s| s.parse().expect("SEED"));
-    let plan = common::random_plan(slots, max_mib, ops, seed);
+    let plan = random_plan(slots, max_mib * MIB, ops, seed);
     let mut live: Vec<Option<DevicePtr>> = vec![None; slots];
     let run = |live: &mut Vec<Option<DevicePtr>>| {
         for &(slot, size) in &plan {

@@ -1,24 +1,27 @@
-//! Dumps the segment map at the reserved peak of a replay: `peak_dump TRACE.gz CONF`.
+//! Dumps the segment map at the reserved peak of a replay: the
+//! fragmentation report, then every segment over 16 MiB with free blocks
+//! (`_` marks a free block; sizes in MiB).
+//!
+//! ```text
+//! cargo run -p lab --release --bin peak_dump -- TRACE.gz CONF
+//! ```
 use cachealloc_core::replay::{replay, ReplayOptions};
 use cachealloc_core::{
-    BlockState, CachingAllocator, Config, SimulatedDevice, StreamId, TraceEvent, TraceReader,
+    BlockState, CachingAllocator, Config, SimulatedDevice, StreamId, TraceEvent,
 };
 use std::collections::HashMap;
-use std::io::BufReader;
-use std::process::{Command, Stdio};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let config = Config::parse(&args[2]).unwrap();
-    let mut child = Command::new("zcat")
-        .arg(&args[1])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("zcat runs");
-    let events: Vec<TraceEvent> = TraceReader::new(BufReader::new(child.stdout.take().unwrap()))
-        .map(Result::unwrap)
-        .collect();
-    child.wait().expect("zcat exits");
+    if args.len() != 3 {
+        eprintln!("usage: peak_dump TRACE.gz CONF");
+        std::process::exit(2);
+    }
+    let config = Config::parse(&args[2]).unwrap_or_else(|e| {
+        eprintln!("{e}");
+        std::process::exit(2)
+    });
+    let events = lab::load_trace(&args[1]);
     let opts = ReplayOptions {
         report_at_peak: false,
         ..Default::default()
