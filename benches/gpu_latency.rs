@@ -8,7 +8,8 @@
 //! same device call), so the figures compare directly:
 //! - an alloc + free pair at 512 B, 64 KiB, 1 MiB, 16 MiB, 256 MiB (ns per pair);
 //! - random alloc/free over 256 live slots (sizes log-uniform 512 B – 8 MiB)
-//!   and over 4096 slots (≤ 64 MiB) (ns per operation);
+//!   and over 4096 slots (≤ 64 MiB) (ns per operation), the plan of
+//!   `cachealloc_core::sample::random_plan` that the lab's host tools replay;
 //! - pairs per second from 1, 2, 4, 8, 16 threads sharing the allocator
 //!   (64 KiB + 512·(t mod 4) bytes, 200 000 pairs each, thread start included);
 //! - `empty_cache` of 100 segments of 20 MiB and of 1000 × 2 MiB blocks (ms).
@@ -21,6 +22,7 @@
 use cachealloc::cuda::driver::{self, Stream};
 use cachealloc::cuda::{self, CudaDevice};
 use cachealloc::{CachingAllocator, DevicePtr, StreamId};
+use cachealloc_core::sample::random_plan;
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -105,25 +107,6 @@ fn raw_pair(size: u64, iters: u64) -> f64 {
         pair();
     }
     ns_per(t0, iters)
-}
-
-/// The random sequence of a mixed run: (slot, size) per step.
-fn mixed_plan(iters: u64, slots: usize, max_bytes: u64, seed: u64) -> Vec<(usize, u64)> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    let (lo, hi) = (512f64.ln(), (max_bytes as f64).ln());
-    (0..iters)
-        .map(|_| {
-            let u = (next() >> 11) as f64 / (1u64 << 53) as f64;
-            let size = (lo + u * (hi - lo)).exp() as u64;
-            ((next() % slots as u64) as usize, size)
-        })
-        .collect()
 }
 
 /// Runs the plan twice (warm, then timed) with `alloc`/`free`; returns ns per op.
@@ -247,7 +230,7 @@ fn main() {
         (256usize, 8u64 << 20, 1u64, "256 slots, <=8MiB"),
         (4096, 64 << 20, 2, "4096 slots, <=64MiB"),
     ] {
-        let plan = mixed_plan(b.iters(400_000), slots, max, seed);
+        let plan = random_plan(slots, max, b.iters(400_000) as usize, seed);
         let v = best_of_3(|| {
             mixed(
                 &plan,

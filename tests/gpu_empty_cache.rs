@@ -6,23 +6,14 @@
 //!
 //! Skips (with a printed reason) when there is no CUDA driver or device.
 
-use cachealloc::core::{CachingAllocator, Config, Device, DevicePtr, StreamId};
+use cachealloc::core::{CachingAllocator, Config, Device};
 use cachealloc::cuda::driver::{self, Stream};
-use std::sync::Mutex;
 
-use cachealloc::cuda::first_device_or_skip as gpu_device;
+mod common;
+use common::{fill, gpu_device, serial, XorShift64, MIB};
 
-const MIB: u64 = 1 << 20;
 /// How far the driver's free memory may end from where it started.
 const TOLERANCE: u64 = 4 * MIB;
-
-fn fill(ptr: DevicePtr, bytes: u64, stream: StreamId, v: u32) {
-    // SAFETY: the caller owns [ptr, ptr+bytes) and the allocator knows `stream` uses it.
-    unsafe { driver::memset_d32_async(ptr, v, (bytes / 4) as usize, stream) }.unwrap();
-}
-
-/// One test at a time: each compares the driver's free memory before and after.
-static SERIAL: Mutex<()> = Mutex::new(());
 
 #[test]
 fn empty_cache_returns_memory_to_the_driver() {
@@ -35,7 +26,8 @@ fn empty_cache_returns_memory_to_the_driver_expandable() {
 }
 
 fn empty_cache_with(config: Config) {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // One test at a time: each compares the driver's free memory before and after.
+    let _serial = serial();
     let Some(dev) = gpu_device() else { return };
     println!("device: {}; config {}", dev.name(), config.name);
     dev.bind_thread().unwrap();
@@ -75,13 +67,8 @@ fn empty_cache_with(config: Config) {
 
     for round in 1..=2 {
         let before = driver::mem_info().unwrap();
-        let mut seed = 0x1234_5678_9ABC_DEF0u64 ^ round;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut rng = XorShift64::new(0x1234_5678_9ABC_DEF0u64 ^ round);
+        let mut next = || rng.next();
         let mut ptrs = Vec::new();
         for i in 0..300u64 {
             // 512 B .. 64 MiB, log-uniform-ish.

@@ -17,38 +17,9 @@
 use cachealloc::core::{AllocError, CachingAllocator, Config, DevicePtr, MemoryCap, StreamId};
 use cachealloc::cuda::driver::{self, Stream};
 use cachealloc::cuda::CudaDevice;
-use std::sync::{Mutex, MutexGuard};
 
-/// Device 0 if it has the virtual memory API; otherwise says why and skips.
-fn gpu_device() -> Option<CudaDevice> {
-    let dev = cachealloc::cuda::first_device_or_skip()?;
-    match dev.vmm_support() {
-        Ok(_) => Some(dev),
-        Err(why) => {
-            println!("skipping: no virtual memory API on this device ({why})");
-            None
-        }
-    }
-}
-
-const MIB: u64 = 1 << 20;
-
-static SERIAL: Mutex<()> = Mutex::new(());
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn fill(ptr: DevicePtr, bytes: u64, s: StreamId, v: u32) {
-    // SAFETY: the caller owns [ptr, ptr+bytes) on stream `s`.
-    unsafe { driver::memset_d32_async(ptr, v, (bytes / 4) as usize, s) }.unwrap();
-}
-
-/// Words of `[ptr, ptr+bytes)` that do not hold `v`.
-fn mismatches(ptr: DevicePtr, bytes: u64, s: StreamId, v: u32) -> usize {
-    // SAFETY: a live allocation of at least `bytes` bytes.
-    let got = unsafe { driver::read_u32(ptr, (bytes / 4) as usize, s) }.unwrap();
-    got.iter().filter(|&&w| w != v).count()
-}
+mod common;
+use common::{fill, mismatches, serial, vmm_device as gpu_device, XorShift64, MIB};
 
 /// `config` under a cap, with 2 MiB pages in every pool (the arithmetic of
 /// these tests counts 2 MiB pages; the preset's large-pool pages are 8 MiB).
@@ -166,13 +137,8 @@ fn shifting_sizes_under_a_tight_cap() {
     let alloc = CachingAllocator::new(dev, capped(Config::expandable(), cap));
     assert!(alloc.is_expandable(), "{:?}", alloc.notices());
     let mut live: Vec<(DevicePtr, u64, u32)> = Vec::new();
-    let mut x = 0x1234_5678u64;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
+    let mut rng = XorShift64::new(0x1234_5678);
+    let mut next = move || rng.next();
     let (mut pattern, mut bad, mut max_reserved) = (1u32, 0usize, 0u64);
     const ROUNDS: usize = 30;
     for r in 0..ROUNDS {

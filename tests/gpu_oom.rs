@@ -13,18 +13,10 @@
 
 use cachealloc::core::{AllocError, CachingAllocator, Config, DevicePtr, MemoryCap, StreamId};
 use cachealloc::cuda::driver::{self, Stream};
-use std::sync::{Mutex, MutexGuard};
 
-use cachealloc::cuda::first_device_or_skip as gpu_device;
-
-const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
-
-/// One test at a time: the second fills the whole device.
-static SERIAL: Mutex<()> = Mutex::new(());
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
+mod common;
+// One test at a time (`serial`): the second fills the whole device.
+use common::{gpu_device, serial, GIB, MIB};
 
 /// Fills `bytes` at `ptr` with `v` on `s` and checks a prefix and suffix of up to 4 MiB.
 fn write_and_check(ptr: DevicePtr, bytes: u64, s: StreamId, v: u32) {

@@ -14,28 +14,8 @@ use cachealloc::core::{CachingAllocator, Config, DevicePtr, StreamId};
 use cachealloc::cuda::driver::{self, Stream};
 use std::collections::BTreeMap;
 
-use cachealloc::cuda::first_device_or_skip as gpu_device;
-
-/// splitmix64: small, deterministic, good enough for test sequences.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    /// Log-uniform in [lo, hi].
-    fn log_uniform(&mut self, lo: u64, hi: u64) -> u64 {
-        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
-        ((a + u * (b - a)).exp() as u64).clamp(lo, hi)
-    }
-}
+mod common;
+use common::{gpu_device, XorShift64};
 
 struct Live {
     ptr: DevicePtr,
@@ -79,7 +59,7 @@ fn pattern_two_streams_with(config: Config) {
     const OPS: usize = 20_000;
     const CHECK_EVERY: usize = 1_000;
     const MAX_LIVE: usize = 400;
-    let mut rng = Rng(0x5EED_CAFE);
+    let mut rng = XorShift64::new(0x5EED_CAFE);
     let mut live: Vec<Live> = Vec::new();
     // Host-side view of the live ranges: start -> end, to catch overlaps at once.
     let mut ranges: BTreeMap<u64, u64> = BTreeMap::new();

@@ -9,20 +9,12 @@
 use cachealloc::core::{CachingAllocator, Config, Device, StreamId};
 use cachealloc::cuda::driver::{self, Stream};
 use cachealloc::cuda::{self, CachedBuffer, CudaDevice, CudaError};
-use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
-use cachealloc::cuda::first_device_or_skip as gpu_device;
-
-const MIB: u64 = 1 << 20;
-
-/// The tests of this file run one at a time: device-wide calls of one
-/// (cuMemFree may synchronise the device) would skew the timing of another.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
+mod common;
+// The tests of this file run one at a time (`serial`): device-wide calls of
+// one (cuMemFree may synchronise the device) would skew the timing of another.
+use common::{gpu_device, mismatches, serial, MIB};
 
 /// Queues `n` fills of `bytes` at `ptr` on `stream`, the last with `last`.
 fn long_work(ptr: cachealloc::DevicePtr, bytes: u64, stream: StreamId, n: u32, last: u32) {
@@ -32,12 +24,6 @@ fn long_work(ptr: cachealloc::DevicePtr, bytes: u64, stream: StreamId, n: u32, l
         // that `stream` uses it.
         unsafe { driver::memset_d32_async(ptr, v, (bytes / 4) as usize, stream) }.unwrap();
     }
-}
-
-fn all_equal(ptr: cachealloc::DevicePtr, bytes: u64, stream: StreamId, want: u32) -> usize {
-    // SAFETY: a live allocation of `bytes` bytes.
-    let got = unsafe { driver::read_u32(ptr, (bytes / 4) as usize, stream) }.unwrap();
-    got.iter().filter(|&&w| w != want).count()
 }
 
 /// The allocator under test, or `None` (with a printed reason) where the
@@ -107,7 +93,7 @@ fn cross_stream_slab_chunk_not_reused_before_work_completes() {
     let z = alloc.malloc(small, a.id()).unwrap();
     assert_eq!(z, x, "the freed chunk is reused once its events completed");
     assert_eq!(
-        all_equal(z, small, a.id(), 0xB0B0_B0B0),
+        mismatches(z, small, a.id(), 0xB0B0_B0B0),
         0,
         "x was written by someone else"
     );
@@ -179,12 +165,12 @@ fn cross_stream_with(config: Config) {
         "the exact-fit block is reused once its events completed"
     );
     assert_eq!(
-        all_equal(z, size, a.id(), 0xB0B0_B0B0),
+        mismatches(z, size, a.id(), 0xB0B0_B0B0),
         0,
         "x was written by someone else"
     );
     assert_eq!(
-        all_equal(y, size, a.id(), 0xA0A0_A0A0),
+        mismatches(y, size, a.id(), 0xA0A0_A0A0),
         0,
         "y was written by someone else"
     );

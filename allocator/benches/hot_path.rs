@@ -1,4 +1,4 @@
-//! Host cost of the caching allocator on the simulated device (issue 2).
+//! Host cost of the caching allocator on the simulated device.
 //!
 //! - `cached_pair/<config>/<size>`: one `malloc` + `free` pair served from
 //!   the cache (the segment is allocated once, before measuring).
@@ -9,34 +9,20 @@
 //! Run: `cargo bench -p cachealloc-core --bench hot_path`
 //! (add `-- --warm-up-time 1 --measurement-time 3` for a quicker run).
 
+use cachealloc_core::sample::XorShift64;
 use cachealloc_core::{CachingAllocator, Config, DevicePtr, SimulatedDevice, StreamId};
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 
 const S0: StreamId = StreamId(0);
 const SLOTS: usize = 256;
 
-/// xorshift64: deterministic and cheap (no dependency).
-struct XorShift(u64);
-
-impl XorShift {
-    #[inline]
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-
-    /// Log-uniform from 512 B to 8 MiB.
-    #[inline]
-    fn size(&mut self) -> u64 {
-        let r = self.next();
-        let e = 9 + (r % 14); // 2^9 … 2^22
-        let base = 1u64 << e;
-        base + ((r >> 8) & (base - 1))
-    }
+/// Log-uniform from 512 B to 8 MiB.
+#[inline]
+fn size(rng: &mut XorShift64) -> u64 {
+    let r = rng.next();
+    let e = 9 + (r % 14); // 2^9 … 2^22
+    let base = 1u64 << e;
+    base + ((r >> 8) & (base - 1))
 }
 
 fn configs() -> [(&'static str, Config); 3] {
@@ -83,7 +69,7 @@ fn cached_pair(c: &mut Criterion) {
 struct Slots {
     alloc: CachingAllocator<SimulatedDevice>,
     slots: Vec<Option<DevicePtr>>,
-    rng: XorShift,
+    rng: XorShift64,
 }
 
 impl Slots {
@@ -91,7 +77,7 @@ impl Slots {
         Slots {
             alloc: CachingAllocator::new(SimulatedDevice::unlimited(), config),
             slots: vec![None; SLOTS],
-            rng: XorShift(0x2545_f491_4f6c_dd1d),
+            rng: XorShift64::new(0x2545_f491_4f6c_dd1d),
         }
     }
 
@@ -101,7 +87,7 @@ impl Slots {
         let slot = &mut self.slots[(r >> 32) as usize % SLOTS];
         match slot.take() {
             Some(p) => self.alloc.free(p).unwrap(),
-            None => *slot = Some(self.alloc.malloc(self.rng.size(), S0).unwrap()),
+            None => *slot = Some(self.alloc.malloc(size(&mut self.rng), S0).unwrap()),
         }
     }
 }

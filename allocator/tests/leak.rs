@@ -9,6 +9,7 @@
 //! random order, `empty_cache` in the middle, a tight device (OOM, the
 //! flush-and-retry), injected device failures and a memory cap.
 
+use cachealloc_core::sample::XorShift64;
 use cachealloc_core::{
     AllocError, CachingAllocator, Config, DevicePtr, MemoryCap, SimulatedDevice, StreamId,
 };
@@ -16,23 +17,10 @@ use cachealloc_core::{
 const MIB: u64 = 1 << 20;
 const STREAMS: [StreamId; 3] = [StreamId(0), StreamId(7), StreamId(u64::MAX)];
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    /// Log-uniform from 1 B to 512 MiB.
-    fn size(&mut self) -> u64 {
-        let e = self.below(30);
-        (1 << e) + self.below(1 << e)
-    }
+/// Log-uniform from 1 B to 512 MiB.
+fn size(rng: &mut XorShift64) -> u64 {
+    let e = rng.below(30);
+    (1 << e) + rng.below(1 << e)
 }
 
 fn configs() -> Vec<(String, Config)> {
@@ -62,12 +50,12 @@ fn configs() -> Vec<(String, Config)> {
 fn sequence(name: &str, config: Config, capacity: u64, seed: u64, complete_at_end: bool) {
     let dev = SimulatedDevice::new(capacity);
     let alloc = CachingAllocator::new(dev.clone(), config);
-    let mut rng = Rng(seed);
+    let mut rng = XorShift64::new(seed);
     let mut live: Vec<DevicePtr> = Vec::new();
     let mut ooms = 0;
     for step in 0..1500 {
         match rng.below(100) {
-            0..=44 => match alloc.malloc(rng.size(), STREAMS[rng.below(3) as usize]) {
+            0..=44 => match alloc.malloc(size(&mut rng), STREAMS[rng.below(3) as usize]) {
                 Ok(p) => live.push(p),
                 Err(AllocError::OutOfMemory(_)) => ooms += 1,
                 Err(e) => panic!("{name}: step {step}: malloc: {e}"),

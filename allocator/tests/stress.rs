@@ -6,6 +6,7 @@
 //! invariants hold, and freeing everything plus `empty_cache` leaves nothing
 //! reserved and nothing outstanding on the device.
 
+use cachealloc_core::sample::XorShift64;
 use cachealloc_core::testing::{check_stats_against_snapshot, free_segments};
 use cachealloc_core::{AllocError, CachingAllocator, Config, DevicePtr, SimulatedDevice, StreamId};
 use parking_lot::Mutex;
@@ -18,25 +19,10 @@ const OPS_PER_THREAD: usize = 10_000;
 const MAX_HELD: usize = 32;
 const STREAMS: [StreamId; 3] = [StreamId(0), StreamId(1), StreamId(2)];
 
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    /// Log-uniform from 1 B to 32 MiB.
-    fn size(&mut self) -> u64 {
-        let e = self.below(25);
-        (1 << e) + self.below(1 << e)
-    }
+/// Log-uniform from 1 B to 32 MiB.
+fn size(rng: &mut XorShift64) -> u64 {
+    let e = rng.below(25);
+    (1 << e) + rng.below(1 << e)
 }
 
 /// Live ranges held by any thread: inserting one that overlaps is a bug.
@@ -69,13 +55,14 @@ fn stress(name: &str, config: Config, capacity: u64, seed: u64) {
             let (alloc, dev, handoff, held) =
                 (alloc.clone(), dev.clone(), handoff.clone(), held.clone());
             std::thread::spawn(move || {
-                let mut rng = XorShift(seed ^ 0x9e37_79b9_7f4a_7c15_u64.wrapping_mul(t as u64 + 1));
+                let mut rng =
+                    XorShift64::new(seed ^ 0x9e37_79b9_7f4a_7c15_u64.wrapping_mul(t as u64 + 1));
                 let mut mine: Vec<(DevicePtr, u64)> = Vec::new();
                 let mut ooms = 0u64;
                 for _ in 0..OPS_PER_THREAD {
                     match rng.below(100) {
                         0..=39 if mine.len() < MAX_HELD => {
-                            let size = rng.size();
+                            let size = size(&mut rng);
                             let stream = STREAMS[rng.below(3) as usize];
                             match alloc.malloc(size, stream) {
                                 Ok(p) => {

@@ -40,8 +40,8 @@ use std::sync::{Mutex, OnceLock};
 /// (`key:value,…`, optionally starting with a preset name; see [`Config::parse`]).
 pub const CONF_ENV: &str = "CACHEALLOC_CONF";
 
-/// Devices the registry can hold (ordinals 0..MAX_DEVICES).
-pub const MAX_DEVICES: usize = 64;
+/// Devices the registry can hold: the C ABI's ordinals ([`crate::capi::MAX_DEVICES`]).
+const DEVICES: usize = crate::capi::MAX_DEVICES as usize;
 
 /// Why a CUDA-side operation failed.
 #[derive(Debug, Clone)]
@@ -143,8 +143,8 @@ pub fn config_from_env() -> Result<Config, CudaError> {
     }
 }
 
-static ALLOCATORS: [OnceLock<CachingAllocator<CudaDevice>>; MAX_DEVICES] =
-    [const { OnceLock::new() }; MAX_DEVICES];
+static ALLOCATORS: [OnceLock<CachingAllocator<CudaDevice>>; DEVICES] =
+    [const { OnceLock::new() }; DEVICES];
 static INIT: Mutex<()> = Mutex::new(());
 
 /// The process-wide caching allocator of device `device`.
