@@ -8,6 +8,9 @@
 // An eager `ok_or(f())` in the allocator lookup ran a driver call on every
 // C ABI allocation and free: arguments that call functions are computed lazily.
 #![warn(clippy::or_fun_call)]
+#![warn(missing_docs)]
+// Every `unsafe` block says why it is sound.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub use cachealloc_core as core;
 pub use cachealloc_core::{

@@ -69,14 +69,14 @@ impl CudaDevice {
             return Err(CudaError::NoSuchDevice { ordinal, count });
         }
         let mut dev: ffi::CuDevice = 0;
-        // SAFETY: writes one CUdevice into a valid local; ordinal is in range.
         check(
+            // SAFETY: writes one CUdevice into a valid local; ordinal is in range.
             unsafe { ffi::cuDeviceGet(&mut dev, ordinal) },
             "cuDeviceGet",
         )?;
         let mut buf = [0 as c_char; 256];
-        // SAFETY: the driver writes at most `len` bytes, NUL-terminated, into `buf`.
         check(
+            // SAFETY: the driver writes at most `len` bytes, NUL-terminated, into `buf`.
             unsafe { ffi::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, dev) },
             "cuDeviceGetName",
         )?;
@@ -86,9 +86,9 @@ impl CudaDevice {
             .map(|&c| c as u8 as char)
             .collect();
         let mut ctx: ffi::CuContext = ptr::null_mut();
-        // SAFETY: writes one context handle into a valid local. The retain is
-        // balanced by cuDevicePrimaryCtxRelease_v2 in Drop.
         check(
+            // SAFETY: writes one context handle into a valid local. The retain is
+            // balanced by cuDevicePrimaryCtxRelease_v2 in Drop.
             unsafe { ffi::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
             "cuDevicePrimaryCtxRetain",
         )?;
@@ -177,9 +177,9 @@ impl CudaDevice {
             return Ok(e);
         }
         let mut ev: ffi::CuEvent = ptr::null_mut();
-        // SAFETY: writes one event handle into a valid local; the caller holds
-        // a context guard, so the event belongs to the primary context.
         check(
+            // SAFETY: writes one event handle into a valid local; the caller holds
+            // a context guard, so the event belongs to the primary context.
             unsafe { ffi::cuEventCreate(&mut ev, ffi::CU_EVENT_DISABLE_TIMING) },
             "cuEventCreate",
         )?;
@@ -233,8 +233,8 @@ impl Device for CudaDevice {
 
     fn wait_event(&self, event: &CudaEvent) -> Result<(), DeviceError> {
         let _ctx = self.enter()?;
-        // SAFETY: `event` is a live event created by this device.
         check(
+            // SAFETY: `event` is a live event created by this device.
             unsafe { ffi::cuEventSynchronize(event.0) },
             "cuEventSynchronize",
         )

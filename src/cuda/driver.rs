@@ -107,8 +107,8 @@ pub fn device_count() -> Result<i32, DeviceError> {
 /// The driver's CUDA version, e.g. 13000 for CUDA 13.0.
 pub fn driver_version() -> Result<i32, DeviceError> {
     let mut v = 0;
-    // SAFETY: writes one int into `v`, a valid local.
     check(
+        // SAFETY: writes one int into `v`, a valid local.
         unsafe { ffi::cuDriverGetVersion(&mut v) },
         "cuDriverGetVersion",
     )?;
@@ -118,8 +118,8 @@ pub fn driver_version() -> Result<i32, DeviceError> {
 /// Free and total memory of the current context's device (`cuMemGetInfo_v2`).
 pub fn mem_info() -> Result<MemInfo, DeviceError> {
     let (mut free, mut total) = (0usize, 0usize);
-    // SAFETY: writes two usize values into valid locals.
     check(
+        // SAFETY: writes two usize values into valid locals.
         unsafe { ffi::cuMemGetInfo_v2(&mut free, &mut total) },
         "cuMemGetInfo_v2",
     )?;
@@ -133,8 +133,8 @@ pub fn mem_info() -> Result<MemInfo, DeviceError> {
 /// "other user" that fills the device in the out-of-memory tests.
 pub fn mem_alloc(bytes: u64) -> Result<DevicePtr, DeviceError> {
     let mut p: ffi::CuDevicePtr = 0;
-    // SAFETY: writes one device pointer into `p`, a valid local.
     check(
+        // SAFETY: writes one device pointer into `p`, a valid local.
         unsafe { ffi::cuMemAlloc_v2(&mut p, bytes as usize) },
         "cuMemAlloc_v2",
     )?;
@@ -153,9 +153,9 @@ pub unsafe fn mem_free(ptr: DevicePtr) -> Result<(), DeviceError> {
 /// `cuMemAllocAsync` from the device's current pool on `stream`.
 pub fn mem_alloc_async(bytes: u64, stream: StreamId) -> Result<DevicePtr, DeviceError> {
     let mut p: ffi::CuDevicePtr = 0;
-    // SAFETY: writes one device pointer into `p`; the stream handle is passed
-    // through to the driver, which validates it.
     check(
+        // SAFETY: writes one device pointer into `p`; the stream handle is passed
+        // through to the driver, which validates it.
         unsafe { ffi::cuMemAllocAsync(&mut p, bytes as usize, stream_handle(stream)) },
         "cuMemAllocAsync",
     )?;
@@ -167,8 +167,8 @@ pub fn mem_alloc_async(bytes: u64, stream: StreamId) -> Result<DevicePtr, Device
 /// # Safety
 /// `ptr` came from [`mem_alloc_async`] and is freed once.
 pub unsafe fn mem_free_async(ptr: DevicePtr, stream: StreamId) -> Result<(), DeviceError> {
-    // SAFETY: the caller guarantees ptr is a live stream-ordered allocation.
     check(
+        // SAFETY: the caller guarantees ptr is a live stream-ordered allocation.
         unsafe { ffi::cuMemFreeAsync(ptr.0, stream_handle(stream)) },
         "cuMemFreeAsync",
     )
@@ -179,20 +179,20 @@ pub unsafe fn mem_free_async(ptr: DevicePtr, stream: StreamId) -> Result<(), Dev
 /// instead of trimming it at every synchronisation.
 pub fn set_default_pool_release_threshold(ordinal: i32, bytes: u64) -> Result<(), DeviceError> {
     let mut dev: ffi::CuDevice = 0;
-    // SAFETY: writes one CUdevice into a valid local.
     check(
+        // SAFETY: writes one CUdevice into a valid local.
         unsafe { ffi::cuDeviceGet(&mut dev, ordinal) },
         "cuDeviceGet",
     )?;
     let mut pool: ffi::CuMemPool = ptr::null_mut();
-    // SAFETY: writes one pool handle into a valid local.
     check(
+        // SAFETY: writes one pool handle into a valid local.
         unsafe { ffi::cuDeviceGetDefaultMemPool(&mut pool, dev) },
         "cuDeviceGetDefaultMemPool",
     )?;
     let mut value: u64 = bytes;
-    // SAFETY: the release-threshold attribute is a cuuint64_t read from `value`.
     check(
+        // SAFETY: the release-threshold attribute is a cuuint64_t read from `value`.
         unsafe {
             ffi::cuMemPoolSetAttribute(
                 pool,
@@ -208,15 +208,15 @@ pub fn set_default_pool_release_threshold(ordinal: i32, bytes: u64) -> Result<()
 /// (`CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`).
 pub fn vmm_supported(ordinal: i32) -> Result<bool, DeviceError> {
     let mut dev: ffi::CuDevice = 0;
-    // SAFETY: writes one CUdevice into a valid local.
     check(
+        // SAFETY: writes one CUdevice into a valid local.
         unsafe { ffi::cuDeviceGet(&mut dev, ordinal) },
         "cuDeviceGet",
     )?;
     let mut v = 0;
-    // SAFETY: writes one int into `v`, a valid local; the attribute exists
-    // since CUDA 10.2 (older drivers answer CUDA_ERROR_INVALID_VALUE).
     check(
+        // SAFETY: writes one int into `v`, a valid local; the attribute exists
+        // since CUDA 10.2 (older drivers answer CUDA_ERROR_INVALID_VALUE).
         unsafe {
             ffi::cuDeviceGetAttribute(
                 &mut v,
@@ -256,10 +256,10 @@ pub fn allocation_granularity(ordinal: i32, recommended: bool) -> Result<u64, De
         ffi::CU_MEM_ALLOC_GRANULARITY_MINIMUM
     };
     let mut g = 0usize;
-    // SAFETY: `prop` is a fully initialised CUmemAllocationProp with the
-    // layout of cuda.h (asserted in ffi.rs); the driver reads it and writes
-    // one size_t into `g`.
     check(
+        // SAFETY: `prop` is a fully initialised CUmemAllocationProp with the
+        // layout of cuda.h (asserted in ffi.rs); the driver reads it and writes
+        // one size_t into `g`.
         unsafe { ffi::cuMemGetAllocationGranularity(&mut g, &prop, option) },
         "cuMemGetAllocationGranularity",
     )?;
@@ -270,9 +270,9 @@ pub fn allocation_granularity(ordinal: i32, recommended: bool) -> Result<u64, De
 /// (`cuMemAddressReserve`); no memory backs it until [`mem_map`].
 pub fn mem_address_reserve(bytes: u64, alignment: u64) -> Result<DevicePtr, DeviceError> {
     let mut p: ffi::CuDevicePtr = 0;
-    // SAFETY: writes one device pointer into `p`, a valid local; no fixed
-    // address is requested (addr 0), flags must be 0.
     check(
+        // SAFETY: writes one device pointer into `p`, a valid local; no fixed
+        // address is requested (addr 0), flags must be 0.
         unsafe { ffi::cuMemAddressReserve(&mut p, bytes as usize, alignment as usize, 0, 0) },
         "cuMemAddressReserve",
     )?;
@@ -285,8 +285,8 @@ pub fn mem_address_reserve(bytes: u64, alignment: u64) -> Result<DevicePtr, Devi
 /// `[ptr, ptr + bytes)` is exactly a range from [`mem_address_reserve`],
 /// freed once, with nothing mapped in it any more.
 pub unsafe fn mem_address_free(ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
-    // SAFETY: the caller guarantees the range is ours, whole and unmapped.
     check(
+        // SAFETY: the caller guarantees the range is ours, whole and unmapped.
         unsafe { ffi::cuMemAddressFree(ptr.0, bytes as usize) },
         "cuMemAddressFree",
     )
@@ -298,9 +298,9 @@ pub unsafe fn mem_address_free(ptr: DevicePtr, bytes: u64) -> Result<(), DeviceE
 pub fn mem_create(bytes: u64, ordinal: i32) -> Result<u64, DeviceError> {
     let prop = device_alloc_prop(ordinal);
     let mut h: ffi::CuMemHandle = 0;
-    // SAFETY: `prop` is fully initialised with cuda.h's layout; the driver
-    // writes one handle into `h`, a valid local; flags must be 0.
     check(
+        // SAFETY: `prop` is fully initialised with cuda.h's layout; the driver
+        // writes one handle into `h`, a valid local; flags must be 0.
         unsafe { ffi::cuMemCreate(&mut h, bytes as usize, &prop, 0) },
         "cuMemCreate",
     )?;
@@ -321,10 +321,10 @@ pub unsafe fn mem_release(handle: u64) -> Result<(), DeviceError> {
 /// (`cuMemMap`) and makes it readable and writable from device `ordinal`
 /// (`cuMemSetAccess`). If the access cannot be set, the mapping is undone.
 pub fn mem_map(ptr: DevicePtr, handle: u64, bytes: u64, ordinal: i32) -> Result<(), DeviceError> {
-    // SAFETY: maps into a reserved range; the driver validates the range,
-    // the handle, the size and that nothing is mapped there yet. Mapping
-    // makes new memory reachable and invalidates nothing.
     check(
+        // SAFETY: maps into a reserved range; the driver validates the range,
+        // the handle, the size and that nothing is mapped there yet. Mapping
+        // makes new memory reachable and invalidates nothing.
         unsafe { ffi::cuMemMap(ptr.0, bytes as usize, 0, handle, 0) },
         "cuMemMap",
     )?;
@@ -355,8 +355,8 @@ pub fn mem_map(ptr: DevicePtr, handle: u64, bytes: u64, ordinal: i32) -> Result<
 /// queued or running work still accesses it (unmapping does not wait for
 /// the GPU; an access after it faults).
 pub unsafe fn mem_unmap(ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
-    // SAFETY: the caller guarantees whole mappings no work still uses.
     check(
+        // SAFETY: the caller guarantees whole mappings no work still uses.
         unsafe { ffi::cuMemUnmap(ptr.0, bytes as usize) },
         "cuMemUnmap",
     )
@@ -368,8 +368,8 @@ pub unsafe fn mem_unmap(ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
 /// (expandable segments).
 pub fn ipc_mem_handle(ptr: DevicePtr) -> Result<[u8; 64], DeviceError> {
     let mut h = ffi::CuIpcMemHandle([0; 64]);
-    // SAFETY: the driver writes 64 bytes into `h`, a valid local, or fails.
     check(
+        // SAFETY: the driver writes 64 bytes into `h`, a valid local, or fails.
         unsafe { ffi::cuIpcGetMemHandle(&mut h, ptr.0) },
         "cuIpcGetMemHandle",
     )?;
@@ -387,8 +387,8 @@ pub unsafe fn memset_d32_async(
     words: usize,
     stream: StreamId,
 ) -> Result<(), DeviceError> {
-    // SAFETY: the caller guarantees the range is owned device memory.
     check(
+        // SAFETY: the caller guarantees the range is owned device memory.
         unsafe { ffi::cuMemsetD32Async(ptr.0, value, words, stream_handle(stream)) },
         "cuMemsetD32Async",
     )
@@ -404,8 +404,8 @@ pub unsafe fn memset_d8_async(
     bytes: usize,
     stream: StreamId,
 ) -> Result<(), DeviceError> {
-    // SAFETY: the caller guarantees the range is owned device memory.
     check(
+        // SAFETY: the caller guarantees the range is owned device memory.
         unsafe { ffi::cuMemsetD8Async(ptr.0, value, bytes, stream_handle(stream)) },
         "cuMemsetD8Async",
     )
@@ -423,8 +423,8 @@ pub unsafe fn memcpy_htod_async(
     bytes: usize,
     stream: StreamId,
 ) -> Result<(), DeviceError> {
-    // SAFETY: the caller guarantees both ranges per the contract above.
     check(
+        // SAFETY: the caller guarantees both ranges per the contract above.
         unsafe {
             ffi::cuMemcpyHtoDAsync_v2(dst.0, src.cast::<c_void>(), bytes, stream_handle(stream))
         },
@@ -444,8 +444,8 @@ pub unsafe fn memcpy_dtoh_async(
     bytes: usize,
     stream: StreamId,
 ) -> Result<(), DeviceError> {
-    // SAFETY: the caller guarantees both ranges per the contract above.
     check(
+        // SAFETY: the caller guarantees both ranges per the contract above.
         unsafe {
             ffi::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src.0, bytes, stream_handle(stream))
         },
@@ -473,8 +473,8 @@ pub unsafe fn read_u32(
 
 /// Blocks until all work queued on `stream` completed.
 pub fn stream_synchronize(stream: StreamId) -> Result<(), DeviceError> {
-    // SAFETY: the stream handle is passed through to the driver, which validates it.
     check(
+        // SAFETY: the stream handle is passed through to the driver, which validates it.
         unsafe { ffi::cuStreamSynchronize(stream_handle(stream)) },
         "cuStreamSynchronize",
     )
@@ -511,9 +511,9 @@ impl Stream {
         let _ctx = device.enter()?;
         let dev = device.raw_device();
         let mut ctx: ffi::CuContext = ptr::null_mut();
-        // SAFETY: writes one context handle into a valid local; balanced by
-        // the release in Drop (or just below on failure).
         check(
+            // SAFETY: writes one context handle into a valid local; balanced by
+            // the release in Drop (or just below on failure).
             unsafe { ffi::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
             "cuDevicePrimaryCtxRetain",
         )?;
