@@ -1,9 +1,9 @@
 //! Trace files on disk: plain text or gzip, streamed.
 //!
-//! [`open`] reads a trace file in the plain format of `DESIGN.md`, plain or
-//! gzip-compressed (recognised by its magic bytes `1f 8b`, not by its name),
-//! one event at a time; the file is never loaded whole. Every error names the
-//! file, and errors in its content also name the line:
+//! [`open`] reads a trace file in the plain format of docs/TRACE_FORMAT.md,
+//! plain or gzip-compressed (recognised by its magic bytes `1f 8b`, not by
+//! its name), one event at a time; only [`read_all`] loads a whole file.
+//! Every error names the file, and errors in its content also name the line:
 //!
 //! ```text
 //! traces/x.trace.gz: line 12: unknown operation `q` (expected a, f or e)
@@ -11,7 +11,8 @@
 //!
 //! [`create`] writes a trace (gzip when the name ends in `.gz`), [`Recording`]
 //! records a live allocator into a file, and [`replay_file`] replays a file
-//! with the core's [`replay`](cachealloc_core::replay::replay).
+//! with the core's [`replay`](cachealloc_core::replay::replay), reading and
+//! parsing on a thread of its own while the allocator works.
 
 use cachealloc_core::replay::{replay, ReplayError, ReplayOptions, ReplayResult};
 use cachealloc_core::{
