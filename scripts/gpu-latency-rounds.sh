@@ -3,15 +3,15 @@
 # anchor bench (python/bench/latency_bench.py), then cachealloc's GPU bench
 # (benches/gpu_latency) twice, then any extra bench binaries given (e.g. an
 # older core's build), so that every ratio is taken within one round and the
-# order effect (the first process after PyTorch's) shows. Host timings on the
-# lent machines move by ±30% between runs, so compare within rounds and
-# report every round.
+# order effect (the first process after PyTorch's) shows. Host timings on
+# virtualized GPU hosts move by ±30% between runs, so compare within rounds
+# and report every round.
 #
 # Usage (repo root, after scripts/build-gpu-bundle.sh):
 #   scripts/gpu-latency-rounds.sh OUTDIR [ROUNDS] [NAME=BENCH_BINARY ...]
 #
-# Writes OUTDIR/rounds.tgz (every log and JSON: the device tool brings back
-# at most 8 files) and prints, per round, the pair and random-op latencies
+# Writes OUTDIR/rounds.tgz (every log and JSON in one file, easy to copy
+# back from the GPU machine) and prints, per round, the pair and random-op latencies
 # of each bench and cachealloc's ratio to PyTorch.
 set -uo pipefail
 

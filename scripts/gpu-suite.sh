@@ -6,7 +6,7 @@
 #
 # Usage (from the repo root, on a machine with an NVIDIA GPU, after
 # scripts/build-gpu-bundle.sh has built gpu-bundle/ — here or elsewhere):
-#   scripts/gpu-suite.sh [OUTDIR]          (default: $OUT, else /tmp/gpu-suite)
+#   scripts/gpu-suite.sh [OUTDIR]          (default: /tmp/gpu-suite)
 #
 # Writes OUTDIR/rust_latency.json, OUTDIR/torch_latency.json, OUTDIR/table.md.
 # Environment: BUNDLE_DIR (default gpu-bundle), SKIP_TORCH=1 to leave out
@@ -16,7 +16,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 BUNDLE="${BUNDLE_DIR:-gpu-bundle}"
-OUTDIR="${1:-${OUT:-/tmp/gpu-suite}}"
+OUTDIR="${1:-/tmp/gpu-suite}"
 mkdir -p "$OUTDIR"
 [ -d "$BUNDLE" ] || { echo "error: $BUNDLE not found (run scripts/build-gpu-bundle.sh)" >&2; exit 2; }
 

@@ -319,7 +319,7 @@ impl<D: Device> CachingAllocator<D> {
     /// boxed inside the lock: the result then comes back in registers. A
     /// 40-byte `Result` went through a stack temporary, and perf put a third
     /// of `free`'s samples on copying it out (a store-forwarding stall; the
-    /// gain in time was within the development box's noise).
+    /// gain in time was within the noise of a shared 2-vCPU host).
     #[inline(always)]
     fn locked_op<T>(
         &self,

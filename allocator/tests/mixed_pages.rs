@@ -1,4 +1,4 @@
-//! Mixed page sizes in expandable segments (issue 7): big pages where there
+//! Mixed page sizes in expandable segments: big pages where there
 //! is room, granularity-sized ones at blocks' edges (`expandable_edges:small`)
 //! or everywhere under pressure (the default, `expandable_edges:pressure`),
 //! the pool of unmapped pages kept per size. Each test checks the mappings

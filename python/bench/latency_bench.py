@@ -1,6 +1,5 @@
-# Copied verbatim from ../shared/gpu/latency_bench.py (the project's shared GPU
-# harness scripts), so that it travels to the GPU machine with the repo and
-# runs in the same device call as benches/gpu_latency.rs. Usage:
+# PyTorch's side of the GPU latency comparison, kept in the repository so that
+# it runs next to benches/gpu_latency.rs on the same GPU machine. Usage:
 #   python3 python/bench/latency_bench.py OUT.json
 #
 # Anchor latency bench, run on the GPU machine: PyTorch's caching allocator

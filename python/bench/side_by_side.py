@@ -1,7 +1,7 @@
 # Side-by-side latency of PyTorch's caching allocator and cachealloc in ONE
 # process, alternating: each repetition runs PyTorch's case and then the same
 # case on cachealloc, so both see the same moment of a host whose speed moves
-# by ±30% from one minute to the next (the lent GPU machines do). cachealloc
+# by ±30% from one minute to the next (virtualized GPU hosts do). cachealloc
 # is called through its C ABI (libcachealloc.so, `cachealloc_alloc` /
 # `cachealloc_free`: what PyTorch's CUDAPluggableAllocator calls), so the
 # ABI's own checks are in its figures; PyTorch through raw_alloc/raw_delete
