@@ -760,13 +760,11 @@ mod tests {
         };
         assert!(on(&a));
         // A random mix over 64 slots: sizes hardly repeat.
-        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rng = crate::sample::XorShift64::new(0x2545_f491_4f6c_dd1d);
         let mut live: Vec<Option<DevicePtr>> = vec![None; 64];
         let mut random_mix = |a: &CachingAllocator<SimulatedDevice>, ops: u64| {
             for _ in 0..ops {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
+                let x = rng.next();
                 let slot = &mut live[(x % 64) as usize];
                 match slot.take() {
                     Some(p) => a.free(p).unwrap(),
