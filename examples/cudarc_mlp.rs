@@ -547,15 +547,11 @@ fn main() -> Res<()> {
     );
 
     let pool = default_pool(&ctx)?;
-    let pool_peak = || -> Res<u64> {
-        pool_attr(
-            pool,
-            CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
-        )
-    };
+    let pool_peak =
+        || -> Res<u64> { pool_attr(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) };
     let pool_be = Pool(stream.clone());
     // Warm-up (cuBLAS handles, module loading, clocks), not reported.
-    run(&pool_be, &k, &batches[..20], &sizes, &pool_peak)?;
+    run(&pool_be, &k, &batches[..20], &sizes, pool_peak)?;
 
     let cached = Cached(CachedStream::new(&stream)?);
     let alloc = cached.0.allocator();
@@ -569,9 +565,9 @@ fn main() -> Res<()> {
     for _ in 0..rounds {
         results[0].add(run(&cached, &k, &batches, &sizes, cached_peak)?);
         reset_pool(&ctx, pool, 0)?;
-        results[1].add(run(&pool_be, &k, &batches, &sizes, &pool_peak)?);
+        results[1].add(run(&pool_be, &k, &batches, &sizes, pool_peak)?);
         reset_pool(&ctx, pool, u64::MAX)?;
-        results[2].add(run(&pool_be, &k, &batches, &sizes, &pool_peak)?);
+        results[2].add(run(&pool_be, &k, &batches, &sizes, pool_peak)?);
         reset_pool(&ctx, pool, 0)?;
     }
 

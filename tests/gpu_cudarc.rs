@@ -100,8 +100,12 @@ fn kernel_launch_copies_and_views() {
 
     // cudarc's own copies, into and out of cachealloc memory and views.
     let mut y = cache.alloc_zeros::<f32>(1000).unwrap();
-    stream.memcpy_dtod(&x.slice(0..500), &mut y.slice_mut(500..)).unwrap();
-    stream.memcpy_htod(&[7.0f32; 10], &mut y.slice_mut(..10)).unwrap();
+    stream
+        .memcpy_dtod(&x.slice(0..500), &mut y.slice_mut(500..))
+        .unwrap();
+    stream
+        .memcpy_htod(&[7.0f32; 10], &mut y.slice_mut(..10))
+        .unwrap();
     let back: Vec<f32> = stream.clone_dtoh(&y).unwrap();
     assert_eq!(&back[..10], &[7.0; 10]);
     assert!(back[10..500].iter().all(|&v| v == 0.0));
@@ -159,7 +163,10 @@ fn a_write_on_the_own_stream_waits_for_a_foreign_read() {
     }
     // Overwrites x on its own stream while `other` still reads it (slowly).
     x.fill(9.0).unwrap();
-    assert!(z.to_vec().unwrap().iter().all(|&v| v == 1.0), "the read saw the later write");
+    assert!(
+        z.to_vec().unwrap().iter().all(|&v| v == 1.0),
+        "the read saw the later write"
+    );
     assert!(x.to_vec().unwrap().iter().all(|&v| v == 9.0));
 }
 

@@ -3,8 +3,8 @@
 use super::device::CudaDevice;
 use super::driver;
 use super::CudaError;
-use cachealloc_core::{AllocError, CachingAllocator, DevicePtr, StreamId};
 use bytemuck::{Pod, Zeroable};
+use cachealloc_core::{AllocError, CachingAllocator, DevicePtr, StreamId};
 use cust::memory::{DeviceCopy, DevicePointer};
 use std::fmt;
 use std::marker::PhantomData;

@@ -63,13 +63,13 @@ use super::buffer::fill_pod;
 use super::device::CudaDevice;
 use super::driver::{self, check};
 use super::CudaError;
-use bytemuck::{Pod, Zeroable};
-use cachealloc_core::{AllocError, CachingAllocator, DeviceError, DevicePtr as RawPtr, StreamId};
 use ::cudarc::driver::sys::CUdeviceptr;
 use ::cudarc::driver::{
     CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError, LaunchArgs,
     PushKernelArg, SyncOnDrop,
 };
+use bytemuck::{Pod, Zeroable};
+use cachealloc_core::{AllocError, CachingAllocator, DeviceError, DevicePtr as RawPtr, StreamId};
 use std::fmt;
 use std::marker::PhantomData;
 use std::mem::size_of;
@@ -82,7 +82,7 @@ fn driver_error(e: DriverError, call: &'static str) -> CudaError {
     CudaError::Device(
         check(e.0 as i32, call)
             .err()
-            .unwrap_or(DeviceError::Driver {
+            .unwrap_or_else(|| DeviceError::Driver {
                 name: format!("{e:?}"),
                 call,
             }),
@@ -384,7 +384,12 @@ impl<T> CachedSlice<T> {
     #[cold]
     #[inline(never)]
     fn foreign_use<'a>(&'a self, stream: &'a CudaStream, write: bool) -> SyncOnDrop<'a> {
-        if self.ptr != 0 && self.alloc.record_stream(RawPtr(self.ptr), stream_id(stream)).is_err() {
+        if self.ptr != 0
+            && self
+                .alloc
+                .record_stream(RawPtr(self.ptr), stream_id(stream))
+                .is_err()
+        {
             self.sync.sync_on_free.store(true, Ordering::Relaxed);
         }
         if !self.tracking() {
@@ -404,7 +409,11 @@ impl<T> CachedSlice<T> {
                 ctx.record_err(stream.wait(r));
             }
         }
-        let slot = if write { &self.sync.write } else { &self.sync.read };
+        let slot = if write {
+            &self.sync.write
+        } else {
+            &self.sync.read
+        };
         match event(slot, ctx) {
             Some(ev) => {
                 let flag = if write {
@@ -721,9 +730,7 @@ unsafe impl<'a, 'b: 'a, 'c: 'b, T> PushKernelArg<&'b CachedView<'c, T>> for Laun
 }
 
 // SAFETY: as for `&CachedSlice`.
-unsafe impl<'a, 'b: 'a, 'c: 'b, T> PushKernelArg<&'b mut CachedViewMut<'c, T>>
-    for LaunchArgs<'a>
-{
+unsafe impl<'a, 'b: 'a, 'c: 'b, T> PushKernelArg<&'b mut CachedViewMut<'c, T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b mut CachedViewMut<'c, T>) -> &mut Self {
         let ptr: &'b CUdeviceptr = &arg.ptr;
@@ -734,6 +741,7 @@ unsafe impl<'a, 'b: 'a, 'c: 'b, T> PushKernelArg<&'b mut CachedViewMut<'c, T>>
 #[cfg(test)]
 mod tests {
     use super::bounds;
+    use std::ops::Bound;
 
     #[test]
     fn ranges_map_to_bounds_or_none() {
@@ -743,7 +751,7 @@ mod tests {
         assert_eq!(bounds(..=9, 10), Some((0, 10)));
         assert_eq!(bounds(10.., 10), Some((10, 10)));
         assert_eq!(bounds(..=10, 10), None);
-        assert_eq!(bounds(5..4, 10), None);
+        assert_eq!(bounds((Bound::Included(5), Bound::Excluded(4)), 10), None);
         assert_eq!(bounds(11.., 10), None);
         assert_eq!(bounds(..=usize::MAX, 10), None);
     }
