@@ -11,7 +11,10 @@
 //! `T·x`, so the loss falls as the network learns it.
 //!
 //! Runs, each from the same initial weights:
-//! - `cachealloc`: [`CachedStream`] buffers (`CachedSlice`).
+//! - `cachealloc`: [`CachedStream`] buffers (`CachedSlice`) from the
+//!   process-wide allocator (`CACHEALLOC_CONF`, default policy when unset).
+//! - `cachealloc-expand`: the same from an allocator of its own with the
+//!   `expandable` preset (segments grow page by page in one address range).
 //! - `cudarc-pool`: cudarc on the device's default memory pool as the driver
 //!   leaves it (release threshold 0: memory goes back to the driver at every
 //!   synchronisation).
@@ -32,6 +35,8 @@
 //! library path. Exits 1 if a run's loss did not fall.
 
 use cachealloc::cuda::cudarc::{CachedSlice, CachedStream};
+use cachealloc::cuda::CudaDevice;
+use cachealloc::{CachingAllocator, Config};
 use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::sys::{self, CUmemPool_attribute};
@@ -556,18 +561,33 @@ fn main() -> Res<()> {
     let cached = Cached(CachedStream::new(&stream)?);
     let alloc = cached.0.allocator();
     let cached_peak = || -> Res<u64> { Ok(alloc.stats().reserved_bytes.all().peak) };
+    // A second allocator with expandable segments (pages mapped into one
+    // growing range per pool), whatever CACHEALLOC_CONF says.
+    let expandable = Config::preset("expandable").ok_or("no expandable preset")?;
+    let exp_alloc: &'static CachingAllocator<CudaDevice> = Box::leak(Box::new(
+        CachingAllocator::new(CudaDevice::new(0)?, expandable),
+    ));
+    let exp = Cached(CachedStream::with_allocator(exp_alloc, &stream)?);
+    let exp_peak = || -> Res<u64> { Ok(exp_alloc.stats().reserved_bytes.all().peak) };
+    println!(
+        "cachealloc: {}={:?}",
+        cachealloc::cuda::CONF_ENV,
+        std::env::var(cachealloc::cuda::CONF_ENV).unwrap_or_else(|_| "(unset: default)".into())
+    );
     let mut results = [
         Summary::new("cachealloc"),
+        Summary::new("cachealloc-expand"),
         Summary::new("cudarc-pool"),
         Summary::new("cudarc-pool-keep"),
     ];
     // Rounds in turn, so that drifting clocks do not favour one scheme.
     for _ in 0..rounds {
         results[0].add(run(&cached, &k, &batches, &sizes, cached_peak)?);
+        results[1].add(run(&exp, &k, &batches, &sizes, exp_peak)?);
         reset_pool(&ctx, pool, 0)?;
-        results[1].add(run(&pool_be, &k, &batches, &sizes, pool_peak)?);
-        reset_pool(&ctx, pool, u64::MAX)?;
         results[2].add(run(&pool_be, &k, &batches, &sizes, pool_peak)?);
+        reset_pool(&ctx, pool, u64::MAX)?;
+        results[3].add(run(&pool_be, &k, &batches, &sizes, pool_peak)?);
         reset_pool(&ctx, pool, 0)?;
     }
 
@@ -588,7 +608,9 @@ fn main() -> Res<()> {
         );
         fell &= r.last_loss < 0.8 * r.first_loss;
     }
-    println!("(peak reserved: cachealloc's reserved_bytes peak; the pool's CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)");
+    println!(
+        "(peak reserved: cachealloc's reserved_bytes peak; the pool's CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)"
+    );
     if !fell {
         eprintln!("error: the loss did not fall by 20% in every run");
         std::process::exit(1);

@@ -11,7 +11,7 @@
 //!
 //! [`create`] writes a trace (gzip when the name ends in `.gz`), [`Recording`]
 //! records a live allocator into a file, and [`replay_file`] replays a file
-//! with the core's [`replay`](cachealloc_core::replay::replay).
+//! with the core's [`replay`].
 
 use cachealloc_core::replay::{replay, ReplayError, ReplayOptions, ReplayResult};
 use cachealloc_core::{
@@ -236,7 +236,7 @@ impl TraceFileReader {
     }
 
     /// The reader of the core, whose errors carry the line but not the path
-    /// (what [`replay`](cachealloc_core::replay::replay) takes).
+    /// (what [`replay`] takes).
     pub fn into_events(self) -> TraceReader<Input> {
         self.reader
     }
