@@ -296,9 +296,7 @@ pub(crate) unsafe fn fill_pod<T: Pod>(
         return Ok(());
     }
     let pattern = bytemuck::bytes_of(&value);
-    let period = [1usize, 2, 4]
-        .into_iter()
-        .find(|&p| p <= pattern.len() && pattern.len() % p == 0 && repeats(pattern, p));
+    let period = fill_period(pattern);
     // SAFETY (all arms): the caller owns the range on `stream`.
     match period {
         Some(1) => unsafe { driver::memset_d8_async(ptr, pattern[0], bytes, stream)? },
@@ -323,9 +321,13 @@ pub(crate) unsafe fn fill_pod<T: Pod>(
     Ok(())
 }
 
-/// Whether `bytes` is its first `period` bytes repeated.
-fn repeats(bytes: &[u8], period: usize) -> bool {
-    bytes.chunks_exact(period).all(|c| c == &bytes[..period])
+/// The memset width (1, 2 or 4 bytes) that writes `pattern` repeated, if any.
+fn fill_period(pattern: &[u8]) -> Option<usize> {
+    [1usize, 2, 4].into_iter().find(|&p| {
+        p <= pattern.len()
+            && pattern.len() % p == 0
+            && pattern.chunks_exact(p).all(|c| c == &pattern[..p])
+    })
 }
 
 impl<T: DeviceCopy> Drop for CachedBuffer<T> {
@@ -347,5 +349,24 @@ impl<T: DeviceCopy> fmt::Debug for CachedBuffer<T> {
             .field("elem_size", &size_of::<T>())
             .field("stream", &self.stream)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fill_period;
+
+    #[test]
+    fn fill_picks_the_narrowest_memset_or_none() {
+        assert_eq!(fill_period(&[7]), Some(1));
+        assert_eq!(fill_period(&0u64.to_ne_bytes()), Some(1));
+        assert_eq!(fill_period(&0x1234u16.to_ne_bytes()), Some(2));
+        assert_eq!(fill_period(&[1, 2, 1, 2, 1, 2, 1, 2]), Some(2));
+        assert_eq!(fill_period(&1.5f32.to_ne_bytes()), Some(4));
+        assert_eq!(fill_period(&[1, 2, 3, 4, 1, 2, 3, 4]), Some(4));
+        assert_eq!(fill_period(&(-1.25f64).to_ne_bytes()), None);
+        assert_eq!(fill_period(&[1, 2, 3]), None);
+        assert_eq!(fill_period(&[1, 2, 3, 4, 5, 6]), None);
+        assert_eq!(fill_period(&[]), None);
     }
 }
