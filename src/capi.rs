@@ -38,8 +38,8 @@
 //! - Nothing panics across the ABI: every body runs under
 //!   [`std::panic::catch_unwind`]; a panic becomes an error.
 //! - Errors are return values (NULL, -1) plus a message in the calling
-//!   thread's last error ([`cachealloc_last_error`]); the process-wide count
-//!   is [`cachealloc_error_count`]. Functions returning `void` report only there.
+//!   thread's last error (`cachealloc_last_error`); the process-wide count
+//!   is `cachealloc_error_count`. Functions returning `void` report only there.
 //! - `cachealloc_alloc`: size 0 returns NULL with no error (PyTorch gives
 //!   empty tensors a null pointer); a negative size, an unknown device or
 //!   out-of-memory returns NULL with the last error set (the out-of-memory
@@ -47,7 +47,7 @@
 //!   it gets** (`CUDAPluggableAllocator::malloc` stores and returns it), so a
 //!   NULL for a non-empty tensor becomes an illegal-address error on the GPU
 //!   later. Install an out-of-memory handler to get an exception instead: with
-//!   [`cachealloc_set_oom_handler`] set, a failed allocation of more than 0
+//!   `cachealloc_set_oom_handler` set, a failed allocation of more than 0
 //!   bytes calls the handler with the message before returning; a handler that
 //!   throws a C++ exception (the Python loader passes PyTorch's
 //!   `c10::detail::torchCheckFail`, which raises `RuntimeError` in Python)
@@ -67,7 +67,7 @@
 //! - `cachealloc_empty_cache` and `cachealloc_reset` wait for pending stream
 //!   events, then release every entirely free segment.
 //!
-//! The logic is generic over a [`Registry`] of per-device allocators so that
+//! The logic is generic over a [`Registry`](crate::capi::Registry) of per-device allocators so that
 //! it is tested on [`SimulatedDevice`](cachealloc_core::SimulatedDevice)s on
 //! machines without a GPU; the `extern "C"` functions exist with `cuda` only.
 

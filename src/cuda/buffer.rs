@@ -3,8 +3,8 @@
 use super::device::CudaDevice;
 use super::driver;
 use super::CudaError;
+use bytemuck::{Pod, Zeroable};
 use cachealloc_core::{AllocError, CachingAllocator, DevicePtr, StreamId};
-use cust::memory::bytemuck::{Pod, Zeroable};
 use cust::memory::{DeviceCopy, DevicePointer};
 use std::fmt;
 use std::marker::PhantomData;
@@ -254,12 +254,80 @@ impl<T: DeviceCopy> CachedBuffer<T> {
         Ok(())
     }
 
+    /// Sets every value of the buffer to `value` (queued on its stream).
+    ///
+    /// A value whose bytes repeat with a period of 1, 2 or 4 bytes (any
+    /// 1-, 2- or 4-byte type, `f16`/`bf16`, zero of any type) is one
+    /// `cuMemsetD8/D16/D32Async`; other values are written from a host copy,
+    /// which waits for the stream.
+    pub fn fill(&mut self, value: T) -> Result<(), CudaError>
+    where
+        T: Pod,
+    {
+        let _ctx = self.alloc.device().enter()?;
+        // SAFETY: the range is this buffer's own memory on its own stream;
+        // any bit pattern is a valid T (Pod).
+        unsafe { fill_pod(self.ptr, self.len, value, self.stream) }
+    }
+
     /// Blocks until the work queued on the buffer's stream completed.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         let _ctx = self.alloc.device().enter()?;
         driver::stream_synchronize(self.stream)?;
         Ok(())
     }
+}
+
+/// Queues a fill of `len` values of `T` at `ptr` with `value` on `stream`:
+/// one memset when the value's bytes repeat every 1, 2 or 4 bytes, else a
+/// synchronous copy from a filled host vector.
+///
+/// # Safety
+/// `[ptr, ptr + len·size_of::<T>())` is device memory the caller owns, used
+/// by no other stream concurrently; the caller holds a context guard.
+pub(crate) unsafe fn fill_pod<T: Pod>(
+    ptr: DevicePtr,
+    len: usize,
+    value: T,
+    stream: StreamId,
+) -> Result<(), CudaError> {
+    let bytes = len * size_of::<T>();
+    if bytes == 0 {
+        return Ok(());
+    }
+    let pattern = bytemuck::bytes_of(&value);
+    let period = fill_period(pattern);
+    // SAFETY (all arms): the caller owns the range on `stream`.
+    match period {
+        Some(1) => unsafe { driver::memset_d8_async(ptr, pattern[0], bytes, stream)? },
+        Some(2) => {
+            let v = u16::from_ne_bytes([pattern[0], pattern[1]]);
+            unsafe { driver::memset_d16_async(ptr, v, bytes / 2, stream)? }
+        }
+        Some(_) => {
+            let v = u32::from_ne_bytes([pattern[0], pattern[1], pattern[2], pattern[3]]);
+            unsafe { driver::memset_d32_async(ptr, v, bytes / 4, stream)? }
+        }
+        None => {
+            let host = vec![value; len];
+            // SAFETY: `host` covers `bytes` bytes and outlives the copy: the
+            // stream is synchronised before it is dropped.
+            unsafe {
+                driver::memcpy_htod_async(ptr, host.as_ptr().cast::<u8>(), bytes, stream)?;
+            }
+            driver::stream_synchronize(stream)?;
+        }
+    }
+    Ok(())
+}
+
+/// The memset width (1, 2 or 4 bytes) that writes `pattern` repeated, if any.
+fn fill_period(pattern: &[u8]) -> Option<usize> {
+    [1usize, 2, 4].into_iter().find(|&p| {
+        p <= pattern.len()
+            && pattern.len() % p == 0
+            && pattern.chunks_exact(p).all(|c| c == &pattern[..p])
+    })
 }
 
 impl<T: DeviceCopy> Drop for CachedBuffer<T> {
@@ -281,5 +349,24 @@ impl<T: DeviceCopy> fmt::Debug for CachedBuffer<T> {
             .field("elem_size", &size_of::<T>())
             .field("stream", &self.stream)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fill_period;
+
+    #[test]
+    fn fill_picks_the_narrowest_memset_or_none() {
+        assert_eq!(fill_period(&[7]), Some(1));
+        assert_eq!(fill_period(&0u64.to_ne_bytes()), Some(1));
+        assert_eq!(fill_period(&0x1234u16.to_ne_bytes()), Some(2));
+        assert_eq!(fill_period(&[1, 2, 1, 2, 1, 2, 1, 2]), Some(2));
+        assert_eq!(fill_period(&1.5f32.to_ne_bytes()), Some(4));
+        assert_eq!(fill_period(&[1, 2, 3, 4, 1, 2, 3, 4]), Some(4));
+        assert_eq!(fill_period(&(-1.25f64).to_ne_bytes()), None);
+        assert_eq!(fill_period(&[1, 2, 3]), None);
+        assert_eq!(fill_period(&[1, 2, 3, 4, 5, 6]), None);
+        assert_eq!(fill_period(&[]), None);
     }
 }

@@ -394,6 +394,23 @@ pub unsafe fn memset_d32_async(
     )
 }
 
+/// Queues a fill of `halves` 16-bit values at `ptr` with `value` on `stream`.
+///
+/// # Safety
+/// As [`memset_d32_async`], for `[ptr, ptr + 2·halves)`.
+pub unsafe fn memset_d16_async(
+    ptr: DevicePtr,
+    value: u16,
+    halves: usize,
+    stream: StreamId,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees the range is owned device memory.
+    check(
+        unsafe { ffi::cuMemsetD16Async(ptr.0, value, halves, stream_handle(stream)) },
+        "cuMemsetD16Async",
+    )
+}
+
 /// Queues a fill of `bytes` bytes at `ptr` with `value` on `stream`.
 ///
 /// # Safety

@@ -152,6 +152,7 @@ extern "C" {
     pub fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> i32;
     pub fn cuMemsetD32Async(dst: CuDevicePtr, ui: c_uint, n: usize, stream: CuStream) -> i32;
     pub fn cuMemsetD8Async(dst: CuDevicePtr, uc: u8, n: usize, stream: CuStream) -> i32;
+    pub fn cuMemsetD16Async(dst: CuDevicePtr, us: u16, n: usize, stream: CuStream) -> i32;
     pub fn cuMemcpyHtoDAsync_v2(
         dst: CuDevicePtr,
         src: *const c_void,

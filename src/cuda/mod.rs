@@ -4,7 +4,9 @@
 //!   CUDA driver API, on the device's primary context.
 //! - [`allocator`]: the process-wide allocator of device N, created on first
 //!   use with the configuration in `CACHEALLOC_CONF`.
-//! - [`CachedBuffer`]: an RAII buffer of `T` for Rust tensor code.
+//! - [`CachedBuffer`]: an RAII buffer of `T` for Rust tensor code on `cust`.
+//! - [`cudarc`] (feature `cudarc`): `CachedSlice`, a buffer that cudarc's
+//!   kernel launches, copies and cuBLAS calls take like a `CudaSlice`.
 //! - [`driver`]: thin wrappers over the few raw driver calls that tests,
 //!   benchmarks and examples need (raw `cuMemAlloc`, the stream-ordered pool,
 //!   streams, memsets, copies).
@@ -25,6 +27,8 @@
 //! `ffi.rs` for why); the CUDA library is linked through `cust`.
 
 mod buffer;
+#[cfg(feature = "cudarc")]
+pub mod cudarc;
 mod device;
 pub mod driver;
 mod ffi;
