@@ -2,6 +2,7 @@
 //!
 //! [`open`] reads a trace file in the plain format of `DESIGN.md`, plain or
 //! gzip-compressed (recognised by its magic bytes `1f 8b`, not by its name),
+//! or a PyTorch memory snapshot pickle (`80 0N`, see [`crate::pickle_trace`]),
 //! one event at a time; the file is never loaded whole. Every error names the
 //! file, and errors in its content also name the line:
 //!
@@ -168,6 +169,8 @@ pub enum Input {
     Plain(BufReader<CountingFile>),
     /// A gzip file (one or more members).
     Gzip(Box<BufReader<MultiGzDecoder<BufReader<CountingFile>>>>),
+    /// Text converted in memory (a PyTorch memory snapshot pickle, see [`crate::pickle_trace`]).
+    Text(io::Cursor<Vec<u8>>),
 }
 
 impl Read for Input {
@@ -175,6 +178,7 @@ impl Read for Input {
         match self {
             Input::Plain(r) => r.read(buf),
             Input::Gzip(r) => r.read(buf),
+            Input::Text(r) => r.read(buf),
         }
     }
 }
@@ -184,12 +188,14 @@ impl BufRead for Input {
         match self {
             Input::Plain(r) => r.fill_buf(),
             Input::Gzip(r) => r.fill_buf(),
+            Input::Text(r) => r.fill_buf(),
         }
     }
     fn consume(&mut self, amt: usize) {
         match self {
             Input::Plain(r) => r.consume(amt),
             Input::Gzip(r) => r.consume(amt),
+            Input::Text(r) => r.consume(amt),
         }
     }
 }
@@ -391,16 +397,31 @@ pub fn open(path: impl AsRef<Path>) -> Result<TraceFileReader, FileError> {
         read: Arc::clone(&bytes_read),
     };
     let mut raw = BufReader::with_capacity(FILE_BUFFER, counting);
-    let gzip = loop {
+    let (gzip, pickle) = loop {
         match raw.fill_buf() {
             // Short reads are possible in principle; the magic needs two bytes.
-            Ok(head) => break head.starts_with(&[0x1f, 0x8b]),
+            Ok(head) => {
+                break (
+                    head.starts_with(&[0x1f, 0x8b]),
+                    crate::pickle_trace::is_pickle(head),
+                )
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) if e.raw_os_error() == Some(21) => return Err(fail(FileErrorKind::IsDirectory)),
             Err(e) => return Err(fail(FileErrorKind::Open(e))),
         }
     };
-    let input = if gzip {
+    let input = if pickle {
+        // A PyTorch memory snapshot: converted whole (snapshots are small).
+        let (text, _) = crate::pickle_trace::snapshot_to_text(raw, None).map_err(|e| {
+            fail(FileErrorKind::Open(io::Error::new(
+                io::ErrorKind::InvalidData,
+                e,
+            )))
+        })?;
+        bytes_read.store(meta.len(), Ordering::Relaxed);
+        Input::Text(io::Cursor::new(text.into_bytes()))
+    } else if gzip {
         Input::Gzip(Box::new(BufReader::with_capacity(
             TEXT_BUFFER,
             MultiGzDecoder::new(raw),
