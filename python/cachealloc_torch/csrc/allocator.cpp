@@ -74,6 +74,44 @@ constexpr size_t kSegmentWords = 8;
 constexpr size_t kBlockWords = 4;
 constexpr MempoolId_t kNoPool = {0, 0};
 
+// Numbers in messages are formatted with snprintf, never through
+// std::ostream: an extension built by a newer g++ than PyTorch's crashed in
+// the stream's numeric facets (c10::str and c10's format_size use them).
+std::string num(long long v) {
+  return std::to_string(v);
+}
+
+std::string num_f(double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%g", v);
+  return b;
+}
+
+std::string hex(const void* p) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%p", p);
+  return b;
+}
+
+std::string pool_name(MempoolId_t id) {
+  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+}
+
+// PyTorch's format_size, through snprintf.
+std::string format_size(uint64_t size) {
+  char b[64];
+  if (size <= 1024) {
+    std::snprintf(b, sizeof b, "%llu bytes", static_cast<unsigned long long>(size));
+  } else if (size <= 1048576) {
+    std::snprintf(b, sizeof b, "%.2f KiB", static_cast<double>(size) / 1024.0);
+  } else if (size <= 1073741824ULL) {
+    std::snprintf(b, sizeof b, "%.2f MiB", static_cast<double>(size) / 1048576.0);
+  } else {
+    std::snprintf(b, sizeof b, "%.2f GiB", static_cast<double>(size) / 1073741824.0);
+  }
+  return b;
+}
+
 std::string last_error() {
   char buf[4096];
   size_t n = cachealloc_torch_last_error(buf, sizeof buf);
@@ -157,8 +195,8 @@ class CacheallocAllocator final
 
   void* main_handle(c10::DeviceIndex dev) {
     TORCH_CHECK(
-        dev >= 0 && dev < kMaxDevices, "cachealloc: device ", int(dev),
-        " outside 0..", kMaxDevices);
+        dev >= 0 && dev < kMaxDevices, "cachealloc: device " + num(dev) +
+        " outside 0.." + num(kMaxDevices));
     void* h = main_[dev].load(std::memory_order_acquire);
     if (C10_LIKELY(h != nullptr)) {
       return h;
@@ -258,8 +296,8 @@ class CacheallocAllocator final
     std::string why = last_error();
     debug(why.c_str());
     if (kind != 1) {
-      TORCH_CHECK(false, "cachealloc: allocation of ", size, " bytes on device ",
-                  int(dev), " failed: ", why);
+      TORCH_CHECK(false, "cachealloc: allocation of " + num(size) +
+                  " bytes on device " + num(dev) + " failed: " + why);
     }
     size_t free_b = 0, total_b = 0;
     {
@@ -288,10 +326,9 @@ class CacheallocAllocator final
              nullptr, kNoPool, false);
     }
     debug("fail: throw");
-    using c10::CachingAllocator::format_size;
     TORCH_CHECK_WITH(
         OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ",
-        format_size(size), ". GPU ", int(dev), " has a total capacity of ",
+        format_size(size), ". GPU ", num(dev), " has a total capacity of ",
         format_size(total_b), " of which ", format_size(free_b),
         " is free. Of the allocated memory ", format_size(allocated),
         " is allocated by PyTorch, and ",
@@ -356,9 +393,9 @@ class CacheallocAllocator final
         }
         return;
       }
-      TORCH_CHECK(rc == -2, "cachealloc: free of ", ptr, ": ", last_error());
+      TORCH_CHECK(rc == -2, "cachealloc: free of " + hex(ptr) + ": " + last_error());
     }
-    TORCH_CHECK(false, "cachealloc: free of ", ptr,
+    TORCH_CHECK(false, "cachealloc: free of " + hex(ptr) +
                 ", which no cachealloc allocator handed out");
   }
 
@@ -403,7 +440,7 @@ class CacheallocAllocator final
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
     TORCH_CHECK(device >= 0 && device < kMaxDevices, "cachealloc: bad device");
     TORCH_CHECK(fraction >= 0 && fraction <= 1,
-                "cachealloc: memory fraction must be in [0, 1], got ", fraction);
+                "cachealloc: memory fraction must be in [0, 1], got " + num_f(fraction));
     void* h = main_handle(device);
     TORCH_CHECK(cachealloc_torch_set_fraction(h, fraction) == 0, last_error());
     fractions_[device] = fraction;
@@ -644,7 +681,7 @@ class CacheallocAllocator final
         return reinterpret_cast<void*>(s.address);
       }
     }
-    TORCH_CHECK(false, "cachealloc: getBaseAllocation of ", ptr,
+    TORCH_CHECK(false, "cachealloc: getBaseAllocation of " + hex(ptr) +
                 ", which no cachealloc segment holds");
     return nullptr;
   }
@@ -836,15 +873,14 @@ class CacheallocAllocator final
         return;
       }
     }
-    TORCH_CHECK(false, "cachealloc: endAllocateToPool for a pool (", id.first,
-                ", ", id.second, ") with no allocation to it under way");
+    TORCH_CHECK(false, "cachealloc: endAllocateToPool for a pool " + pool_name(id) +
+                " with no allocation to it under way");
   }
 
   void releasePool(c10::DeviceIndex dev, MempoolId_t id) override {
     std::lock_guard<std::mutex> g(pools_mutex_);
     Pool* p = find_pool(dev, id);
-    TORCH_CHECK(p != nullptr, "cachealloc: releasePool of an unknown pool (",
-                id.first, ", ", id.second, ")");
+    TORCH_CHECK(p != nullptr, "cachealloc: releasePool of an unknown pool " + pool_name(id));
     TORCH_CHECK(p->use_count > 0, "cachealloc: releasePool of a pool not in use");
     p->use_count--;
     maybe_drop(p);
@@ -866,8 +902,7 @@ class CacheallocAllocator final
     std::lock_guard<std::mutex> g(pools_mutex_);
     Pool* p = find_pool(dev, id);
     TORCH_CHECK(p != nullptr || !use_on_oom,
-                "cachealloc: setUseOnOOM of an unknown pool (", id.first, ", ",
-                id.second, ")");
+                "cachealloc: setUseOnOOM of an unknown pool " + pool_name(id));
     if (p != nullptr) {
       p->use_on_oom = use_on_oom;
     }
