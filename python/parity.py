@@ -256,6 +256,7 @@ def check_snapshot_history(torch):
     allocs = [e for e in trace if e["action"] == "alloc"]
     frees = [e for e in trace if e["action"] in ("free_requested", "free_completed")]
     assert len(allocs) >= 12 and frees, (len(allocs), len(frees))
+    assert all(e["size"] > 0 for e in frees), "a free entry without its size"
     assert any(any("parity.py" in fr["filename"] for fr in e["frames"]) for e in allocs), \
         "no Python frames in the trace"
     blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]

@@ -336,8 +336,8 @@ class CacheallocAllocator final
         " is reserved by PyTorch but unallocated. ", why);
   }
 
-  // The owner of `ptr` and frees it there; false when no allocator of ours
-  // knows it (the caller reports that).
+  // Frees `ptr` in the allocator that owns it; a pointer no allocator of
+  // ours handed out raises (as PyTorch's allocator does).
   void free_ptr(void* ptr) {
     if (ptr == nullptr) {
       return;
@@ -357,12 +357,14 @@ class CacheallocAllocator final
           rc = cachealloc_torch_free(p->handle, ptr);
         }
         TORCH_CHECK(rc == 0, "cachealloc: free in private pool: ", last_error());
-        if (history_on_.load()) {
-          g.unlock();
-          record_free(p->device, ptr, p->id);
-          g.lock();
-        }
+        // The pool may be dropped here: keep what the history needs first.
+        c10::DeviceIndex pdev = p->device;
+        MempoolId_t pid = p->id;
         maybe_drop(p);
+        g.unlock();
+        if (history_on_.load()) {
+          record_free(pdev, ptr, pid);
+        }
         return;
       }
     }
@@ -708,6 +710,7 @@ class CacheallocAllocator final
     }
     if (!enabled) {
       contexts_.clear();
+      sizes_.clear();
     }
     history_on_.store(enabled);
   }
@@ -747,6 +750,9 @@ class CacheallocAllocator final
     if (keep_context && ctx) {
       contexts_[ptr] = ctx;
     }
+    if (action == CDA::TraceEntry::ALLOC) {
+      sizes_[ptr] = size;  // for the free's trace entry
+    }
     if (when_ >= CCA::RecordContext::ALLOC &&
         !skip_.count(static_cast<int>(action))) {
       push_trace(CDA::TraceEntry(action, dev, reinterpret_cast<size_t>(ptr),
@@ -762,6 +768,11 @@ class CacheallocAllocator final
     {
       std::lock_guard<std::mutex> g(history_mutex_);
       contexts_.erase(ptr);
+      auto it = sizes_.find(ptr);
+      if (it != sizes_.end()) {
+        size = it->second;
+        sizes_.erase(it);
+      }
       rec = recorder_;
       when = when_;
     }
@@ -1055,6 +1066,8 @@ class CacheallocAllocator final
   std::array<std::vector<CDA::TraceEntry>, kMaxDevices> traces_;
   std::array<size_t, kMaxDevices> ring_next_{};
   std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> contexts_;
+  // Sizes of the allocations made while recording (a free's entry carries its size).
+  std::unordered_map<void*, size_t> sizes_;
 };
 
 // Never destroyed: tensors may be freed during interpreter shutdown.
