@@ -14,8 +14,9 @@ ended; then whether torch.cuda.empty_cache() gave memory back to the driver.
 Variants (--variants, comma-separated; order kept):
     native                  PyTorch's caching allocator, default settings
     native-expandable       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    cachealloc              libcachealloc.so, CACHEALLOC_CONF=default
-    cachealloc-expandable   libcachealloc.so, CACHEALLOC_CONF=expandable
+    cachealloc              libcachealloc.so through PyTorch's C++ allocator interface, CACHEALLOC_CONF=default
+    cachealloc-expandable   the same, CACHEALLOC_CONF=expandable
+    cachealloc-pluggable    libcachealloc.so through CUDAPluggableAllocator, CACHEALLOC_CONF=default
     native:CONF             PyTorch with PYTORCH_CUDA_ALLOC_CONF=CONF
     cachealloc:CONF         cachealloc with CACHEALLOC_CONF=CONF (e.g. cachealloc:pytorch)
 
@@ -26,7 +27,8 @@ torch.cuda.mem_get_info(). cachealloc receives it through its memory-fraction ho
 
 Step time: torch.cuda.synchronize() at the end of each step, perf_counter, median
 over the steps after --warmup. Peak reserved/allocated: torch.cuda.max_memory_*()
-for native, cachealloc's memory_stats() ("reserved_bytes.all.peak", ...) for cachealloc.
+(PyTorch's own functions; for cachealloc-pluggable, where they raise, the
+cachealloc_torch module's mirrors of them).
 """
 
 import argparse
@@ -50,6 +52,7 @@ ALIASES = {
     "native-expandable": ("native", "expandable_segments:True"),
     "cachealloc": ("cachealloc", "default"),
     "cachealloc-expandable": ("cachealloc", "expandable"),
+    "cachealloc-pluggable": ("cachealloc", "default"),
 }
 
 
@@ -98,7 +101,9 @@ def worker(spec):
     ca = None
     if kind == "cachealloc":
         import cachealloc_torch as ca
-        res["lib"] = ca.enable(spec.get("lib"))
+        mode = "pluggable" if spec["variant"].startswith("cachealloc-pluggable") else "cpp"
+        res["lib"] = ca.enable(spec.get("lib"), mode=mode)
+        res["mode"] = ca.mode()
     import workloads
     torch.cuda.init()
     free0, total = torch.cuda.mem_get_info()
@@ -152,15 +157,21 @@ def worker(spec):
         return res
 
     def figures():
-        if ca is None:
+        # PyTorch's own functions, unless cachealloc is installed through the
+        # pluggable interface, where they raise (then the module's mirrors).
+        if ca is None or ca.mode() == "cpp":
             st = torch.cuda.memory_stats()
+            extra = ca.cachealloc_stats() if ca is not None else {}
             return dict(reserved=torch.cuda.memory_reserved(),
                         allocated=torch.cuda.memory_allocated(),
                         peak_reserved=torch.cuda.max_memory_reserved(),
                         peak_allocated=torch.cuda.max_memory_allocated(),
                         retries=st.get("num_alloc_retries", 0), ooms=st.get("num_ooms", 0),
                         device_allocs=st.get("num_device_alloc"),
-                        device_frees=st.get("num_device_free"))
+                        device_frees=st.get("num_device_free"),
+                        maps=extra.get("num_map"), unmaps=extra.get("num_unmap"),
+                        syncs=st.get("num_sync_all_streams"),
+                        marker_waits=extra.get("num_marker_waits"))
         st = ca.memory_stats()
         return dict(reserved=st["reserved_bytes.all.current"],
                     allocated=st["allocated_bytes.all.current"],

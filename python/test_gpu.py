@@ -59,14 +59,15 @@ def main():
         [sys.executable, "-c",
          "import sys, torch; sys.path.insert(0, sys.argv[1]); import cachealloc_torch as ca\n"
          "torch.cuda.init()\n"
-         "try:\n ca.enable(sys.argv[2]); print('ENABLED')\n"
+         "try:\n ca.enable(sys.argv[2], mode='pluggable'); print('ENABLED')\n"
          "except ca.CacheallocError as e: print('REFUSED', e)\n", HERE, so],
         capture_output=True, text=True, timeout=120)
     check("enable() after CUDA init is refused with a clear error",
           "REFUSED" in child.stdout and "before CUDA is first used" in child.stdout,
           (child.stdout + child.stderr).strip()[-300:])
 
-    ca.enable(so)
+    # The plain C ABI through CUDAPluggableAllocator (python/parity.py covers the C++ interface).
+    ca.enable(so, mode="pluggable")
     print(f"loaded {so}; CACHEALLOC_CONF={os.environ.get('CACHEALLOC_CONF', '(unset)')}", flush=True)
     check("enable() installed the OOM handler", ca._oom_exceptions)
     torch.cuda.init()

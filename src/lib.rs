@@ -130,12 +130,17 @@ pub use cachealloc_core::{
     MemoryStats, Released, SimulatedDevice, Snapshot, StreamId,
 };
 
+pub mod pickle_trace;
 pub mod trace_file;
 
 /// The C ABI (`libcachealloc.so`, feature `cuda`): see the module documentation.
 /// Without `cuda` it is compiled for its unit tests only.
 #[cfg(any(feature = "cuda", test))]
 pub mod capi;
+
+/// The C ABI of PyTorch's full allocator interface (feature `cuda`): see the module documentation.
+#[cfg(any(feature = "cuda", test))]
+pub mod capi_torch;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

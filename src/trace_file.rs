@@ -1,9 +1,10 @@
 //! Trace files on disk: plain text or gzip, streamed.
 //!
-//! [`open`] reads a trace file in the plain format of docs/TRACE_FORMAT.md,
-//! plain or gzip-compressed (recognised by its magic bytes `1f 8b`, not by
-//! its name), one event at a time; only [`read_all`] loads a whole file.
-//! Every error names the file, and errors in its content also name the line:
+//! [`open`] reads a trace file in the plain format of docs/TRACE_FORMAT.md, plain or
+//! gzip-compressed (recognised by its magic bytes `1f 8b`, not by its name),
+//! or a PyTorch memory snapshot pickle (`80 0N`, see [`crate::pickle_trace`]),
+//! one event at a time; the file is never loaded whole. Every error names the
+//! file, and errors in its content also name the line:
 //!
 //! ```text
 //! traces/x.trace.gz: line 12: unknown operation `q` (expected a, f or e)
@@ -169,6 +170,8 @@ pub enum Input {
     Plain(BufReader<CountingFile>),
     /// A gzip file (one or more members).
     Gzip(Box<BufReader<MultiGzDecoder<BufReader<CountingFile>>>>),
+    /// Text converted in memory (a PyTorch memory snapshot pickle, see [`crate::pickle_trace`]).
+    Text(io::Cursor<Vec<u8>>),
 }
 
 impl Read for Input {
@@ -176,6 +179,7 @@ impl Read for Input {
         match self {
             Input::Plain(r) => r.read(buf),
             Input::Gzip(r) => r.read(buf),
+            Input::Text(r) => r.read(buf),
         }
     }
 }
@@ -185,12 +189,14 @@ impl BufRead for Input {
         match self {
             Input::Plain(r) => r.fill_buf(),
             Input::Gzip(r) => r.fill_buf(),
+            Input::Text(r) => r.fill_buf(),
         }
     }
     fn consume(&mut self, amt: usize) {
         match self {
             Input::Plain(r) => r.consume(amt),
             Input::Gzip(r) => r.consume(amt),
+            Input::Text(r) => r.consume(amt),
         }
     }
 }
@@ -392,16 +398,31 @@ pub fn open(path: impl AsRef<Path>) -> Result<TraceFileReader, FileError> {
         read: Arc::clone(&bytes_read),
     };
     let mut raw = BufReader::with_capacity(FILE_BUFFER, counting);
-    let gzip = loop {
+    let (gzip, pickle) = loop {
         match raw.fill_buf() {
             // Short reads are possible in principle; the magic needs two bytes.
-            Ok(head) => break head.starts_with(&[0x1f, 0x8b]),
+            Ok(head) => {
+                break (
+                    head.starts_with(&[0x1f, 0x8b]),
+                    crate::pickle_trace::is_pickle(head),
+                )
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) if e.raw_os_error() == Some(21) => return Err(fail(FileErrorKind::IsDirectory)),
             Err(e) => return Err(fail(FileErrorKind::Open(e))),
         }
     };
-    let input = if gzip {
+    let input = if pickle {
+        // A PyTorch memory snapshot: converted whole (snapshots are small).
+        let (text, _) = crate::pickle_trace::snapshot_to_text(raw, None).map_err(|e| {
+            fail(FileErrorKind::Open(io::Error::new(
+                io::ErrorKind::InvalidData,
+                e,
+            )))
+        })?;
+        bytes_read.store(meta.len(), Ordering::Relaxed);
+        Input::Text(io::Cursor::new(text.into_bytes()))
+    } else if gzip {
         Input::Gzip(Box::new(BufReader::with_capacity(
             TEXT_BUFFER,
             MultiGzDecoder::new(raw),

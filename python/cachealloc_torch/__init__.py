@@ -1,25 +1,33 @@
-"""Run PyTorch on cachealloc: load libcachealloc.so as PyTorch's CUDA allocator.
+"""Run PyTorch on cachealloc: a drop-in CUDA allocator for PyTorch.
 
-    import cachealloc_torch as ca
-    ca.enable()                      # before CUDA is first used
+    import cachealloc_torch
+    cachealloc_torch.enable()        # before CUDA is first used
     import torch
-    ...train...
-    print(ca.memory_summary())       # like torch.cuda.memory_summary()
-    stats = ca.memory_stats()        # like torch.cuda.memory_stats(): same keys
-    torch.cuda.empty_cache()         # empties cachealloc's cache (the reset hook)
+    ...                               # torch.cuda.memory_stats(), graphs, MemPool, ... as usual
 
-No build step: ctypes and torch only. The library is the package's cdylib
-built with `--features cuda` (`cargo build --release --features cuda` gives
-target/release/libcachealloc.so; scripts/build-gpu-bundle.sh puts it in
-gpu-bundle/lib/). Configure it with CACHEALLOC_CONF (same syntax as
-PYTORCH_CUDA_ALLOC_CONF, optionally starting with a preset name:
-`default`, `pytorch`, `expandable`, ...), set before the first allocation.
+Or without touching the program: `CACHEALLOC_TORCH=1 python train.py` (the
+wheel installs a start-up hook that calls enable() when that variable is set).
 
-With a pluggable allocator PyTorch's own memory_stats(), memory_summary(),
-max_memory_reserved() etc. raise; use the functions of this module instead.
-torch.cuda.empty_cache(), torch.cuda.set_per_process_memory_fraction() and
-Tensor.record_stream() work as usual (they reach cachealloc through the hooks).
-See docs/PYTORCH.md.
+enable() compiles a small C++ extension against the installed torch (once;
+cached in the torch extensions directory) that implements PyTorch's whole
+C++ allocator interface (c10::cuda::CUDACachingAllocator::CUDAAllocator) and
+installs it: torch.cuda.memory_stats() and all its relatives, cudnn.benchmark
+(cacheInfo), CUDA graphs, torch.compile(mode="reduce-overhead"),
+torch.cuda.MemPool / use_mem_pool, memory snapshots and history, and
+torch.OutOfMemoryError work unchanged. Every memory decision is made by the
+Rust core in libcachealloc.so. Without a C++ compiler (or with
+enable(mode="pluggable")) it falls back to torch.cuda.memory.CUDAPluggableAllocator,
+which supports allocation, freeing, empty_cache, memory fractions and
+record_stream only; it warns and names what does not work then.
+
+Configure the allocator with CACHEALLOC_CONF (same syntax as
+PYTORCH_CUDA_ALLOC_CONF, optionally starting with a preset name: `default`,
+`pytorch`, `expandable`, ...), set before the first allocation.
+
+The functions memory_stats(), max_memory_reserved(), ... of this module are
+aliases of torch.cuda's once the C++ interface is installed (and read the
+library directly on the pluggable path); info(), notices(), fragmentation()
+and record_trace() are cachealloc's own. See docs/PYTORCH.md.
 """
 
 import ctypes
@@ -31,12 +39,15 @@ __all__ = [
     "enable", "is_enabled", "library_path", "memory_stats", "memory_summary",
     "memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved",
     "reset_peak_memory_stats", "fragmentation", "fragmentation_stats", "snapshot",
-    "record_trace", "stop_trace", "empty_cache", "info", "notices", "last_error",
-    "error_count", "CacheallocError",
+    "record_trace", "stop_trace", "empty_cache", "cachealloc_stats", "info", "notices", "last_error",
+    "error_count", "CacheallocError", "mode", "PLUGGABLE_LIMITS",
 ]
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PKG = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(os.path.dirname(_PKG))
 _lib = None
+_mode = None
+_ext = None
 _lib_path = None
 _allocator = None
 _oom_exceptions = False
@@ -58,12 +69,14 @@ def _candidates(path):
     if env:
         yield env, "CACHEALLOC_LIB"
         return
+    yield os.path.join(_PKG, "lib", "libcachealloc.so"), "installed package"
     yield os.path.join(_REPO, "gpu-bundle", "lib", "libcachealloc.so"), "gpu-bundle"
     yield os.path.join(_REPO, "target", "release", "libcachealloc.so"), "target/release"
 
 
 def library_path(path=None):
-    """The .so enable() would load: `path`, else $CACHEALLOC_LIB, else
+    """The .so enable() would load: `path`, else $CACHEALLOC_LIB, else the
+    installed package's lib/libcachealloc.so, else (in a checkout)
     gpu-bundle/lib/libcachealloc.so, else target/release/libcachealloc.so."""
     tried = []
     for p, where in _candidates(path):
@@ -125,19 +138,49 @@ def _install_oom_handler(torch, lib):
     return None
 
 
-def enable(path=None, oom_exceptions=True):
-    """Installs cachealloc as PyTorch's CUDA allocator, with all its hooks.
+PLUGGABLE_LIMITS = (
+    "torch.cuda.memory_stats() and every torch.cuda.memory_* statistic, memory snapshots and "
+    "_record_memory_history, cudnn.benchmark (cacheInfo), CUDA graphs, "
+    "torch.compile(mode='reduce-overhead'), torch.cuda.MemPool / use_mem_pool, and "
+    "torch.OutOfMemoryError (a failed allocation raises RuntimeError) do not work on the "
+    "pluggable path; use this module's memory_stats() etc. instead")
+
+
+def _build_extension(torch, so):
+    """Compiles (or loads from the torch extensions cache) the C++ allocator,
+    linked against `so`. Returns the extension module."""
+    from torch.utils import cpp_extension
+    import hashlib
+    src = os.path.join(_PKG, "csrc", "allocator.cpp")
+    libdir = os.path.dirname(so)
+    # The name carries the library's path and the torch version, so that a
+    # different build of either never loads a stale module.
+    key = hashlib.sha1(f"{so}|{torch.__version__}".encode()).hexdigest()[:12]
+    verbose = os.environ.get("CACHEALLOC_TORCH_VERBOSE", "") not in ("", "0")
+    return cpp_extension.load(
+        name=f"cachealloc_torch_cpp_{key}", sources=[src], with_cuda=True,
+        extra_cflags=["-O2"], extra_ldflags=[f"-L{libdir}", "-lcachealloc", f"-Wl,-rpath,{libdir}"],
+        verbose=verbose)
+
+
+def enable(path=None, oom_exceptions=True, mode="auto"):
+    """Installs cachealloc as PyTorch's CUDA allocator.
 
     Must run before CUDA is first used in the process (before any tensor is
     put on the GPU, torch.cuda.init(), torch.cuda.mem_get_info(), ...).
-    `path`: the .so (default: see library_path()). With `oom_exceptions`
-    (default) a failed allocation raises RuntimeError("cachealloc ...: out of
-    memory: ...") in Python, through PyTorch's own error function; without it
-    the failed allocation returns NULL, which PyTorch does not check.
-    Returns the path of the library loaded. Calling it again is a no-op.
+    `path`: the .so (default: see library_path()). `mode`: "cpp" (PyTorch's
+    whole C++ allocator interface, through a small extension compiled against
+    the installed torch), "pluggable" (torch.cuda.memory.CUDAPluggableAllocator:
+    allocation only, see PLUGGABLE_LIMITS), or "auto" (cpp, else pluggable
+    with a warning when the extension cannot be built). `oom_exceptions`
+    (pluggable path only): a failed allocation raises RuntimeError instead of
+    returning NULL. Returns the path of the library loaded. Calling it again
+    is a no-op.
     """
-    global _lib, _lib_path, _allocator, _oom_exceptions
+    global _lib, _lib_path, _allocator, _oom_exceptions, _mode, _ext
     import torch
+    if mode not in ("auto", "cpp", "pluggable"):
+        raise ValueError(f"mode must be 'auto', 'cpp' or 'pluggable', not {mode!r}")
     so = library_path(path)
     if _lib is not None:
         if so != _lib_path:
@@ -148,9 +191,33 @@ def enable(path=None, oom_exceptions=True):
             "cachealloc_torch.enable() must run before CUDA is first used in this process "
             "(PyTorch cannot swap its allocator once CUDA is initialised): call it at the "
             "top of the program, before creating any CUDA tensor or calling torch.cuda.init().")
+    # RTLD_GLOBAL: the extension links the same library instance.
+    lib = ctypes.CDLL(so, mode=ctypes.RTLD_GLOBAL)
     _lib_path = so
-    lib = ctypes.CDLL(so)
     _declare(lib)
+    if mode in ("auto", "cpp"):
+        try:
+            ext = _build_extension(torch, so)
+        except Exception as e:  # no compiler, no ninja, headers missing, ...
+            if mode == "cpp":
+                raise CacheallocError(f"building cachealloc's C++ allocator failed: {e}") from e
+            import warnings
+            warnings.warn(
+                "cachealloc: the C++ allocator could not be built "
+                f"({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}); "
+                "falling back to the pluggable allocator: " + PLUGGABLE_LIMITS, stacklevel=2)
+        else:
+            ext.install()
+            _lib, _ext, _mode = lib, ext, "cpp"
+            return so
+    _enable_pluggable(torch, lib, so, oom_exceptions)
+    _mode = "pluggable"
+    return so
+
+
+def _enable_pluggable(torch, lib, so, oom_exceptions):
+    """Installs the library through torch.cuda.memory.CUDAPluggableAllocator."""
+    global _lib, _allocator, _oom_exceptions
     alloc = torch.cuda.memory.CUDAPluggableAllocator(so, "cachealloc_alloc", "cachealloc_free")
     raw = alloc.allocator()
     raw.set_init_fn(_addr(lib.cachealloc_init))
@@ -167,7 +234,12 @@ def enable(path=None, oom_exceptions=True):
         else:
             _oom_exceptions = True
     _lib, _allocator = lib, alloc
-    return so
+
+
+def mode():
+    """How cachealloc is installed: "cpp" (PyTorch's whole C++ allocator
+    interface), "pluggable" (CUDAPluggableAllocator), or None (not enabled)."""
+    return _mode
 
 
 def is_enabled():
@@ -224,29 +296,50 @@ def _string(fn, device, what):
         lib.cachealloc_string_free(p)
 
 
-def memory_stats(device=None):
-    """torch.cuda.memory_stats() for cachealloc: same keys (plus num_map, num_unmap, ...)."""
+def cachealloc_stats(device=None):
+    """The core's statistics with PyTorch's keys plus cachealloc's own
+    counters (num_map, num_unmap, num_marker_waits, ...), read from the
+    library (the device's allocator; private pools are not included)."""
     d = json.loads(_string(_need().cachealloc_stats_json, device, "memory_stats"))
     return OrderedDict(sorted(d.items()))
 
 
+def memory_stats(device=None):
+    """torch.cuda.memory_stats() (an alias once the C++ interface is
+    installed; on the pluggable path the library's figures, same keys)."""
+    _need()
+    if _mode == "cpp":
+        import torch
+        return torch.cuda.memory_stats(device)
+    return cachealloc_stats(device)
+
+
 def memory_allocated(device=None):
+    """torch.cuda.memory_allocated()."""
     return memory_stats(device)["allocated_bytes.all.current"]
 
 
 def max_memory_allocated(device=None):
+    """torch.cuda.max_memory_allocated()."""
     return memory_stats(device)["allocated_bytes.all.peak"]
 
 
 def memory_reserved(device=None):
+    """torch.cuda.memory_reserved()."""
     return memory_stats(device)["reserved_bytes.all.current"]
 
 
 def max_memory_reserved(device=None):
+    """torch.cuda.max_memory_reserved()."""
     return memory_stats(device)["reserved_bytes.all.peak"]
 
 
 def reset_peak_memory_stats(device=None):
+    """torch.cuda.reset_peak_memory_stats()."""
+    _need()
+    if _mode == "cpp":
+        import torch
+        return torch.cuda.reset_peak_memory_stats(device)
     if _need().cachealloc_reset_peak_stats(_device(device)) != 0:
         _fail("reset_peak_memory_stats")
 
@@ -327,7 +420,9 @@ def _fmt_count(n):
 def memory_summary(device=None, abbreviated=False):
     """A readable table of memory_stats(), laid out like torch.cuda.memory_summary()."""
     d = _device(device)
-    s = memory_stats(d)
+    s = dict(memory_stats(d))
+    for k, v in cachealloc_stats(d).items():
+        s.setdefault(k, v)
     w = 75  # inner width: a 23-wide name column and four 12-wide value columns
 
     def row(name, cells):
