@@ -13,7 +13,7 @@ use crate::bins::Bins;
 use crate::block::{
     Block, BlockId, BlockState, Listed, PoolId, PoolKind, Segment, SegmentId, Slab,
 };
-use crate::config::{Config, MemoryCap, ReleaseOrder};
+use crate::config::{Config, MemoryCap, ReleaseOrder, MEDIUM_SEGMENT, OVERSIZE_SLACK, SMALL_SIZE};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::{AllocError, OomReport};
 use crate::fasthash::FastMap;
@@ -548,10 +548,10 @@ impl<E> State<E> {
         let c = &self.config;
         if !c.caching {
             rounded
-        } else if rounded <= c.small_size {
+        } else if rounded <= SMALL_SIZE {
             c.small_segment
         } else if rounded < c.large_threshold {
-            c.medium_segment
+            MEDIUM_SEGMENT
         } else {
             let mut size = rounded;
             if rounded >= c.huge_size && c.huge_segment_divisions > 1 {
@@ -585,7 +585,7 @@ impl<E> State<E> {
             self.process_events(dev)?;
         }
         self.clock += 1;
-        let kind = if rounded <= self.config.small_size {
+        let kind = if rounded <= SMALL_SIZE {
             PoolKind::Small
         } else if rounded >= self.config.huge_size {
             PoolKind::Huge
@@ -623,7 +623,7 @@ impl<E> State<E> {
             self.lookups[pool.index()] += 1;
         }
         let max_split = self.config.max_split_size;
-        let slack = self.config.oversize_slack;
+        let slack = OVERSIZE_SLACK;
         let found = self.bins[pool.index()].as_ref()?.find(size)?;
         let (bsize, _, id) = found.entry;
         if size < max_split && bsize >= max_split {
@@ -1323,18 +1323,13 @@ impl<E> State<E> {
                 }
                 free.reverse();
             }
-            ReleaseOrder::Largest => {
-                free.sort_unstable();
-                free.reverse();
-            }
-            ReleaseOrder::All => {}
             ReleaseOrder::Oldest => {
                 free.sort_by_key(|&(_, seg)| self.free_since(seg));
             }
         }
         let mut total = 0;
         for &(_, seg) in &free {
-            if total >= need && self.config.release_order != ReleaseOrder::All {
+            if total >= need {
                 break;
             }
             total += self.release_segment(dev, seg)?;
