@@ -56,10 +56,13 @@
 //! - `cachealloc_free`: a NULL pointer with size 0 is a no-op (the free of
 //!   a size-0 allocation); NULL with a size, a pointer this library did not
 //!   hand out, a pointer inside a block, a double free or an unknown device
-//!   are ignored with the last error set. Never undefined behaviour.
+//!   are ignored with the last error set. Never undefined behaviour. The
+//!   size is not checked: the pointer alone identifies the block.
 //! - `cachealloc_init` receives the number of devices (that is what PyTorch
-//!   passes when CUDA initialises), not a device: it remembers the count and
-//!   checks `CACHEALLOC_CONF`, printing one line to stderr if it is invalid.
+//!   passes when CUDA initialises), not a device: it remembers the count
+//!   (0 to 64; another count is an error) and checks `CACHEALLOC_CONF`. An
+//!   invalid configuration sets the last error (nothing is written to
+//!   stderr, which may be closed); every allocation then fails with it.
 //!   Allocators are created per device on first use, so no context is made
 //!   on devices the program never touches.
 //! - `cachealloc_record_stream` finds the allocator owning the pointer among
@@ -138,8 +141,13 @@ pub enum AbiError {
         /// The allocator's error.
         error: AllocError,
     },
-    /// A memory fraction outside [0, 1].
+    /// A memory fraction outside (0, 1].
     BadFraction(f64),
+    /// A device count given to `init` outside 0..=[`MAX_DEVICES`].
+    BadDeviceCount(i32),
+    /// `CACHEALLOC_CONF` cannot be used.
+    Config(String),
+
     /// A trace recording could not start or finish.
     Trace(String),
     /// A panic inside the library (a bug), caught at the ABI.
@@ -160,8 +168,18 @@ impl fmt::Display for AbiError {
             ),
             AbiError::Alloc { device, error } => write!(f, "cachealloc (device {device}): {error}"),
             AbiError::BadFraction(x) => {
-                write!(f, "cachealloc: memory fraction {x} is not in [0, 1]")
+                write!(f, "cachealloc: memory fraction {x} is not in (0, 1]")
             }
+            AbiError::BadDeviceCount(n) => {
+                write!(
+                    f,
+                    "cachealloc: device count {n} is not in 0..={MAX_DEVICES}"
+                )
+            }
+            AbiError::Config(reason) => {
+                write!(f, "cachealloc: {reason}; every allocation will fail")
+            }
+
             AbiError::Trace(e) => write!(f, "cachealloc: trace recording: {e}"),
             AbiError::Panic(e) => write!(f, "cachealloc: internal error (panic): {e}"),
         }
@@ -390,10 +408,11 @@ impl<R: Registry> Abi<R> {
 
     /// The init hook: remembers the device count and checks the configuration.
     pub fn init(&self, device_count: i32) -> Result<(), AbiError> {
+        if !(0..=MAX_DEVICES).contains(&device_count) {
+            return Err(AbiError::BadDeviceCount(device_count));
+        }
         self.device_count.store(device_count, Ordering::Relaxed);
-        self.registry
-            .check_config()
-            .map_err(|reason| AbiError::Device { device: -1, reason })
+        self.registry.check_config().map_err(AbiError::Config)
     }
 
     /// The device count given to [`Abi::init`] (-1 before).
@@ -427,7 +446,7 @@ impl<R: Registry> Abi<R> {
 
     /// The memory-fraction hook: caps reserved memory at `fraction` of the device's total.
     pub fn set_memory_fraction(&self, fraction: f64, device: i32) -> Result<(), AbiError> {
-        if !(0.0..=1.0).contains(&fraction) {
+        if !MemoryCap::Fraction(fraction).is_valid() {
             return Err(AbiError::BadFraction(fraction));
         }
         let a = self.get(device)?;
@@ -659,9 +678,8 @@ mod exports {
     /// PyTorch's init hook: called with the number of devices when CUDA initialises.
     #[no_mangle]
     pub extern "C" fn cachealloc_init(device_count: c_int) {
-        if let Err(msg) = guarded(|| ABI.init(device_count)) {
-            eprintln!("{msg}; every allocation will fail");
-        }
+        // The error is the last error; stderr may be closed, so nothing is printed.
+        let _ = guarded(|| ABI.init(device_count));
     }
 
     /// PyTorch's reset hook (`torch.cuda.empty_cache()`): empties the cache of every device in use.
@@ -1050,9 +1068,27 @@ mod tests {
     }
 
     #[test]
+    fn init_checks_the_device_count() {
+        let abi = abi();
+        for bad in [-5, -1, MAX_DEVICES + 1, i32::MAX] {
+            let e = abi.init(bad).unwrap_err();
+            assert!(matches!(e, AbiError::BadDeviceCount(n) if n == bad));
+            assert!(
+                e.to_string().contains(&format!("device count {bad}")),
+                "{e}"
+            );
+        }
+        assert_eq!(abi.device_count(), -1, "a refused count is not remembered");
+        abi.init(2).unwrap();
+        assert_eq!(abi.device_count(), 2);
+        let e = AbiError::Config("bad value".into()).to_string();
+        assert!(!e.contains("device -1"), "{e}");
+    }
+
+    #[test]
     fn memory_fraction_caps_and_validates() {
         let abi = abi();
-        for bad in [-0.1, 1.5, f64::NAN, f64::INFINITY] {
+        for bad in [-0.1, 0.0, -0.0, 1.5, f64::NAN, f64::INFINITY] {
             assert!(matches!(
                 abi.set_memory_fraction(bad, 0),
                 Err(AbiError::BadFraction(_))
