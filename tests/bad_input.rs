@@ -129,7 +129,7 @@ fn malformed_lines_name_the_file_the_line_and_the_field() {
         (
             "double free",
             b"a 0 5 0\nf 0\nf 0\n",
-            "line 3: free of unknown allocation id 0",
+            "line 3: double free of allocation id 0 (freed on line 2)",
         ),
         (
             "binary",
@@ -198,11 +198,7 @@ fn an_allocation_above_one_pib_is_an_error_naming_the_size() {
         assert_fails(
             &o,
             1,
-            &[
-                s(&p),
-                "requested 18446744073709551615 bytes",
-                "larger than any device",
-            ],
+            &[s(&p), "line 1: size 18446744073709551615 is above 1 PiB"],
         );
     }
 }
@@ -248,7 +244,7 @@ fn an_unreadable_file_is_an_error_naming_it() {
 fn bad_sizes_are_usage_errors_quoting_the_string() {
     let cases = [
         ("", "is not a size"),
-        ("-5", "is not a size"),
+        ("-5", "must be a positive size"),
         ("GiB", "is not a size"),
         ("1.5.5GB", "bad number `1.5.5`"),
         ("1e30", "unknown unit `e30`"),
