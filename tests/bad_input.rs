@@ -361,3 +361,104 @@ fn zero_jobs_is_a_usage_error() {
         assert_fails(&o, 2, &["--jobs"]);
     }
 }
+
+// ---------------------------------------------------------------- the docs table
+
+/// The bad-input table of `docs/TESTING.md`: each case is run here, and
+/// the table must equal what the runs print (`CACHEALLOC_UPDATE_DOCS=1`
+/// rewrites it), so that it cannot drift from the program.
+#[test]
+fn bad_input_table_in_testing_md_matches() {
+    let dir = TempDir::new("table");
+    let mut long = b"a 1 512 0 #".to_vec();
+    long.resize(1 << 20, b'x');
+    for (name, text) in [
+        ("op.trace", &b"x 1\n"[..]),
+        ("double.trace", b"a 1 512 0\nf 1\nf 1\n"),
+        ("huge.trace", b"a 1 1125899906842625 0\n"),
+        ("pib.trace", b"a 1 1125899906842624 0\nf 1\n"),
+        ("long.trace", &long),
+        ("ok.trace", b"a 1 512 0\nf 1\n"),
+    ] {
+        dir.file(name, text);
+    }
+    let cases: &[&[&str]] = &[
+        &["replay", "missing.trace"],
+        &["replay", "op.trace"],
+        &["replay", "double.trace"],
+        &["replay", "huge.trace"],
+        &["replay", "pib.trace", "--json"],
+        &["replay", "long.trace"],
+        &["replay", "ok.trace", "--capacity", "-5"],
+        &["replay", "ok.trace", "--capacity", "0"],
+        &["replay", "ok.trace", "-c", ""],
+        &["replay", "ok.trace", "-c", ",,,,"],
+        &["replay", "ok.trace", "-c", "caching:True,caching:False"],
+        &["replay", "ok.trace", "-c", "memory_cap:0"],
+        &["replay", "ok.trace", "-c", "per_process_memory_fraction:0"],
+        &[
+            "replay",
+            "ok.trace",
+            "-c",
+            "expandable,expandable_page_mb:17592186044415",
+        ],
+        &["replay", "ok.trace", "-c", "large_threshold_mb:99999"],
+        &["replay", "ok.trace", "-c", "bogus:1"],
+        &["compare", "ok.trace", "--jobs", "0"],
+    ];
+    let mut table = String::from(
+        "| command | exit | message (first line, cut at 220 characters) |\n|---|---|---|\n",
+    );
+    for args in cases {
+        let o = Command::new(env!("CARGO_BIN_EXE_cachealloc"))
+            .args(*args)
+            .current_dir(&dir.0)
+            .env_remove("CACHEALLOC_CONF")
+            .output()
+            .unwrap();
+        let err = stderr(&o);
+        assert!(!err.contains("panicked"), "{err}");
+        let mut first = err.lines().next().unwrap_or("").to_string();
+        if o.status.success() {
+            first = "(none; the request fails as out of memory and is counted)".into();
+        }
+        if first.chars().count() > 220 {
+            first = first.chars().take(220).collect::<String>() + "…";
+        }
+        let shown: Vec<String> = args
+            .iter()
+            .map(|a| {
+                if a.is_empty() {
+                    "\"\"".to_string()
+                } else {
+                    a.to_string()
+                }
+            })
+            .collect();
+        table += &format!(
+            "| `cachealloc {}` | {} | {} |\n",
+            shown.join(" "),
+            o.status.code().unwrap_or(-1),
+            first.replace('|', "\\|").replace('`', "'")
+        );
+    }
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/TESTING.md");
+    let doc = std::fs::read_to_string(path).unwrap();
+    let (begin, end) = ("<!-- bad-input:begin -->\n", "<!-- bad-input:end -->");
+    let a = doc
+        .find(begin)
+        .expect("TESTING.md has a bad-input:begin marker")
+        + begin.len();
+    let b = doc
+        .find(end)
+        .expect("TESTING.md has a bad-input:end marker");
+    if std::env::var_os("CACHEALLOC_UPDATE_DOCS").is_some() {
+        std::fs::write(path, format!("{}{table}{}", &doc[..a], &doc[b..])).unwrap();
+        return;
+    }
+    assert_eq!(
+        &doc[a..b],
+        table,
+        "docs/TESTING.md's bad-input table is stale: run with CACHEALLOC_UPDATE_DOCS=1"
+    );
+}
