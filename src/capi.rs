@@ -67,6 +67,11 @@
 //!   on devices the program never touches.
 //! - `cachealloc_record_stream` finds the allocator owning the pointer among
 //!   the devices used so far.
+//! - A stream handed to `cachealloc_alloc` or `cachealloc_record_stream` is
+//!   registered as a live stream (`cuda::driver::register_stream`; PyTorch
+//!   keeps its streams alive): only registered streams and the special
+//!   handles ever reach the driver, since CUDA does not promise to detect a
+//!   handle that is not a live stream.
 //! - `cachealloc_empty_cache` and `cachealloc_reset` wait for pending stream
 //!   events, then release every entirely free segment.
 //!
@@ -649,8 +654,24 @@ mod exports {
 
     static ABI: Abi<CudaRegistry> = Abi::new(CudaRegistry);
 
+    thread_local! {
+        /// The stream this thread registered last (a repeat skips the lock).
+        static LAST_STREAM: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+
+    /// The stream PyTorch passed, registered as one the driver may be handed.
     fn stream_id(stream: *mut c_void) -> u64 {
-        stream as usize as u64
+        let id = stream as usize as u64;
+        if LAST_STREAM.try_with(|l| l.get() == id).unwrap_or(false) {
+            return id;
+        }
+        // SAFETY: PyTorch passes the `cudaStream_t` the tensor is allocated or
+        // used on: a live stream of the current device, kept alive by PyTorch
+        // while its tensors and their events may use it (PyTorch's own
+        // allocator records its events on the same handles).
+        unsafe { crate::cuda::driver::register_stream(StreamId(id)) };
+        let _ = LAST_STREAM.try_with(|l| l.set(id));
+        id
     }
 
     /// Allocates `size` bytes on `device` for use on `stream` (PyTorch's `alloc_fn`).
