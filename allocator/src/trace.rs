@@ -139,10 +139,17 @@ pub struct TraceReader<R> {
     line: u64,
     buf: Vec<u8>,
     live: FastMap<u64, ()>,
-    /// Ids freed and not allocated again, with the line of the free (to
-    /// tell a double free from a free of an id never allocated).
-    freed: FastMap<u64, u64>,
+    /// The last [`FREED_KEPT`] frees as (id, line), a ring searched only when
+    /// a free names an id that is not live: to tell a double free from a
+    /// free of an id never allocated, at the cost of one store per free.
+    freed: Vec<(u64, u64)>,
+    /// Next slot of `freed` to overwrite once it is full.
+    freed_next: usize,
 }
+
+/// Frees remembered to recognise a double free (older ones are reported as
+/// frees of an unknown id).
+pub const FREED_KEPT: usize = 1 << 16;
 
 impl<R: BufRead> TraceReader<R> {
     /// A reader over `input`.
@@ -152,7 +159,8 @@ impl<R: BufRead> TraceReader<R> {
             line: 0,
             buf: Vec::with_capacity(64),
             live: FastMap::default(),
-            freed: FastMap::default(),
+            freed: Vec::new(),
+            freed_next: 0,
         }
     }
 
@@ -249,22 +257,36 @@ impl<R: BufRead> TraceReader<R> {
                     if self.live.insert(id, ()).is_some() {
                         return Err(TraceError::IdReused { line, id });
                     }
-                    if !self.freed.is_empty() {
-                        self.freed.remove(&id);
-                    }
                 }
                 TraceEvent::Free { id } => {
                     if self.live.remove(&id).is_none() {
-                        return Err(match self.freed.get(&id) {
-                            Some(&freed_on) => TraceError::DoubleFree { line, id, freed_on },
-                            None => TraceError::UnknownId { line, id },
-                        });
+                        return Err(self.bad_free(line, id));
                     }
-                    self.freed.insert(id, line);
+                    if self.freed.len() < FREED_KEPT {
+                        self.freed.push((id, line));
+                    } else {
+                        self.freed[self.freed_next] = (id, line);
+                        self.freed_next = (self.freed_next + 1) % FREED_KEPT;
+                    }
                 }
                 TraceEvent::EmptyCache => {}
             }
             return Ok(Some(event));
+        }
+    }
+}
+
+impl<R> TraceReader<R> {
+    /// The error for a free of `id`, which is not live: a double free if a
+    /// recent free (after its last allocation) named it, else an unknown id.
+    #[cold]
+    fn bad_free(&self, line: u64, id: u64) -> TraceError {
+        // The most recent free of `id` (an id freed, reallocated and freed
+        // again appears twice; the later free is the one that counts).
+        let (older, newer) = self.freed.split_at(self.freed_next);
+        match newer.iter().chain(older).rev().find(|&&(i, _)| i == id) {
+            Some(&(_, freed_on)) => TraceError::DoubleFree { line, id, freed_on },
+            None => TraceError::UnknownId { line, id },
         }
     }
 }
