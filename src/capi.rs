@@ -57,7 +57,9 @@
 //!   a size-0 allocation); NULL with a size, a pointer this library did not
 //!   hand out, a pointer inside a block, a double free or an unknown device
 //!   are ignored with the last error set. Never undefined behaviour. The
-//!   size is not checked: the pointer alone identifies the block.
+//!   size must be the one requested at allocation (PyTorch passes it): a
+//!   different size is a caller bug, reported with the last error set, and
+//!   the block is still freed (the pointer alone identifies it).
 //! - `cachealloc_init` receives the number of devices (that is what PyTorch
 //!   passes when CUDA initialises), not a device: it remembers the count
 //!   (0 to 64; another count is an error) and checks `CACHEALLOC_CONF`. An
@@ -152,6 +154,16 @@ pub enum AbiError {
     BadDeviceCount(i32),
     /// `CACHEALLOC_CONF` cannot be used.
     Config(String),
+    /// `free` was given a size other than the one requested at allocation
+    /// (the block was freed all the same).
+    SizeMismatch {
+        /// The pointer freed.
+        ptr: u64,
+        /// The size given to `free`.
+        given: isize,
+        /// The size requested at allocation.
+        requested: u64,
+    },
 
     /// A trace recording could not start or finish.
     Trace(String),
@@ -184,6 +196,15 @@ impl fmt::Display for AbiError {
             AbiError::Config(reason) => {
                 write!(f, "cachealloc: {reason}; every allocation will fail")
             }
+            AbiError::SizeMismatch {
+                ptr,
+                given,
+                requested,
+            } => write!(
+                f,
+                "cachealloc: free of {ptr:#x} with size {given}, but {requested} bytes were \
+                 requested (freed all the same)"
+            ),
 
             AbiError::Trace(e) => write!(f, "cachealloc: trace recording: {e}"),
             AbiError::Panic(e) => write!(f, "cachealloc: internal error (panic): {e}"),
@@ -389,10 +410,18 @@ impl<R: Registry> Abi<R> {
             });
         }
         let a = self.existing(device).ok_or(AbiError::ForeignPointer(ptr))?;
-        a.free(DevicePtr(ptr)).map_err(|error| match error {
+        let requested = a.free_sized(DevicePtr(ptr)).map_err(|error| match error {
             AllocError::UnknownPointer(_) => AbiError::ForeignPointer(ptr),
             error => AbiError::Alloc { device, error },
-        })
+        })?;
+        if u64::try_from(size).ok() != Some(requested) {
+            return Err(AbiError::SizeMismatch {
+                ptr,
+                given: size,
+                requested,
+            });
+        }
+        Ok(())
     }
 
     /// `record_stream`: marks `ptr` as used by `stream` in whichever allocator owns it.
@@ -1104,6 +1133,29 @@ mod tests {
         assert_eq!(abi.device_count(), 2);
         let e = AbiError::Config("bad value".into()).to_string();
         assert!(!e.contains("device -1"), "{e}");
+    }
+
+    /// A size other than the requested one is reported; the block is freed
+    /// all the same (a second free is an error). Through the bins, a slab,
+    /// and a thread cache's fast path.
+    #[test]
+    fn free_reports_a_size_mismatch() {
+        let abi = abi();
+        for size in [1000, 3 << 20, 100 << 20] {
+            for _ in 0..3 {
+                // (Later rounds may be served by the thread cache's fast path.)
+                let p = abi.alloc(size as isize, 0, 0).unwrap();
+                let e = abi.free(p, size as isize + 512, 0).unwrap_err();
+                assert!(
+                    matches!(e, AbiError::SizeMismatch { requested, .. } if requested == size),
+                    "{e}"
+                );
+                assert!(e.to_string().contains("freed all the same"), "{e}");
+                assert!(abi.free(p, size as isize, 0).is_err(), "it was freed");
+                let q = abi.alloc(size as isize, 0, 0).unwrap();
+                abi.free(q, size as isize, 0).unwrap();
+            }
+        }
     }
 
     #[test]

@@ -348,7 +348,15 @@ impl<D: Device> CachingAllocator<D> {
     /// Returns an allocation to the cache. If other streams used it
     /// ([`CachingAllocator::record_stream`]), it is reused only after events
     /// recorded on them now have completed.
+    #[inline]
     pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        self.free_sized(ptr).map(|_| ())
+    }
+
+    /// [`CachingAllocator::free`], returning the size that was requested
+    /// for the allocation, for callers that check a size they are given back
+    /// (the C ABI's `free`). Costs nothing more than `free`.
+    pub fn free_sized(&self, ptr: DevicePtr) -> Result<u64, AllocError> {
         if !self.front_on.load(Ordering::Relaxed) {
             return self.locked_op(|st| st.free(&self.device, ptr, None));
         }
@@ -357,8 +365,8 @@ impl<D: Device> CachingAllocator<D> {
             || self.register_slot(),
             |slot| {
                 if let Some(slot) = slot {
-                    if let FastFree::Done = slot.try_free(ptr.0) {
-                        return Ok(());
+                    if let FastFree::Done(requested) = slot.try_free(ptr.0) {
+                        return Ok(requested);
                     }
                 }
                 let own = slot.map(|s| s.id);
@@ -927,7 +935,7 @@ impl<E> State<E> {
         dev: &D,
         ptr: DevicePtr,
         own: Option<SlotId>,
-    ) -> Result<(), AllocError> {
+    ) -> Result<u64, AllocError> {
         self.clock += 1;
         // One map operation on the common path; a parked block goes back in.
         let Some(id) = self.live.remove(ptr.0) else {
@@ -945,11 +953,13 @@ impl<E> State<E> {
                 return Err(e);
             }
         }
+        // (Taking the block back synced its requested size from the thread cache.)
+        let requested = self.blocks.get(id.0).requested;
         if let Some(slot) = own {
             if self.should_park(slot, id) {
                 self.live.insert(ptr.0, id);
                 self.park(slot, id);
-                return Ok(());
+                return Ok(requested);
             }
         }
         // A block used on other streams is guarded by an event on each; the
@@ -984,7 +994,7 @@ impl<E> State<E> {
                 let seg = self.blocks.get(id.0).segment;
                 self.release_or_keep(dev, seg);
             }
-            return Ok(());
+            return Ok(requested);
         }
         let b = self.blocks.get_mut(id.0);
         b.stream_uses.take();
@@ -997,7 +1007,7 @@ impl<E> State<E> {
             }
         }
         self.pending_blocks += 1;
-        Ok(())
+        Ok(requested)
     }
 
     /// Records an event on every stream that used block `id` besides its
