@@ -8,9 +8,10 @@
 //! synchronize, memory info, and the virtual memory calls). After every
 //! operation:
 //! - `check_invariants` holds (every block, bin, segment and event in place);
-//! - outside expandable segments, every statistic equals what a snapshot
-//!   recomputes (nothing counted twice or lost), and reserved bytes equal the
-//!   device's used bytes;
+//! - reserved bytes equal the device's used bytes (segments, or the physical
+//!   pages of expandable segments, mapped or pooled: nothing counted twice or
+//!   lost), and outside expandable segments every statistic equals what a
+//!   snapshot recomputes;
 //! - a failed free of a live allocation is a device error, never a double
 //!   free or an unknown pointer: the block stays allocated and the free can
 //!   be retried.
@@ -58,13 +59,15 @@ fn check(a: &Alloc, dev: &SimulatedDevice, step: usize, what: &str) -> Result<()
     if !a.is_expandable() {
         let snap = a.snapshot();
         check_stats_against_snapshot(&a.stats(), &snap, a.config().max_split_size).map_err(at)?;
-        let reserved = a.stats().reserved_bytes.all().current;
-        if reserved != dev.used() {
-            return Err(at(format!(
-                "reserved {reserved} B but the device holds {} B",
-                dev.used()
-            )));
-        }
+    }
+    // Every byte the device holds for the allocator is counted once:
+    // segments, or physical pages (mapped or pooled) of expandable segments.
+    let reserved = a.stats().reserved_bytes.all().current;
+    if reserved != dev.used() {
+        return Err(at(format!(
+            "reserved {reserved} B but the device holds {} B",
+            dev.used()
+        )));
     }
     Ok(())
 }
