@@ -859,6 +859,41 @@ mod exports {
     pub extern "C" fn cachealloc_set_oom_handler(handler: Option<OomHandler>) {
         ABI.set_oom_handler(handler);
     }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+        use std::process::{Command, Stdio};
+
+        /// Regression: with a bad `CACHEALLOC_CONF` and stderr a closed pipe,
+        /// `cachealloc_init` printed with `eprintln!`, which panicked inside an
+        /// `extern "C"` function, and the host process aborted (exit 134). Now
+        /// the error is only the last error. (Needs no GPU: `init` only
+        /// checks the configuration.)
+        #[test]
+        fn init_with_a_bad_conf_and_a_closed_stderr_does_not_abort() {
+            const NAME: &str =
+                "capi::exports::tests::init_with_a_bad_conf_and_a_closed_stderr_does_not_abort";
+            if std::env::var_os("CACHEALLOC_TEST_INIT_CHILD").is_some() {
+                cachealloc_init(1);
+                let e = last_error().unwrap_or_default();
+                std::process::exit(if e.contains("bogus_key") { 0 } else { 3 });
+            }
+            // A pipe whose read end is closed before the child starts: any
+            // write to its stderr fails with EPIPE.
+            let (reader, writer) = std::io::pipe().unwrap();
+            drop(reader);
+            let status = Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", NAME, "--test-threads=1", "--nocapture"])
+                .env("CACHEALLOC_TEST_INIT_CHILD", "1")
+                .env("CACHEALLOC_CONF", "bogus_key:1")
+                .stdout(Stdio::null())
+                .stderr(Stdio::from(writer))
+                .status()
+                .unwrap();
+            assert_eq!(status.code(), Some(0), "{status}");
+        }
+    }
 }
 
 #[cfg(test)]
