@@ -312,7 +312,7 @@ def main():
     steps = dict(kv.split("=") for kv in (a.steps or (SMOKE_STEPS if a.smoke else DEFAULT_STEPS)).split(","))
     warmup = 2 if a.smoke and a.warmup == 5 else a.warmup
     workloads = a.workloads.split(",")
-    # `;` separates variants whose CONF has commas: "native;cachealloc:expandable,idle_slack:0.02".
+    # `;` separates variants whose CONF has commas: "native;cachealloc:expandable,expandable_page_mb:2".
     variants = a.variants.split(";" if ";" in a.variants else ",")
     for v in variants + a.cap_variants.split(","):
         parse_variant(v)

@@ -187,6 +187,10 @@ def main():
     lib.cachealloc_free(p, 4096, dev, None)
     lib.cachealloc_free(p, 4096, dev, None)
     check("double free ignored with an error", "double free" in (ca.last_error() or ""))
+    p = lib.cachealloc_alloc(4096, dev, None)
+    lib.cachealloc_free(p, 512, dev, None)
+    check("free with a size other than the requested one: an error, the block freed",
+          "freed all the same" in (ca.last_error() or ""))
     lib.cachealloc_free(None, 0, dev, None)
     lib.cachealloc_record_stream(0xbad0000, None)
     check("record_stream of a foreign pointer ignored with an error",

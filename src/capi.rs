@@ -56,14 +56,24 @@
 //! - `cachealloc_free`: a NULL pointer with size 0 is a no-op (the free of
 //!   a size-0 allocation); NULL with a size, a pointer this library did not
 //!   hand out, a pointer inside a block, a double free or an unknown device
-//!   are ignored with the last error set. Never undefined behaviour.
+//!   are ignored with the last error set. Never undefined behaviour. The
+//!   size must be the one requested at allocation (PyTorch passes it): a
+//!   different size is a caller bug, reported with the last error set, and
+//!   the block is still freed (the pointer alone identifies it).
 //! - `cachealloc_init` receives the number of devices (that is what PyTorch
-//!   passes when CUDA initialises), not a device: it remembers the count and
-//!   checks `CACHEALLOC_CONF`, printing one line to stderr if it is invalid.
+//!   passes when CUDA initialises), not a device: it remembers the count
+//!   (0 to 64; another count is an error) and checks `CACHEALLOC_CONF`. An
+//!   invalid configuration sets the last error (nothing is written to
+//!   stderr, which may be closed); every allocation then fails with it.
 //!   Allocators are created per device on first use, so no context is made
 //!   on devices the program never touches.
 //! - `cachealloc_record_stream` finds the allocator owning the pointer among
 //!   the devices used so far.
+//! - A stream handed to `cachealloc_alloc` or `cachealloc_record_stream` is
+//!   registered as a live stream (`cuda::driver::register_stream`; PyTorch
+//!   keeps its streams alive): only registered streams and the special
+//!   handles ever reach the driver, since CUDA does not promise to detect a
+//!   handle that is not a live stream.
 //! - `cachealloc_empty_cache` and `cachealloc_reset` wait for pending stream
 //!   events, then release every entirely free segment.
 //!
@@ -138,8 +148,23 @@ pub enum AbiError {
         /// The allocator's error.
         error: AllocError,
     },
-    /// A memory fraction outside [0, 1].
+    /// A memory fraction outside (0, 1].
     BadFraction(f64),
+    /// A device count given to `init` outside 0..=[`MAX_DEVICES`].
+    BadDeviceCount(i32),
+    /// `CACHEALLOC_CONF` cannot be used.
+    Config(String),
+    /// `free` was given a size other than the one requested at allocation
+    /// (the block was freed all the same).
+    SizeMismatch {
+        /// The pointer freed.
+        ptr: u64,
+        /// The size given to `free`.
+        given: isize,
+        /// The size requested at allocation.
+        requested: u64,
+    },
+
     /// A trace recording could not start or finish.
     Trace(String),
     /// A panic inside the library (a bug), caught at the ABI.
@@ -160,8 +185,27 @@ impl fmt::Display for AbiError {
             ),
             AbiError::Alloc { device, error } => write!(f, "cachealloc (device {device}): {error}"),
             AbiError::BadFraction(x) => {
-                write!(f, "cachealloc: memory fraction {x} is not in [0, 1]")
+                write!(f, "cachealloc: memory fraction {x} is not in (0, 1]")
             }
+            AbiError::BadDeviceCount(n) => {
+                write!(
+                    f,
+                    "cachealloc: device count {n} is not in 0..={MAX_DEVICES}"
+                )
+            }
+            AbiError::Config(reason) => {
+                write!(f, "cachealloc: {reason}; every allocation will fail")
+            }
+            AbiError::SizeMismatch {
+                ptr,
+                given,
+                requested,
+            } => write!(
+                f,
+                "cachealloc: free of {ptr:#x} with size {given}, but {requested} bytes were \
+                 requested (freed all the same)"
+            ),
+
             AbiError::Trace(e) => write!(f, "cachealloc: trace recording: {e}"),
             AbiError::Panic(e) => write!(f, "cachealloc: internal error (panic): {e}"),
         }
@@ -366,10 +410,18 @@ impl<R: Registry> Abi<R> {
             });
         }
         let a = self.existing(device).ok_or(AbiError::ForeignPointer(ptr))?;
-        a.free(DevicePtr(ptr)).map_err(|error| match error {
+        let requested = a.free_sized(DevicePtr(ptr)).map_err(|error| match error {
             AllocError::UnknownPointer(_) => AbiError::ForeignPointer(ptr),
             error => AbiError::Alloc { device, error },
-        })
+        })?;
+        if u64::try_from(size).ok() != Some(requested) {
+            return Err(AbiError::SizeMismatch {
+                ptr,
+                given: size,
+                requested,
+            });
+        }
+        Ok(())
     }
 
     /// `record_stream`: marks `ptr` as used by `stream` in whichever allocator owns it.
@@ -390,10 +442,11 @@ impl<R: Registry> Abi<R> {
 
     /// The init hook: remembers the device count and checks the configuration.
     pub fn init(&self, device_count: i32) -> Result<(), AbiError> {
+        if !(0..=MAX_DEVICES).contains(&device_count) {
+            return Err(AbiError::BadDeviceCount(device_count));
+        }
         self.device_count.store(device_count, Ordering::Relaxed);
-        self.registry
-            .check_config()
-            .map_err(|reason| AbiError::Device { device: -1, reason })
+        self.registry.check_config().map_err(AbiError::Config)
     }
 
     /// The device count given to [`Abi::init`] (-1 before).
@@ -427,7 +480,7 @@ impl<R: Registry> Abi<R> {
 
     /// The memory-fraction hook: caps reserved memory at `fraction` of the device's total.
     pub fn set_memory_fraction(&self, fraction: f64, device: i32) -> Result<(), AbiError> {
-        if !(0.0..=1.0).contains(&fraction) {
+        if !MemoryCap::Fraction(fraction).is_valid() {
             return Err(AbiError::BadFraction(fraction));
         }
         let a = self.get(device)?;
@@ -630,8 +683,24 @@ mod exports {
 
     static ABI: Abi<CudaRegistry> = Abi::new(CudaRegistry);
 
+    thread_local! {
+        /// The stream this thread registered last (a repeat skips the lock).
+        static LAST_STREAM: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+
+    /// The stream PyTorch passed, registered as one the driver may be handed.
     fn stream_id(stream: *mut c_void) -> u64 {
-        stream as usize as u64
+        let id = stream as usize as u64;
+        if LAST_STREAM.try_with(|l| l.get() == id).unwrap_or(false) {
+            return id;
+        }
+        // SAFETY: PyTorch passes the `cudaStream_t` the tensor is allocated or
+        // used on: a live stream of the current device, kept alive by PyTorch
+        // while its tensors and their events may use it (PyTorch's own
+        // allocator records its events on the same handles).
+        unsafe { crate::cuda::driver::register_stream(StreamId(id)) };
+        let _ = LAST_STREAM.try_with(|l| l.set(id));
+        id
     }
 
     /// Allocates `size` bytes on `device` for use on `stream` (PyTorch's `alloc_fn`).
@@ -659,9 +728,8 @@ mod exports {
     /// PyTorch's init hook: called with the number of devices when CUDA initialises.
     #[no_mangle]
     pub extern "C" fn cachealloc_init(device_count: c_int) {
-        if let Err(msg) = guarded(|| ABI.init(device_count)) {
-            eprintln!("{msg}; every allocation will fail");
-        }
+        // The error is the last error; stderr may be closed, so nothing is printed.
+        let _ = guarded(|| ABI.init(device_count));
     }
 
     /// PyTorch's reset hook (`torch.cuda.empty_cache()`): empties the cache of every device in use.
@@ -790,6 +858,41 @@ mod exports {
     #[no_mangle]
     pub extern "C" fn cachealloc_set_oom_handler(handler: Option<OomHandler>) {
         ABI.set_oom_handler(handler);
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+        use std::process::{Command, Stdio};
+
+        /// Regression: with a bad `CACHEALLOC_CONF` and stderr a closed pipe,
+        /// `cachealloc_init` printed with `eprintln!`, which panicked inside an
+        /// `extern "C"` function, and the host process aborted (exit 134). Now
+        /// the error is only the last error. (Needs no GPU: `init` only
+        /// checks the configuration.)
+        #[test]
+        fn init_with_a_bad_conf_and_a_closed_stderr_does_not_abort() {
+            const NAME: &str =
+                "capi::exports::tests::init_with_a_bad_conf_and_a_closed_stderr_does_not_abort";
+            if std::env::var_os("CACHEALLOC_TEST_INIT_CHILD").is_some() {
+                cachealloc_init(1);
+                let e = last_error().unwrap_or_default();
+                std::process::exit(if e.contains("bogus_key") { 0 } else { 3 });
+            }
+            // A pipe whose read end is closed before the child starts: any
+            // write to its stderr fails with EPIPE.
+            let (reader, writer) = std::io::pipe().unwrap();
+            drop(reader);
+            let status = Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", NAME, "--test-threads=1", "--nocapture"])
+                .env("CACHEALLOC_TEST_INIT_CHILD", "1")
+                .env("CACHEALLOC_CONF", "bogus_key:1")
+                .stdout(Stdio::null())
+                .stderr(Stdio::from(writer))
+                .status()
+                .unwrap();
+            assert_eq!(status.code(), Some(0), "{status}");
+        }
     }
 }
 
@@ -1050,9 +1153,50 @@ mod tests {
     }
 
     #[test]
+    fn init_checks_the_device_count() {
+        let abi = abi();
+        for bad in [-5, -1, MAX_DEVICES + 1, i32::MAX] {
+            let e = abi.init(bad).unwrap_err();
+            assert!(matches!(e, AbiError::BadDeviceCount(n) if n == bad));
+            assert!(
+                e.to_string().contains(&format!("device count {bad}")),
+                "{e}"
+            );
+        }
+        assert_eq!(abi.device_count(), -1, "a refused count is not remembered");
+        abi.init(2).unwrap();
+        assert_eq!(abi.device_count(), 2);
+        let e = AbiError::Config("bad value".into()).to_string();
+        assert!(!e.contains("device -1"), "{e}");
+    }
+
+    /// A size other than the requested one is reported; the block is freed
+    /// all the same (a second free is an error). Through the bins, a slab,
+    /// and a thread cache's fast path.
+    #[test]
+    fn free_reports_a_size_mismatch() {
+        let abi = abi();
+        for size in [1000, 3 << 20, 100 << 20] {
+            for _ in 0..3 {
+                // (Later rounds may be served by the thread cache's fast path.)
+                let p = abi.alloc(size as isize, 0, 0).unwrap();
+                let e = abi.free(p, size as isize + 512, 0).unwrap_err();
+                assert!(
+                    matches!(e, AbiError::SizeMismatch { requested, .. } if requested == size),
+                    "{e}"
+                );
+                assert!(e.to_string().contains("freed all the same"), "{e}");
+                assert!(abi.free(p, size as isize, 0).is_err(), "it was freed");
+                let q = abi.alloc(size as isize, 0, 0).unwrap();
+                abi.free(q, size as isize, 0).unwrap();
+            }
+        }
+    }
+
+    #[test]
     fn memory_fraction_caps_and_validates() {
         let abi = abi();
-        for bad in [-0.1, 1.5, f64::NAN, f64::INFINITY] {
+        for bad in [-0.1, 0.0, -0.0, 1.5, f64::NAN, f64::INFINITY] {
             assert!(matches!(
                 abi.set_memory_fraction(bad, 0),
                 Err(AbiError::BadFraction(_))

@@ -931,7 +931,10 @@ mod tests {
         let e = replay_file(&p, &Config::default(), ReplayOptions::default()).unwrap_err();
         assert_eq!(
             e.to_string(),
-            format!("{}: line 3: free of unknown allocation id 1", p.display())
+            format!(
+                "{}: line 3: double free of allocation id 1 (freed on line 2)",
+                p.display()
+            )
         );
         let e = replay_file(
             dir.path("missing"),

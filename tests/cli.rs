@@ -511,12 +511,12 @@ fn a_malformed_file_names_the_file_and_line() {
 }
 
 #[test]
-fn a_free_of_an_unknown_id_names_the_file_and_line() {
+fn a_double_free_names_the_file_the_line_and_the_first_free() {
     let o = run(&["replay", "tests/data/unknown_free.trace", "--json"]);
     assert_status(&o, 1);
     assert_eq!(
         stderr(&o).trim_end(),
-        "error: tests/data/unknown_free.trace: line 4: free of unknown allocation id 1"
+        "error: tests/data/unknown_free.trace: line 4: double free of allocation id 1 (freed on line 3)"
     );
 }
 

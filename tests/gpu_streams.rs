@@ -338,3 +338,36 @@ fn calls_from_threads_with(config: Config) {
     }
     assert_eq!(alloc.usage().reserved, 0);
 }
+
+/// A stream id nobody registered (not made by `Stream::new`, not passed
+/// through the C ABI) never reaches the driver: recording an event or
+/// queuing work on it is an error, and the allocator guarding a block used
+/// on it synchronizes the device instead.
+#[test]
+fn unregistered_stream_ids_never_reach_the_driver() {
+    let _s = serial();
+    let Some(dev) = gpu_device() else { return };
+    let bogus = StreamId(0x7f00_dead_b000);
+    let e = dev.record_event(bogus).unwrap_err();
+    assert!(e.to_string().contains("not a live stream"), "{e}");
+    assert!(driver::stream_synchronize(bogus).is_err());
+    let s = Stream::new(&dev).unwrap();
+    let id = s.id();
+    assert!(driver::is_registered_stream(id));
+    drop(s);
+    assert!(
+        !driver::is_registered_stream(id),
+        "a dropped stream is unregistered"
+    );
+    let alloc = CachingAllocator::new(dev, Config::pytorch());
+    let p = alloc.malloc(MIB, StreamId(0)).unwrap();
+    alloc.record_stream(p, bogus).unwrap();
+    alloc.free(p).unwrap();
+    // No event could guard it, so the device was synchronized and the
+    // block is free at once: the next request of its size gets it back.
+    let q = alloc.malloc(MIB, StreamId(0)).unwrap();
+    assert_eq!(q, p);
+    alloc.free(q).unwrap();
+    alloc.check_invariants().unwrap();
+    alloc.empty_cache().unwrap();
+}

@@ -13,7 +13,7 @@ use crate::bins::Bins;
 use crate::block::{
     Block, BlockId, BlockState, Listed, PoolId, PoolKind, Segment, SegmentId, Slab,
 };
-use crate::config::{Config, MemoryCap, ReleaseOrder};
+use crate::config::{Config, MemoryCap, ReleaseOrder, MEDIUM_SEGMENT, OVERSIZE_SLACK, SMALL_SIZE};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::{AllocError, OomReport};
 use crate::fasthash::FastMap;
@@ -27,6 +27,9 @@ use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+
+/// Notices kept at most (each says what the allocator did in place of failing).
+const MAX_NOTICES: usize = 64;
 
 /// Source of allocator ids (keys of the thread-local caches).
 static NEXT_ALLOCATOR_ID: AtomicU64 = AtomicU64::new(1);
@@ -345,7 +348,15 @@ impl<D: Device> CachingAllocator<D> {
     /// Returns an allocation to the cache. If other streams used it
     /// ([`CachingAllocator::record_stream`]), it is reused only after events
     /// recorded on them now have completed.
+    #[inline]
     pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        self.free_sized(ptr).map(|_| ())
+    }
+
+    /// [`CachingAllocator::free`], returning the size that was requested
+    /// for the allocation, for callers that check a size they are given back
+    /// (the C ABI's `free`). Costs nothing more than `free`.
+    pub fn free_sized(&self, ptr: DevicePtr) -> Result<u64, AllocError> {
         if !self.front_on.load(Ordering::Relaxed) {
             return self.locked_op(|st| st.free(&self.device, ptr, None));
         }
@@ -354,8 +365,8 @@ impl<D: Device> CachingAllocator<D> {
             || self.register_slot(),
             |slot| {
                 if let Some(slot) = slot {
-                    if let FastFree::Done = slot.try_free(ptr.0) {
-                        return Ok(());
+                    if let FastFree::Done(requested) = slot.try_free(ptr.0) {
+                        return Ok(requested);
                     }
                 }
                 let own = slot.map(|s| s.id);
@@ -548,10 +559,10 @@ impl<E> State<E> {
         let c = &self.config;
         if !c.caching {
             rounded
-        } else if rounded <= c.small_size {
+        } else if rounded <= SMALL_SIZE {
             c.small_segment
         } else if rounded < c.large_threshold {
-            c.medium_segment
+            MEDIUM_SEGMENT
         } else {
             let mut size = rounded;
             if rounded >= c.huge_size && c.huge_segment_divisions > 1 {
@@ -585,7 +596,7 @@ impl<E> State<E> {
             self.process_events(dev)?;
         }
         self.clock += 1;
-        let kind = if rounded <= self.config.small_size {
+        let kind = if rounded <= SMALL_SIZE {
             PoolKind::Small
         } else if rounded >= self.config.huge_size {
             PoolKind::Huge
@@ -623,7 +634,7 @@ impl<E> State<E> {
             self.lookups[pool.index()] += 1;
         }
         let max_split = self.config.max_split_size;
-        let slack = self.config.oversize_slack;
+        let slack = OVERSIZE_SLACK;
         let found = self.bins[pool.index()].as_ref()?.find(size)?;
         let (bsize, _, id) = found.entry;
         if size < max_split && bsize >= max_split {
@@ -924,7 +935,7 @@ impl<E> State<E> {
         dev: &D,
         ptr: DevicePtr,
         own: Option<SlotId>,
-    ) -> Result<(), AllocError> {
+    ) -> Result<u64, AllocError> {
         self.clock += 1;
         // One map operation on the common path; a parked block goes back in.
         let Some(id) = self.live.remove(ptr.0) else {
@@ -942,13 +953,29 @@ impl<E> State<E> {
                 return Err(e);
             }
         }
+        // (Taking the block back synced its requested size from the thread cache.)
+        let requested = self.blocks.get(id.0).requested;
         if let Some(slot) = own {
             if self.should_park(slot, id) {
                 self.live.insert(ptr.0, id);
                 self.park(slot, id);
-                return Ok(());
+                return Ok(requested);
             }
         }
+        // A block used on other streams is guarded by an event on each; the
+        // device calls come before any change, so that a failure leaves the
+        // block allocated and the free can be retried.
+        let events = if shared {
+            match self.guard_events(dev, id) {
+                Ok(events) => events,
+                Err(e) => {
+                    self.live.insert(ptr.0, id);
+                    return Err(e);
+                }
+            }
+        } else {
+            Vec::new()
+        };
         self.shadow_free(size);
         let kind = pool.kind();
         self.count_allocated(kind, size, false);
@@ -958,40 +985,79 @@ impl<E> State<E> {
             }
         }
         // Almost no block was used on another stream: back to the pool at once.
-        if !shared {
+        if events.is_empty() {
+            if shared {
+                self.blocks.get_mut(id.0).stream_uses.take();
+            }
             self.free_block(id);
             if !self.config.caching {
                 let seg = self.blocks.get(id.0).segment;
-                self.release_segment(dev, seg)?;
+                self.release_or_keep(dev, seg);
             }
-            return Ok(());
+            return Ok(requested);
         }
         let b = self.blocks.get_mut(id.0);
-        let uses = b.stream_uses.take();
+        b.stream_uses.take();
         b.state = BlockState::AwaitingEvents;
-        let mut recorded = 0u32;
+        b.pending_events = events.len() as u32;
+        for (s, ev) in events {
+            match self.pending.iter_mut().find(|(st, _)| *st == s) {
+                Some((_, q)) => q.push_back((ev, id)),
+                None => self.pending.push((s, VecDeque::from([(ev, id)]))),
+            }
+        }
+        self.pending_blocks += 1;
+        Ok(requested)
+    }
+
+    /// Records an event on every stream that used block `id` besides its
+    /// own. If one cannot be recorded, the device is synchronized instead
+    /// (the block is then safe to reuse at once: no events). If that fails
+    /// too, the events recorded are given back and the error returned:
+    /// nothing has changed.
+    #[cold]
+    fn guard_events<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        id: BlockId,
+    ) -> Result<Vec<(StreamId, E)>, AllocError> {
+        let uses = self.blocks.get(id.0).stream_uses.to_vec();
+        let mut events = Vec::with_capacity(uses.len());
         for s in uses {
             match dev.record_event(s) {
-                Ok(ev) => {
-                    recorded += 1;
-                    match self.pending.iter_mut().find(|(st, _)| *st == s) {
-                        Some((_, q)) => q.push_back((ev, id)),
-                        None => self.pending.push((s, VecDeque::from([(ev, id)]))),
-                    }
-                }
+                Ok(ev) => events.push((s, ev)),
                 Err(_) => {
                     // Cannot guard the block with an event: make it safe the slow way.
-                    dev.synchronize()?;
+                    let synced = dev.synchronize();
+                    for (_, ev) in events.drain(..) {
+                        dev.release_event(ev);
+                    }
+                    synced?;
+                    return Ok(Vec::new());
                 }
             }
         }
-        if recorded == 0 {
-            self.free_block(id);
-        } else {
-            self.blocks.get_mut(id.0).pending_events = recorded;
-            self.pending_blocks += 1;
+        Ok(events)
+    }
+
+    /// Without caching, a freed block's segment goes back to the device at
+    /// once; if the device refuses, the segment stays cached (whole and
+    /// consistent) for a later `empty_cache`, and a notice says so.
+    #[cold]
+    fn release_or_keep<D: Device<Event = E>>(&mut self, dev: &D, seg: SegmentId) {
+        if let Err(e) = self.release_segment(dev, seg) {
+            self.notice(format!(
+                "a segment stays cached: the device could not free it ({e})"
+            ));
         }
-        Ok(())
+    }
+
+    /// Adds a notice (kept to a bounded number; see [`CachingAllocator::notices`]).
+    #[cold]
+    fn notice(&mut self, text: String) {
+        if self.notices.len() < MAX_NOTICES {
+            self.notices.push(text);
+        }
     }
 
     /// Returns a block to its pool, merging it with free neighbours (a
@@ -1154,6 +1220,8 @@ impl<E> State<E> {
         dev: &D,
         done: Vec<BlockId>,
     ) -> Result<(), AllocError> {
+        // Every block is recycled even if the device refuses to free a
+        // segment on the way (that segment stays cached).
         for id in done {
             let b = self.blocks.get_mut(id.0);
             b.pending_events -= 1;
@@ -1162,7 +1230,7 @@ impl<E> State<E> {
                 self.free_block(id);
                 if !self.config.caching {
                     let seg = self.blocks.get(id.0).segment;
-                    self.release_segment(dev, seg)?;
+                    self.release_or_keep(dev, seg);
                 }
             }
         }
@@ -1171,10 +1239,17 @@ impl<E> State<E> {
 
     fn process_events<D: Device<Event = E>>(&mut self, dev: &D) -> Result<(), AllocError> {
         let mut done = Vec::new();
-        for (_, queue) in &mut self.pending {
+        let mut result = Ok(());
+        'streams: for (_, queue) in &mut self.pending {
             while let Some((ev, _)) = queue.front() {
-                if !dev.event_completed(ev)? {
-                    break;
+                match dev.event_completed(ev) {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) => {
+                        // The events already taken are recycled below all the same.
+                        result = Err(e.into());
+                        break 'streams;
+                    }
                 }
                 let (ev, id) = queue.pop_front().expect("front exists");
                 dev.release_event(ev);
@@ -1182,7 +1257,8 @@ impl<E> State<E> {
             }
         }
         self.pending.retain(|(_, q)| !q.is_empty());
-        self.events_done(dev, done)
+        self.events_done(dev, done)?;
+        result
     }
 
     /// Waits for every pending event (PyTorch's `synchronize_and_free_events`).
@@ -1323,18 +1399,13 @@ impl<E> State<E> {
                 }
                 free.reverse();
             }
-            ReleaseOrder::Largest => {
-                free.sort_unstable();
-                free.reverse();
-            }
-            ReleaseOrder::All => {}
             ReleaseOrder::Oldest => {
                 free.sort_by_key(|&(_, seg)| self.free_since(seg));
             }
         }
         let mut total = 0;
         for &(_, seg) in &free {
-            if total >= need && self.config.release_order != ReleaseOrder::All {
+            if total >= need {
                 break;
             }
             total += self.release_segment(dev, seg)?;

@@ -4,11 +4,38 @@
 //! they apply, plus our own policy keys. A string may start with the name of
 //! a preset (`pytorch`, `default`, `no-caching`), which the keys then modify:
 //! `pytorch,max_split_size_mb:64`.
+//!
+//! One static table, [`KEYS`], describes every key (its kind, its bounds,
+//! whether it is stable, a line of documentation). Parsing, printing
+//! ([`Config::to_conf_string`]), the error messages and the key table of
+//! `docs/POLICY.md` ([`keys_markdown`]) are all driven by it, so they cannot
+//! disagree. Every number a key accepts is bounded there, so that no accepted
+//! value can overflow a size computation or divide by zero.
 
 use crate::rounding::{Power2Divisions, POWER2_INTERVALS, SLAB_MAX};
 use std::fmt;
 
 const MIB: u64 = 1 << 20;
+
+/// Requests up to this size (rounded) go to the small pool (PyTorch's `kSmallSize`).
+pub const SMALL_SIZE: u64 = MIB;
+/// Segment size for large requests below `large_threshold` (PyTorch's `kLargeBuffer`).
+pub const MEDIUM_SEGMENT: u64 = 20 * MIB;
+/// A request ≥ `max_split_size` takes a cached block only if it is less than
+/// this much larger (PyTorch's `kLargeBuffer` slack).
+pub const OVERSIZE_SLACK: u64 = 20 * MIB;
+/// Expandable segments: idle pages stay mapped while reserved memory is at
+/// most `1 + IDLE_SLACK` times the peak allocated bytes (tuned on the traces).
+pub const IDLE_SLACK: f64 = 0.01;
+/// Expandable segments: past `1 + IDLE_SLACK_HARD` times the peak, the
+/// allocator waits for the device to recycle idle pages rather than grow.
+pub const IDLE_SLACK_HARD: f64 = 0.02;
+/// Expandable segments: a recycling round unmaps the pages needed now plus
+/// this fraction of the peak allocated bytes.
+pub const RECYCLE_BATCH: f64 = 0.05;
+/// The largest size any size key accepts: 1 PiB, the largest request
+/// ([`crate::MAX_REQUEST`]); sums and roundings of such sizes stay far from `u64::MAX`.
+pub const MAX_SIZE: u64 = 1 << 50;
 
 /// A limit on reserved memory.
 #[derive(Copy, Clone, PartialEq, Debug)]
@@ -27,19 +54,28 @@ impl MemoryCap {
             MemoryCap::Fraction(f) => (f * total as f64) as u64,
         }
     }
+
+    /// Whether this cap is one a configuration string could set: a byte cap
+    /// in `[1 MiB, 1 PiB]`, a fraction in `(0, 1]` (callers of
+    /// `set_memory_cap` check this, so an unusable cap is refused there too).
+    pub fn is_valid(self) -> bool {
+        match self {
+            MemoryCap::Bytes(b) => (MIN_MEMORY_CAP..=MAX_SIZE).contains(&b),
+            MemoryCap::Fraction(f) => f > 0.0 && f <= 1.0,
+        }
+    }
 }
+
+/// The smallest byte cap accepted: below one small segment nothing could be allocated.
+pub const MIN_MEMORY_CAP: u64 = 2 * MIB;
 
 /// Which entirely free segments to release first when room is needed.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
 pub enum ReleaseOrder {
     /// The smallest single segment that makes enough room, else the largest first.
     SmallestFit,
-    /// The largest first.
-    Largest,
     /// The longest idle first.
     Oldest,
-    /// All of them.
-    All,
 }
 
 /// Expandable segments: which page size backs the partly covered big pages
@@ -65,13 +101,10 @@ pub struct Config {
     pub name: String,
     /// Cache freed blocks at all; `false` frees every block's segment at once.
     pub caching: bool,
-    /// Requests up to this size go to the small pool.
-    pub small_size: u64,
     /// Size of small-pool segments.
     pub small_segment: u64,
-    /// Segment size for large requests below `large_threshold`.
-    pub medium_segment: u64,
-    /// Large requests at or above this get a segment of their own size (rounded).
+    /// Large requests at or above this get a segment of their own size (rounded);
+    /// below it, a segment of [`MEDIUM_SEGMENT`].
     pub large_threshold: u64,
     /// Granule that own-size large segments are rounded up to.
     pub segment_round: u64,
@@ -87,9 +120,6 @@ pub struct Config {
     /// PyTorch's `max_split_size`: blocks this large are never split, and
     /// smaller requests never take them. `u64::MAX` means unlimited.
     pub max_split_size: u64,
-    /// A request ≥ `max_split_size` takes a cached block only if it is less
-    /// than this much larger.
-    pub oversize_slack: u64,
     /// `roundup_power2_divisions` per interval.
     pub roundup_power2_divisions: Power2Divisions,
     /// Fraction of the cap above which unused cached segments are garbage-collected.
@@ -99,7 +129,7 @@ pub struct Config {
     /// Before a new segment would lift reserved memory above its previous
     /// peak, release entirely free cached segments first.
     pub release_before_grow: bool,
-    /// A large request does not take an entirely free segment more than this
+    /// A huge request does not take an entirely free segment more than this
     /// many times its size (0: no limit); it gets a segment of its own, so
     /// big segments are not carved up by smaller, longer-lived blocks.
     pub oversize_ratio: u64,
@@ -113,17 +143,14 @@ pub struct Config {
     pub release_same_kind: bool,
     /// Which free segments go first when room is needed.
     pub release_order: ReleaseOrder,
-    /// Expandable segments: idle pages stay mapped while reserved memory is
-    /// at most `1 + idle_slack` times the peak allocated bytes.
+    /// Expandable segments: [`IDLE_SLACK`] (a field, with no key, so that
+    /// tests can vary it).
     pub idle_slack: f64,
-    /// Expandable segments: past `1 + idle_slack` times the peak allocated
-    /// bytes, idle pages that no queued work can touch move without any wait;
-    /// past `1 + idle_slack_hard`, the allocator waits for the device to
-    /// recycle the rest (a device-wide synchronize) rather than grow.
+    /// Expandable segments: [`IDLE_SLACK_HARD`] (a field, with no key, so
+    /// that tests can vary it).
     pub idle_slack_hard: f64,
-    /// Expandable segments: a recycling round unmaps the pages needed now plus
-    /// this fraction of the peak allocated bytes (longest idle first), so
-    /// that the next mappings need no new round (each round waits for the device).
+    /// Expandable segments: [`RECYCLE_BATCH`] (a field, with no key, so that
+    /// tests can vary it).
     pub recycle_batch: f64,
     /// Expandable segments: page size of the large pools (a multiple of the
     /// device granularity; the small pool always uses the granularity).
@@ -151,9 +178,7 @@ impl Config {
         Config {
             name: "pytorch".into(),
             caching: true,
-            small_size: MIB,
             small_segment: 2 * MIB,
-            medium_segment: 20 * MIB,
             large_threshold: 10 * MIB,
             segment_round: 2 * MIB,
             large_split_remainder: MIB,
@@ -162,7 +187,6 @@ impl Config {
             thread_cache: 0,
             slab_max: 0,
             max_split_size: u64::MAX,
-            oversize_slack: 20 * MIB,
             roundup_power2_divisions: [0; POWER2_INTERVALS],
             garbage_collection_threshold: None,
             memory_cap: None,
@@ -171,9 +195,9 @@ impl Config {
             oversize_ratio: 0,
             release_min_idle: 0,
             release_same_kind: false,
-            idle_slack: 0.01,
-            idle_slack_hard: 0.02,
-            recycle_batch: 0.05,
+            idle_slack: IDLE_SLACK,
+            idle_slack_hard: IDLE_SLACK_HARD,
+            recycle_batch: RECYCLE_BATCH,
             expandable_page: 8 * MIB,
             expandable_edges: EdgePages::Pressure,
             expandable_segments: false,
@@ -236,306 +260,797 @@ impl Config {
         }
     }
 
-    /// Parses a configuration string (see the module docs); an empty string is the default.
+    /// Parses a configuration string (see the module docs). A string of
+    /// only blanks is the default; an empty item (`a:1,,b:2`, a trailing
+    /// comma) and a key given twice are errors, not silently skipped or
+    /// overridden.
     pub fn parse(conf: &str) -> Result<Self, ConfigError> {
-        let mut items = conf
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .peekable();
-        let mut config = match items.peek() {
-            Some(first) if !first.contains(':') => {
-                let c = Self::preset(first)
-                    .ok_or_else(|| ConfigError::UnknownPreset(first.to_string()))?;
-                items.next();
-                c
-            }
-            _ => Self::default(),
-        };
-        let rest: Vec<&str> = items.collect();
-        // A `[…]` list value contains commas: glue its pieces back together.
+        if conf.trim().is_empty() {
+            return Ok(Self::default());
+        }
+        let items: Vec<&str> = conf.split(',').map(str::trim).collect();
+        let mut config = Self::default();
         let mut i = 0;
-        while i < rest.len() {
-            let mut item = rest[i].to_string();
+        if !items[0].contains(':') && !items[0].is_empty() {
+            config = Self::preset(items[0])
+                .ok_or_else(|| ConfigError::UnknownPreset(items[0].to_string()))?;
+            i = 1;
+        }
+        let mut seen: Vec<&'static Key> = Vec::new();
+        while i < items.len() {
+            let mut item = items[i].to_string();
+            if item.is_empty() {
+                return Err(ConfigError::Syntax(String::new()));
+            }
+            // A `[…]` list value contains commas: glue its pieces back together.
             if item.contains('[') {
-                while !item.contains(']') && i + 1 < rest.len() {
+                while !item.contains(']') && i + 1 < items.len() {
                     i += 1;
                     item.push(',');
-                    item.push_str(rest[i]);
+                    item.push_str(items[i]);
                 }
             }
-            config.apply(&item)?;
+            let key = config.apply(&item)?;
+            if let Some(earlier) = seen.iter().find(|k| k.group() == key.group()) {
+                return Err(ConfigError::Duplicate {
+                    key: key.name.to_string(),
+                    earlier: earlier.name.to_string(),
+                });
+            }
+            seen.push(key);
             i += 1;
         }
         config.validate()?;
         Ok(config)
     }
 
-    fn apply(&mut self, item: &str) -> Result<(), ConfigError> {
-        let (key, value) = item
+    /// Applies one `key:value` item; returns the key's table entry.
+    fn apply(&mut self, item: &str) -> Result<&'static Key, ConfigError> {
+        let (name, value) = item
             .split_once(':')
             .ok_or_else(|| ConfigError::Syntax(item.to_string()))?;
-        let (key, value) = (key.trim(), value.trim());
-        let bad = |why: &str| ConfigError::BadValue {
-            key: key.to_string(),
+        let (name, value) = (name.trim(), value.trim());
+        let key = find_key(name).ok_or_else(|| ConfigError::UnknownKey(name.to_string()))?;
+        let v = key.kind.parse(value).map_err(|why| ConfigError::BadValue {
+            key: name.to_string(),
             value: value.to_string(),
-            why: why.to_string(),
-        };
-        let mib = |v: &str| -> Result<u64, ConfigError> {
-            let n: u64 = v
-                .parse()
-                .map_err(|_| bad("expected a whole number of MiB"))?;
-            n.checked_mul(MIB).ok_or_else(|| bad("too large"))
-        };
-        match key {
-            "max_split_size_mb" if value == "unlimited" => self.max_split_size = u64::MAX,
-            "huge_size_mb" if value == "unlimited" => self.huge_size = u64::MAX,
-            "max_split_size_mb" => {
-                let m = mib(value)?;
-                if m < 20 * MIB {
-                    return Err(bad("must be at least 20 MiB (PyTorch's minimum)"));
-                }
-                self.max_split_size = m;
-            }
-            "roundup_power2_divisions" => {
-                self.roundup_power2_divisions = parse_divisions(value).map_err(|w| bad(&w))?
-            }
-            "garbage_collection_threshold" => {
-                let t: f64 = value.parse().map_err(|_| bad("expected a number"))?;
-                if !(t > 0.0 && t < 1.0) {
-                    return Err(bad("must be strictly between 0 and 1"));
-                }
-                self.garbage_collection_threshold = Some(t);
-            }
-            "expandable_segments" => {
-                self.expandable_segments =
-                    parse_bool(value).ok_or_else(|| bad("expected True or False"))?
-            }
-            "backend" => {
-                if value != "native" {
-                    return Err(bad(
-                        "cachealloc is itself the allocator; only `native` applies",
-                    ));
-                }
-            }
-            "release_lock_on_cudamalloc"
-            | "pinned_use_cuda_host_register"
-            | "pinned_use_background_threads" => {
-                parse_bool(value).ok_or_else(|| bad("expected True or False"))?;
-            }
-            "per_process_memory_fraction" | "memory_fraction" => {
-                let f: f64 = value.parse().map_err(|_| bad("expected a number"))?;
-                if !(f > 0.0 && f <= 1.0) {
-                    return Err(bad("must be in (0, 1]"));
-                }
-                self.memory_cap = Some(MemoryCap::Fraction(f));
-            }
-            "memory_cap" => {
-                let b = parse_size(value).map_err(|w| bad(&w))?;
-                self.memory_cap = Some(MemoryCap::Bytes(b));
-            }
-            "caching" => {
-                self.caching = parse_bool(value).ok_or_else(|| bad("expected True or False"))?
-            }
-            "release_before_grow" => {
-                self.release_before_grow =
-                    parse_bool(value).ok_or_else(|| bad("expected True or False"))?
-            }
-            "small_segment_mb" => self.small_segment = mib(value)?,
-            "medium_segment_mb" => self.medium_segment = mib(value)?,
-            "large_threshold_mb" => self.large_threshold = mib(value)?,
-            "segment_round_mb" => self.segment_round = mib(value)?,
-            "large_split_remainder_mb" => self.large_split_remainder = mib(value)?,
-            "huge_size_mb" => self.huge_size = mib(value)?,
-            "idle_slack" => {
-                let f: f64 = value.parse().map_err(|_| bad("expected a number"))?;
-                if !(0.0..=10.0).contains(&f) {
-                    return Err(bad("must be between 0 and 10"));
-                }
-                self.idle_slack = f;
-            }
-            "expandable_page_mb" => {
-                let m = mib(value)?;
-                if m == 0 {
-                    return Err(bad("must be positive"));
-                }
-                self.expandable_page = m;
-            }
-            "expandable_edges" => {
-                self.expandable_edges = match value {
-                    "small" => EdgePages::Small,
-                    "big" => EdgePages::Big,
-                    "pressure" => EdgePages::Pressure,
-                    _ => return Err(bad("expected small, big or pressure")),
-                }
-            }
-            "idle_slack_hard" => {
-                let f: f64 = value.parse().map_err(|_| bad("expected a number"))?;
-                if !(0.0..=10.0).contains(&f) {
-                    return Err(bad("must be between 0 and 10"));
-                }
-                self.idle_slack_hard = f;
-            }
-            "recycle_batch" => {
-                let f: f64 = value.parse().map_err(|_| bad("expected a number"))?;
-                if !(0.0..=1000.0).contains(&f) {
-                    return Err(bad("must be between 0 and 1000"));
-                }
-                self.recycle_batch = f;
-            }
-            "release_min_idle" => {
-                self.release_min_idle = value.parse().map_err(|_| bad("expected a whole number"))?
-            }
-            "release_same_kind" => {
-                self.release_same_kind =
-                    parse_bool(value).ok_or_else(|| bad("expected True or False"))?
-            }
-            "oversize_ratio" => {
-                self.oversize_ratio = value.parse().map_err(|_| bad("expected a whole number"))?
-            }
-            "release_order" => {
-                self.release_order = match value {
-                    "smallest_fit" => ReleaseOrder::SmallestFit,
-                    "largest" => ReleaseOrder::Largest,
-                    "oldest" => ReleaseOrder::Oldest,
-                    "all" => ReleaseOrder::All,
-                    _ => return Err(bad("expected oldest, smallest_fit, largest or all")),
-                }
-            }
-            "thread_cache" => {
-                let n: u32 = value.parse().map_err(|_| bad("expected a whole number"))?;
-                if n > MAX_THREAD_CACHE {
-                    return Err(bad("at most 1024 blocks per thread"));
-                }
-                self.thread_cache = n;
-            }
-            "slab_max_kb" => {
-                let kib: u64 = value
-                    .parse()
-                    .map_err(|_| bad("expected a whole number of KiB"))?;
-                if kib > SLAB_MAX / 1024 {
-                    return Err(bad("at most 1024 KiB (a slab holds at least two chunks)"));
-                }
-                self.slab_max = kib * 1024;
-            }
-            "huge_segment_divisions" => {
-                let d: u32 = value.parse().map_err(|_| bad("expected a whole number"))?;
-                if d > 1 << 16 || (d > 1 && !d.is_power_of_two()) {
-                    return Err(bad("must be 0 or a power of two"));
-                }
-                self.huge_segment_divisions = d;
-            }
-            _ => return Err(ConfigError::UnknownKey(key.to_string())),
-        }
-        Ok(())
+            why,
+        })?;
+        (key.set)(self, v);
+        Ok(key)
     }
 
+    /// Checks what the table's per-key bounds cannot: limits between keys.
     fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |key: &str, value: u64, why: &str| {
-            Err(ConfigError::BadValue {
-                key: key.into(),
-                value: value.to_string(),
-                why: why.into(),
-            })
-        };
-        if self.small_segment < self.small_size || self.small_segment % 512 != 0 {
-            return bad(
-                "small_segment_mb",
-                self.small_segment / MIB,
-                "must hold a small request (≥ 1 MiB)",
-            );
-        }
-        if self.segment_round == 0 {
-            return bad("segment_round_mb", 0, "must be positive");
-        }
-        let slab_limit = self.small_size.min(self.small_segment / 2);
+        let slab_limit = SMALL_SIZE.min(self.small_segment / 2);
         if self.slab_max > slab_limit {
-            return bad(
-                "slab_max_kb",
-                self.slab_max / 1024,
-                &format!(
+            return Err(ConfigError::BadValue {
+                key: "slab_max_kb".into(),
+                value: (self.slab_max / 1024).to_string(),
+                why: format!(
                     "slabs are small-pool segments holding at least two chunks: at most {} KiB \
                      with small_segment_mb:{} (set slab_max_kb lower, or 0 for no slabs)",
                     slab_limit / 1024,
                     self.small_segment / MIB
                 ),
-            );
-        }
-        if self.medium_segment < self.large_threshold {
-            return bad(
-                "medium_segment_mb",
-                self.medium_segment / MIB,
-                "must be at least large_threshold_mb",
-            );
+            });
         }
         Ok(())
     }
 
     /// The configuration as a `key:value,…` string that [`Config::parse`]
-    /// reads back to an equal configuration (every key is written).
+    /// reads back to an equal configuration: the preset's name, then every
+    /// key of [`KEYS`] that has a value (unset optional keys are left out).
     pub fn to_conf_string(&self) -> String {
-        let mib_or_unlimited = |v: u64| {
-            if v == u64::MAX {
-                "unlimited".to_string()
-            } else {
-                (v / MIB).to_string()
+        let mut s = self.name.clone();
+        for key in KEYS {
+            if let Some(v) = (key.get)(self) {
+                s.push(',');
+                s.push_str(key.name);
+                s.push(':');
+                s.push_str(&key.kind.format(&v));
             }
-        };
-        let release_order = match self.release_order {
-            ReleaseOrder::SmallestFit => "smallest_fit",
-            ReleaseOrder::Largest => "largest",
-            ReleaseOrder::Oldest => "oldest",
-            ReleaseOrder::All => "all",
-        };
-        let mut s = format!(
-            "{},caching:{},small_segment_mb:{},medium_segment_mb:{},large_threshold_mb:{},segment_round_mb:{},\
-             large_split_remainder_mb:{},max_split_size_mb:{},huge_size_mb:{},huge_segment_divisions:{},\
-             oversize_ratio:{},release_before_grow:{},release_order:{},release_min_idle:{},release_same_kind:{},idle_slack:{},idle_slack_hard:{},recycle_batch:{},expandable_page_mb:{},\
-             expandable_edges:{},expandable_segments:{}",
-            self.name,
-            py_bool(self.caching),
-            self.small_segment / MIB,
-            self.medium_segment / MIB,
-            self.large_threshold / MIB,
-            self.segment_round / MIB,
-            self.large_split_remainder / MIB,
-            mib_or_unlimited(self.max_split_size),
-            mib_or_unlimited(self.huge_size),
-            self.huge_segment_divisions,
-            self.oversize_ratio,
-            py_bool(self.release_before_grow),
-            release_order,
-            self.release_min_idle,
-            py_bool(self.release_same_kind),
-            self.idle_slack,
-            self.idle_slack_hard,
-            self.recycle_batch,
-            self.expandable_page / MIB,
-            match self.expandable_edges {
-                EdgePages::Small => "small",
-                EdgePages::Big => "big",
-                EdgePages::Pressure => "pressure",
-            },
-            py_bool(self.expandable_segments),
-        );
-        let list: Vec<String> = self
-            .roundup_power2_divisions
-            .iter()
-            .enumerate()
-            .map(|(i, d)| format!("{}:{d}", 1u64 << i))
-            .collect();
-        s += &format!(",roundup_power2_divisions:[{}]", list.join(","));
-        s += &format!(",thread_cache:{}", self.thread_cache);
-        s += &format!(",slab_max_kb:{}", self.slab_max / 1024);
-        if let Some(t) = self.garbage_collection_threshold {
-            s += &format!(",garbage_collection_threshold:{t}");
-        }
-        match self.memory_cap {
-            Some(MemoryCap::Bytes(b)) => s += &format!(",memory_cap:{b}"),
-            Some(MemoryCap::Fraction(f)) => s += &format!(",per_process_memory_fraction:{f}"),
-            None => {}
         }
         s
+    }
+}
+
+/// Whether a key is part of the stable interface.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub enum Stability {
+    /// Supported; kept across releases.
+    Stable,
+    /// A policy under study; may change or go.
+    Experimental,
+    /// PyTorch's key, accepted so that `PYTORCH_CUDA_ALLOC_CONF` strings
+    /// parse, with no effect here.
+    Ignored,
+}
+
+/// How a key's value is written and what it may be. Every number is bounded.
+#[derive(Copy, Clone, Debug)]
+pub enum KeyKind {
+    /// `True` or `False` (also `true`/`false`/`1`/`0`).
+    Bool,
+    /// A whole number in `[min, max]`; with `pow2`, 0, 1 or a power of two.
+    Count {
+        /// Least value.
+        min: u64,
+        /// Greatest value.
+        max: u64,
+        /// Only 0, 1 and powers of two.
+        pow2: bool,
+    },
+    /// A whole number of `unit` bytes in `[min, max]` units; `unlimited`
+    /// (stored as `u64::MAX`) where allowed.
+    Bytes {
+        /// Bytes per unit (1 MiB, 1 KiB).
+        unit: u64,
+        /// The unit's name in messages.
+        unit_name: &'static str,
+        /// Least value, in units.
+        min: u64,
+        /// Greatest value, in units.
+        max: u64,
+        /// Whether `unlimited` is accepted.
+        unlimited: bool,
+    },
+    /// A byte size with an optional unit (`16GiB`, `512MB`, `1048576`), in `[min, max]` bytes.
+    Size {
+        /// Least value in bytes.
+        min: u64,
+        /// Greatest value in bytes.
+        max: u64,
+    },
+    /// A number above `min` (or equal, with `min_included`) and at most
+    /// `max` (or below, without `max_included`).
+    Number {
+        /// Lower bound.
+        min: f64,
+        /// Whether `min` itself is accepted.
+        min_included: bool,
+        /// Upper bound.
+        max: f64,
+        /// Whether `max` itself is accepted.
+        max_included: bool,
+    },
+    /// One of these words.
+    Choice(&'static [&'static str]),
+    /// `N` (every interval) or `[size_mb:N,…,>:N]`, each N 0, 1 or a power of two ≤ 65536.
+    Divisions,
+}
+
+/// A parsed value, before it is stored in a [`Config`].
+#[derive(Clone, PartialEq, Debug)]
+pub enum Value {
+    /// Of [`KeyKind::Bool`].
+    Bool(bool),
+    /// Of [`KeyKind::Count`], [`KeyKind::Bytes`] (in bytes) and [`KeyKind::Size`].
+    U64(u64),
+    /// Of [`KeyKind::Number`].
+    F64(f64),
+    /// Of [`KeyKind::Choice`].
+    Word(&'static str),
+    /// Of [`KeyKind::Divisions`].
+    Divisions(Power2Divisions),
+}
+
+impl KeyKind {
+    /// Reads `text` as a value of this kind, within its bounds; the error says why not.
+    pub fn parse(&self, text: &str) -> Result<Value, String> {
+        match *self {
+            KeyKind::Bool => parse_bool(text)
+                .map(Value::Bool)
+                .ok_or_else(|| "expected True or False".into()),
+            KeyKind::Count { min, max, pow2 } => {
+                let n: u64 = text
+                    .parse()
+                    .map_err(|_| format!("expected a whole number from {min} to {max}"))?;
+                if !(min..=max).contains(&n) {
+                    return Err(format!("must be from {min} to {max}"));
+                }
+                if pow2 && n > 1 && !n.is_power_of_two() {
+                    return Err("must be 0, 1 or a power of two".into());
+                }
+                Ok(Value::U64(n))
+            }
+            KeyKind::Bytes {
+                unit,
+                unit_name,
+                min,
+                max,
+                unlimited,
+            } => {
+                if unlimited && text == "unlimited" {
+                    return Ok(Value::U64(u64::MAX));
+                }
+                let or_unlimited = if unlimited { " or unlimited" } else { "" };
+                let n: u64 = text.parse().map_err(|_| {
+                    format!(
+                        "expected a whole number of {unit_name} from {min} to {max}{or_unlimited}"
+                    )
+                })?;
+                if !(min..=max).contains(&n) {
+                    return Err(format!(
+                        "must be from {min} to {max} {unit_name}{or_unlimited}"
+                    ));
+                }
+                Ok(Value::U64(n * unit))
+            }
+            KeyKind::Size { min, max } => {
+                let b = parse_size(text)?;
+                if !(min..=max).contains(&b) {
+                    return Err(format!(
+                        "must be from {} to {}",
+                        crate::human_bytes(min),
+                        crate::human_bytes(max)
+                    ));
+                }
+                Ok(Value::U64(b))
+            }
+            KeyKind::Number { .. } => {
+                let f: f64 = text.parse().map_err(|_| "expected a number".to_string())?;
+                if !self.number_in_range(f) {
+                    return Err(format!("must be in {}", self.range_text()));
+                }
+                Ok(Value::F64(f))
+            }
+            KeyKind::Choice(words) => words
+                .iter()
+                .find(|&&w| w == text)
+                .map(|&w| Value::Word(w))
+                .ok_or_else(|| format!("expected {}", words.join(", "))),
+            KeyKind::Divisions => parse_divisions(text).map(Value::Divisions),
+        }
+    }
+
+    fn number_in_range(&self, f: f64) -> bool {
+        match *self {
+            KeyKind::Number {
+                min,
+                min_included,
+                max,
+                max_included,
+            } => (f > min || (min_included && f == min)) && (f < max || (max_included && f == max)),
+            _ => false,
+        }
+    }
+
+    /// Writes `v` the way [`KeyKind::parse`] reads it.
+    pub fn format(&self, v: &Value) -> String {
+        match (self, v) {
+            (KeyKind::Bytes { .. }, Value::U64(u64::MAX)) => "unlimited".into(),
+            (KeyKind::Bytes { unit, .. }, Value::U64(b)) => (b / unit).to_string(),
+            (_, Value::U64(n)) => n.to_string(),
+            (_, Value::Bool(b)) => py_bool(*b).into(),
+            (_, Value::F64(f)) => f.to_string(),
+            (_, Value::Word(w)) => (*w).into(),
+            (_, Value::Divisions(d)) => {
+                let list: Vec<String> = d
+                    .iter()
+                    .enumerate()
+                    .map(|(i, d)| format!("{}:{d}", 1u64 << i))
+                    .collect();
+                format!("[{}]", list.join(","))
+            }
+        }
+    }
+
+    /// The values this kind accepts, for the docs.
+    pub fn range_text(&self) -> String {
+        match *self {
+            KeyKind::Bool => "True, False".into(),
+            KeyKind::Count { min, max, pow2 } if pow2 => {
+                format!("0, 1 or a power of two up to {max} (from {min})")
+            }
+            KeyKind::Count { min, max, .. } => format!("{min} to {max}"),
+            KeyKind::Bytes {
+                unit_name,
+                min,
+                max,
+                unlimited,
+                ..
+            } => format!(
+                "{min} to {max} {unit_name}{}",
+                if unlimited { ", unlimited" } else { "" }
+            ),
+            KeyKind::Size { min, max } => format!(
+                "{} to {} (`16GiB`, `512MB`, bytes)",
+                crate::human_bytes(min),
+                crate::human_bytes(max)
+            ),
+            KeyKind::Number {
+                min,
+                min_included,
+                max,
+                max_included,
+            } => format!(
+                "{}{min}, {max}{}",
+                if min_included { "[" } else { "(" },
+                if max_included { "]" } else { ")" }
+            ),
+            KeyKind::Choice(words) => words.join(", "),
+            KeyKind::Divisions => "`4` or `[256:1,512:2,>:4]` (MiB interval starts; 0, 1 or powers of two up to 65536)".into(),
+        }
+    }
+}
+
+/// One configuration key (modelled on mimalloc's options table).
+pub struct Key {
+    /// The key's name.
+    pub name: &'static str,
+    /// Other names for the same key.
+    pub aliases: &'static [&'static str],
+    /// Its value's kind and bounds.
+    pub kind: KeyKind,
+    /// Whether it is stable.
+    pub stability: Stability,
+    /// One line for the docs.
+    pub doc: &'static str,
+    /// Keys setting the same field (`memory_cap`, `per_process_memory_fraction`)
+    /// share a group: two of them in one string is a duplicate.
+    group: Option<&'static str>,
+    /// The value to print (`None`: leave the key out).
+    get: fn(&Config) -> Option<Value>,
+    /// Stores a value [`KeyKind::parse`] accepted.
+    set: fn(&mut Config, Value),
+}
+
+impl Key {
+    fn group(&self) -> &'static str {
+        self.group.unwrap_or(self.name)
+    }
+}
+
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Key")
+            .field("name", &self.name)
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+fn u(v: Value) -> u64 {
+    match v {
+        Value::U64(n) => n,
+        _ => unreachable!("the kind parses to a whole number"),
+    }
+}
+fn b(v: Value) -> bool {
+    matches!(v, Value::Bool(true))
+}
+fn f(v: Value) -> f64 {
+    match v {
+        Value::F64(x) => x,
+        _ => unreachable!("the kind parses to a number"),
+    }
+}
+fn w(v: Value) -> &'static str {
+    match v {
+        Value::Word(x) => x,
+        _ => unreachable!("the kind parses to a word"),
+    }
+}
+
+const fn mib(min: u64, max: u64, unlimited: bool) -> KeyKind {
+    KeyKind::Bytes {
+        unit: MIB,
+        unit_name: "MiB",
+        min,
+        max,
+        unlimited,
+    }
+}
+const BOOL: KeyKind = KeyKind::Bool;
+/// `MAX_SIZE` in MiB.
+const MAX_MIB: u64 = MAX_SIZE / MIB;
+
+/// Every configuration key. Parsing, [`Config::to_conf_string`], the error
+/// messages and [`keys_markdown`] all read this table.
+pub static KEYS: &[Key] = &[
+    Key {
+        name: "max_split_size_mb",
+        aliases: &[],
+        kind: mib(20, MAX_MIB, true),
+        stability: Stability::Stable,
+        doc: "PyTorch's: blocks this large are not split; smaller requests don't take them",
+        group: None,
+        get: |c| Some(Value::U64(c.max_split_size)),
+        set: |c, v| c.max_split_size = u(v),
+    },
+    Key {
+        name: "roundup_power2_divisions",
+        aliases: &[],
+        kind: KeyKind::Divisions,
+        stability: Stability::Stable,
+        doc: "PyTorch's: round requests up to 1/N of their power-of-two interval",
+        group: None,
+        get: |c| Some(Value::Divisions(c.roundup_power2_divisions)),
+        set: |c, v| {
+            if let Value::Divisions(d) = v {
+                c.roundup_power2_divisions = d
+            }
+        },
+    },
+    Key {
+        name: "garbage_collection_threshold",
+        aliases: &[],
+        kind: KeyKind::Number {
+            min: 0.0,
+            min_included: false,
+            max: 1.0,
+            max_included: false,
+        },
+        stability: Stability::Stable,
+        doc: "PyTorch's: with a cap, free old unsplit cached blocks above this fraction of it (unset: off)",
+        group: None,
+        get: |c| c.garbage_collection_threshold.map(Value::F64),
+        set: |c, v| c.garbage_collection_threshold = Some(f(v)),
+    },
+    Key {
+        name: "expandable_segments",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Stable,
+        doc: "page-backed segments (falls back with a notice without the virtual memory API)",
+        group: None,
+        get: |c| Some(Value::Bool(c.expandable_segments)),
+        set: |c, v| c.expandable_segments = b(v),
+    },
+    Key {
+        name: "per_process_memory_fraction",
+        aliases: &["memory_fraction"],
+        kind: KeyKind::Number {
+            min: 0.0,
+            min_included: false,
+            max: 1.0,
+            max_included: true,
+        },
+        stability: Stability::Stable,
+        doc: "cap on reserved memory as a fraction of the device's memory (unset: no cap)",
+        group: Some("memory_cap"),
+        get: |c| match c.memory_cap {
+            Some(MemoryCap::Fraction(f)) => Some(Value::F64(f)),
+            _ => None,
+        },
+        set: |c, v| c.memory_cap = Some(MemoryCap::Fraction(f(v))),
+    },
+    Key {
+        name: "memory_cap",
+        aliases: &[],
+        kind: KeyKind::Size {
+            min: MIN_MEMORY_CAP,
+            max: MAX_SIZE,
+        },
+        stability: Stability::Stable,
+        doc: "cap on reserved memory in bytes (unset: no cap)",
+        group: Some("memory_cap"),
+        get: |c| match c.memory_cap {
+            Some(MemoryCap::Bytes(b)) => Some(Value::U64(b)),
+            _ => None,
+        },
+        set: |c, v| c.memory_cap = Some(MemoryCap::Bytes(u(v))),
+    },
+    Key {
+        name: "caching",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Stable,
+        doc: "False frees every block's segment at once",
+        group: None,
+        get: |c| Some(Value::Bool(c.caching)),
+        set: |c, v| c.caching = b(v),
+    },
+    Key {
+        name: "small_segment_mb",
+        aliases: &[],
+        kind: mib(1, 1024, false),
+        stability: Stability::Stable,
+        doc: "size of small-pool segments (requests up to 1 MiB)",
+        group: None,
+        get: |c| Some(Value::U64(c.small_segment)),
+        set: |c, v| c.small_segment = u(v),
+    },
+    Key {
+        name: "large_threshold_mb",
+        aliases: &[],
+        kind: mib(1, MEDIUM_SEGMENT / MIB, false),
+        stability: Stability::Stable,
+        doc: "large requests below this share 20 MiB segments; from it on, each gets a segment of its own size",
+        group: None,
+        get: |c| Some(Value::U64(c.large_threshold)),
+        set: |c, v| c.large_threshold = u(v),
+    },
+    Key {
+        name: "segment_round_mb",
+        aliases: &[],
+        kind: mib(1, 1024, false),
+        stability: Stability::Stable,
+        doc: "own-size large segments are rounded up to a multiple of this",
+        group: None,
+        get: |c| Some(Value::U64(c.segment_round)),
+        set: |c, v| c.segment_round = u(v),
+    },
+    Key {
+        name: "large_split_remainder_mb",
+        aliases: &[],
+        kind: mib(0, 1024, false),
+        stability: Stability::Stable,
+        doc: "a large block is split only when more than this would remain",
+        group: None,
+        get: |c| Some(Value::U64(c.large_split_remainder)),
+        set: |c, v| c.large_split_remainder = u(v),
+    },
+    Key {
+        name: "huge_size_mb",
+        aliases: &[],
+        kind: mib(1, MAX_MIB, true),
+        stability: Stability::Stable,
+        doc: "requests this large go to the huge pool, whose blocks only huge requests take",
+        group: None,
+        get: |c| Some(Value::U64(c.huge_size)),
+        set: |c, v| c.huge_size = u(v),
+    },
+    Key {
+        name: "huge_segment_divisions",
+        aliases: &[],
+        kind: KeyKind::Count {
+            min: 0,
+            max: 1 << 16,
+            pow2: true,
+        },
+        stability: Stability::Experimental,
+        doc: "round huge segments up to 1/N of their power-of-two interval (0: off)",
+        group: None,
+        get: |c| Some(Value::U64(u64::from(c.huge_segment_divisions))),
+        set: |c, v| c.huge_segment_divisions = u(v) as u32,
+    },
+    Key {
+        name: "oversize_ratio",
+        aliases: &[],
+        kind: KeyKind::Count {
+            min: 0,
+            max: 1024,
+            pow2: false,
+        },
+        stability: Stability::Experimental,
+        doc: "a huge request does not take a free huge segment more than this many times its size (0: off)",
+        group: None,
+        get: |c| Some(Value::U64(c.oversize_ratio)),
+        set: |c, v| c.oversize_ratio = u(v),
+    },
+    Key {
+        name: "release_before_grow",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Stable,
+        doc: "before reserved memory would pass its previous peak, release entirely free segments",
+        group: None,
+        get: |c| Some(Value::Bool(c.release_before_grow)),
+        set: |c, v| c.release_before_grow = b(v),
+    },
+    Key {
+        name: "release_order",
+        aliases: &[],
+        kind: KeyKind::Choice(&["oldest", "smallest_fit"]),
+        stability: Stability::Stable,
+        doc: "which free segments go first: longest idle, or the smallest single one that makes room",
+        group: None,
+        get: |c| {
+            Some(Value::Word(match c.release_order {
+                ReleaseOrder::Oldest => "oldest",
+                ReleaseOrder::SmallestFit => "smallest_fit",
+            }))
+        },
+        set: |c, v| {
+            c.release_order = match w(v) {
+                "oldest" => ReleaseOrder::Oldest,
+                _ => ReleaseOrder::SmallestFit,
+            }
+        },
+    },
+    Key {
+        name: "release_min_idle",
+        aliases: &[],
+        kind: KeyKind::Count {
+            min: 0,
+            max: 1 << 40,
+            pow2: false,
+        },
+        stability: Stability::Stable,
+        doc: "before growing, release only segments idle for this many operations (mallocs and frees)",
+        group: None,
+        get: |c| Some(Value::U64(c.release_min_idle)),
+        set: |c, v| c.release_min_idle = u(v),
+    },
+    Key {
+        name: "release_same_kind",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Stable,
+        doc: "before growing, release only free segments of the pool kind being grown (small, large, huge)",
+        group: None,
+        get: |c| Some(Value::Bool(c.release_same_kind)),
+        set: |c, v| c.release_same_kind = b(v),
+    },
+    Key {
+        name: "expandable_page_mb",
+        aliases: &[],
+        kind: mib(1, 1024, false),
+        stability: Stability::Stable,
+        doc: "expandable segments: page size of the large pools (rounded up to the device's granularity)",
+        group: None,
+        get: |c| Some(Value::U64(c.expandable_page)),
+        set: |c, v| c.expandable_page = u(v),
+    },
+    Key {
+        name: "expandable_edges",
+        aliases: &[],
+        kind: KeyKind::Choice(&["pressure", "small", "big"]),
+        stability: Stability::Experimental,
+        doc: "expandable page sizes at block edges: big pages while there is room (`pressure`), granules always (`small`), big pages always (`big`)",
+        group: None,
+        get: |c| {
+            Some(Value::Word(match c.expandable_edges {
+                EdgePages::Pressure => "pressure",
+                EdgePages::Small => "small",
+                EdgePages::Big => "big",
+            }))
+        },
+        set: |c, v| {
+            c.expandable_edges = match w(v) {
+                "small" => EdgePages::Small,
+                "big" => EdgePages::Big,
+                _ => EdgePages::Pressure,
+            }
+        },
+    },
+    Key {
+        name: "thread_cache",
+        aliases: &[],
+        kind: KeyKind::Count {
+            min: 0,
+            max: MAX_THREAD_CACHE as u64,
+            pow2: false,
+        },
+        stability: Stability::Stable,
+        doc: "blocks each thread parks for its own repeated sizes (0: off; ignored with expandable segments or without caching)",
+        group: None,
+        get: |c| Some(Value::U64(u64::from(c.thread_cache))),
+        set: |c, v| c.thread_cache = u(v) as u32,
+    },
+    Key {
+        name: "slab_max_kb",
+        aliases: &[],
+        kind: KeyKind::Bytes {
+            unit: 1024,
+            unit_name: "KiB",
+            min: 0,
+            max: SLAB_MAX / 1024,
+            unlimited: false,
+        },
+        stability: Stability::Stable,
+        doc: "small requests up to this take a chunk of their size class from a slab (0: off; at most half a small segment; ignored with expandable segments or without caching)",
+        group: None,
+        get: |c| Some(Value::U64(c.slab_max)),
+        set: |c, v| c.slab_max = u(v),
+    },
+    Key {
+        name: "backend",
+        aliases: &[],
+        kind: KeyKind::Choice(&["native"]),
+        stability: Stability::Ignored,
+        doc: "PyTorch's; cachealloc is itself the allocator, so only `native` applies",
+        group: None,
+        get: |_| None,
+        set: |_, _| {},
+    },
+    Key {
+        name: "release_lock_on_cudamalloc",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Ignored,
+        doc: "PyTorch's; accepted, no effect",
+        group: None,
+        get: |_| None,
+        set: |_, _| {},
+    },
+    Key {
+        name: "pinned_use_cuda_host_register",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Ignored,
+        doc: "PyTorch's (host memory); accepted, no effect",
+        group: None,
+        get: |_| None,
+        set: |_, _| {},
+    },
+    Key {
+        name: "pinned_use_background_threads",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Ignored,
+        doc: "PyTorch's (host memory); accepted, no effect",
+        group: None,
+        get: |_| None,
+        set: |_, _| {},
+    },
+];
+
+/// The table entry of `name` (or of a key it is an alias of).
+pub fn find_key(name: &str) -> Option<&'static Key> {
+    KEYS.iter()
+        .find(|k| k.name == name || k.aliases.contains(&name))
+}
+
+/// The key table of `docs/POLICY.md`, generated from [`KEYS`]: each key,
+/// what it accepts, its value in `default` and in the presets that differ.
+pub fn keys_markdown() -> String {
+    let presets: Vec<Config> = Config::PRESETS
+        .iter()
+        .filter_map(|p| Config::preset(p))
+        .collect();
+    let mut s = String::from(
+        "| key | accepts | default | other presets | status | meaning |\n|---|---|---|---|---|---|\n",
+    );
+    for key in KEYS {
+        let show =
+            |c: &Config| (key.get)(c).map_or_else(|| "unset".to_string(), |v| key.kind.format(&v));
+        let default = show(&presets[0]);
+        let mut others: Vec<(String, Vec<&str>)> = Vec::new();
+        for c in &presets[1..] {
+            let v = show(c);
+            if v == default {
+                continue;
+            }
+            match others.iter_mut().find(|(x, _)| *x == v) {
+                Some((_, names)) => names.push(&c.name),
+                None => others.push((v, vec![&c.name])),
+            }
+        }
+        let others: Vec<String> = others
+            .into_iter()
+            .map(|(v, names)| format!("{}: {}", names.join(", "), short(&v)))
+            .collect();
+        let name = std::iter::once(key.name)
+            .chain(key.aliases.iter().copied())
+            .map(|n| format!("`{n}`"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let default = if key.stability == Stability::Ignored {
+            "—".to_string()
+        } else {
+            short(&default)
+        };
+        let status = match key.stability {
+            Stability::Stable => "stable",
+            Stability::Experimental => "experimental",
+            Stability::Ignored => "ignored",
+        };
+        s += &format!(
+            "| {name} | {} | {default} | {} | {status} | {} |\n",
+            key.kind.range_text(),
+            if others.is_empty() {
+                "—".to_string()
+            } else {
+                others.join("; ")
+            },
+            key.doc
+        );
+    }
+    s
+}
+
+/// A value for the docs table: a long divisions list of zeros reads `0`.
+fn short(v: &str) -> String {
+    if v.starts_with('[')
+        && v.split(',')
+            .all(|p| p.trim_end_matches(']').ends_with(":0"))
+    {
+        "0".into()
+    } else {
+        v.into()
     }
 }
 
@@ -684,8 +1199,15 @@ pub enum ConfigError {
     UnknownKey(String),
     /// A first item that is neither `key:value` nor a preset name.
     UnknownPreset(String),
-    /// An item without `:`.
+    /// An item without `:` (empty: an empty item, as in `a:1,,b:2`).
     Syntax(String),
+    /// A key given twice (or two keys that set the same thing).
+    Duplicate {
+        /// The key given last.
+        key: String,
+        /// The key (or group of keys) given before.
+        earlier: String,
+    },
     /// A known key with a value it cannot take.
     BadValue {
         /// The key.
@@ -700,15 +1222,42 @@ pub enum ConfigError {
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ConfigError::UnknownKey(k) => write!(
-                f,
-                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, release_same_kind, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb, expandable_edges, thread_cache, slab_max_kb)"
-            ),
-            ConfigError::UnknownPreset(p) => {
-                write!(f, "unknown configuration `{p}` (presets: {}; or key:value,…)", Config::PRESETS.join(", "))
+            ConfigError::UnknownKey(k) => {
+                let known: Vec<&str> = KEYS.iter().map(|k| k.name).collect();
+                write!(
+                    f,
+                    "unknown configuration key `{k}` (known: {})",
+                    known.join(", ")
+                )
             }
-            ConfigError::Syntax(item) => write!(f, "configuration item `{item}` is not `key:value`"),
-            ConfigError::BadValue { key, value, why } => write!(f, "bad value `{value}` for `{key}`: {why}"),
+            ConfigError::UnknownPreset(p) => {
+                write!(
+                    f,
+                    "unknown configuration `{p}` (presets: {}; or key:value,…)",
+                    Config::PRESETS.join(", ")
+                )
+            }
+            ConfigError::Syntax(item) if item.is_empty() => {
+                write!(
+                    f,
+                    "empty configuration item (two commas in a row, or a comma at an end)"
+                )
+            }
+            ConfigError::Syntax(item) => {
+                write!(f, "configuration item `{item}` is not `key:value`")
+            }
+            ConfigError::Duplicate { key, earlier } if key == earlier => {
+                write!(f, "configuration key `{key}` is given twice")
+            }
+            ConfigError::Duplicate { key, earlier } => {
+                write!(
+                    f,
+                    "configuration keys `{earlier}` and `{key}` set the same thing; give one"
+                )
+            }
+            ConfigError::BadValue { key, value, why } => {
+                write!(f, "bad value `{value}` for `{key}`: {why}")
+            }
         }
     }
 }
@@ -774,11 +1323,119 @@ mod tests {
             Config::parse("pytorch,max_split_size_mb:64,roundup_power2_divisions:[1:1,2:2,>:4],memory_cap:1GiB").unwrap(),
             Config::lowmem(),
             Config::parse("lowmem,huge_size_mb:unlimited,release_order:smallest_fit").unwrap(),
-            Config::parse("default,release_order:all,garbage_collection_threshold:0.5,per_process_memory_fraction:0.5")
+            Config::parse("default,release_order:smallest_fit,garbage_collection_threshold:0.5,per_process_memory_fraction:0.5")
                 .unwrap(),
         ] {
             assert_eq!(Config::parse(&c.to_conf_string()).unwrap(), c);
         }
+    }
+
+    /// Every value a key accepts is bounded: the largest accepted values
+    /// of every number key parse, one more is refused, and nothing wraps.
+    #[test]
+    fn numbers_are_bounded() {
+        // An expandable page this large once wrapped to 0 when rounded to
+        // the granularity (a division by zero at the first large request).
+        assert!(Config::parse("expandable,expandable_page_mb:17592186044415").is_err());
+        assert!(Config::parse("expandable,expandable_page_mb:1024").is_ok());
+        for key in KEYS {
+            let (top, over) = match key.kind {
+                KeyKind::Count { max, .. } => (max, max + 1),
+                KeyKind::Bytes { max, .. } => (max, max + 1),
+                _ => continue,
+            };
+            let conf = format!("slab_max_kb:0,{}:{top}", key.name);
+            if key.name != "slab_max_kb" {
+                assert!(Config::parse(&conf).is_ok(), "{conf}");
+            }
+            let conf = format!("{}:{over}", key.name);
+            assert!(Config::parse(&conf).is_err(), "{conf} accepted");
+            let conf = format!("{}:{}", key.name, u64::MAX);
+            assert!(Config::parse(&conf).is_err(), "{conf} accepted");
+        }
+    }
+
+    /// Settings that leave nothing usable are refused, not silently taken.
+    #[test]
+    fn unusable_settings_are_refused() {
+        for bad in [
+            "memory_cap:0",
+            "memory_cap:1MiB",
+            "memory_cap:2PiB",
+            "per_process_memory_fraction:0",
+            "per_process_memory_fraction:0.0",
+            "per_process_memory_fraction:NaN",
+            "per_process_memory_fraction:inf",
+            "garbage_collection_threshold:NaN",
+            "large_threshold_mb:0",
+            "large_threshold_mb:21",
+            "segment_round_mb:0",
+            "small_segment_mb:99999999",
+            "huge_size_mb:0",
+            ",,,,",
+            "pytorch,",
+            "a:1,,b:2",
+            "caching:True,caching:False",
+            "memory_cap:1GiB,per_process_memory_fraction:0.5",
+            "memory_fraction:0.5,per_process_memory_fraction:0.5",
+            "release_order:all",
+            "medium_segment_mb:20",
+            "idle_slack:0.5",
+        ] {
+            assert!(Config::parse(bad).is_err(), "`{bad}` accepted");
+        }
+        assert_eq!(
+            Config::parse("caching:True,caching:False")
+                .unwrap_err()
+                .to_string(),
+            "configuration key `caching` is given twice"
+        );
+        assert!(Config::parse(",,,,")
+            .unwrap_err()
+            .to_string()
+            .contains("empty"));
+        assert_eq!(Config::parse("  ").unwrap(), Config::default());
+    }
+
+    /// The unknown-key message lists the table's keys, so it cannot go stale.
+    #[test]
+    fn unknown_key_lists_the_table() {
+        let e = Config::parse("bogus:1").unwrap_err().to_string();
+        for key in KEYS {
+            assert!(e.contains(key.name), "{e} lacks {}", key.name);
+        }
+    }
+
+    /// The presets print every key with a value and read back equal.
+    #[test]
+    fn presets_round_trip_through_the_table() {
+        for p in Config::PRESETS {
+            let c = Config::preset(p).unwrap();
+            let s = c.to_conf_string();
+            assert!(s.starts_with(p));
+            assert_eq!(Config::parse(&s).unwrap(), c, "{s}");
+        }
+    }
+
+    /// `docs/POLICY.md`'s key table is the one [`keys_markdown`] generates
+    /// (`CACHEALLOC_UPDATE_DOCS=1` rewrites it).
+    #[test]
+    fn docs_key_table_matches() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/POLICY.md");
+        let doc = std::fs::read_to_string(path).unwrap();
+        let (begin, end) = ("<!-- keys:begin -->\n", "<!-- keys:end -->");
+        let a = doc.find(begin).expect("POLICY.md has a keys:begin marker") + begin.len();
+        let b = doc.find(end).expect("POLICY.md has a keys:end marker");
+        let table = keys_markdown();
+        if std::env::var_os("CACHEALLOC_UPDATE_DOCS").is_some() {
+            std::fs::write(path, format!("{}{table}{}", &doc[..a], &doc[b..])).unwrap();
+            return;
+        }
+        assert_eq!(
+            &doc[a..b],
+            table,
+            "docs/POLICY.md's key table is stale: run with CACHEALLOC_UPDATE_DOCS=1"
+        );
     }
 
     #[test]

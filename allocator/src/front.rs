@@ -220,8 +220,8 @@ fn take_live(live: &mut Vec<Entry>, addr: u64) -> Option<Entry> {
 
 /// What a slot did with a free.
 pub(crate) enum FastFree {
-    /// Parked without the allocator's lock.
-    Done,
+    /// Parked without the allocator's lock; the size the caller had requested.
+    Done(u64),
     /// The allocator must look (not handed out here, or no room to park).
     Slow,
 }
@@ -324,8 +324,9 @@ impl Slot {
         };
         g.live_filter.remove(addr);
         g.pending.record(&e, false);
+        let requested = e.requested;
         self.park_locked(&mut g, e);
-        FastFree::Done
+        FastFree::Done(requested)
     }
 
     /// Adds a parked entry (the caller checked the capacity).
@@ -470,7 +471,7 @@ mod tests {
         let mut g = s.inner.lock();
         assert_eq!(s.evict_oldest_locked(&mut g).map(|e| e.addr), Some(0x1000));
         drop(g);
-        assert!(matches!(s.try_free(a), FastFree::Done));
+        assert!(matches!(s.try_free(a), FastFree::Done(_)));
         assert!(
             matches!(s.try_free(a), FastFree::Slow),
             "no longer handed out"

@@ -61,6 +61,6 @@ pub use report::{
     human_bytes, BlockSnapshot, FragmentationReport, SegmentSnapshot, SegmentUse, Snapshot,
 };
 pub use rounding::{round_size, MAX_REQUEST, MIN_BLOCK};
-pub use simulated::{SimCounters, SimulatedDevice};
+pub use simulated::{FaultPlan, SimCounters, SimulatedDevice};
 pub use stats::{MemoryStats, Stat, StatArray};
 pub use trace::{TraceError, TraceEvent, TraceReader, TraceWriter};

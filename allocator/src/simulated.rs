@@ -44,6 +44,54 @@ pub struct SimCounters {
     pub vmm_maps: u64,
     /// Page unmaps.
     pub vmm_unmaps: u64,
+    /// Calls that failed because of [`SimulatedDevice::inject_faults`] or
+    /// [`SimulatedDevice::fail_calls`].
+    pub injected_faults: u64,
+}
+
+/// Device calls that fault injection can make fail, as bits of a mask.
+pub mod calls {
+    /// `allocate`.
+    pub const ALLOCATE: u32 = 1 << 0;
+    /// `free`.
+    pub const FREE: u32 = 1 << 1;
+    /// `record_event`.
+    pub const RECORD_EVENT: u32 = 1 << 2;
+    /// `event_completed`.
+    pub const EVENT_QUERY: u32 = 1 << 3;
+    /// `wait_event`.
+    pub const WAIT_EVENT: u32 = 1 << 4;
+    /// `synchronize`.
+    pub const SYNCHRONIZE: u32 = 1 << 5;
+    /// `mem_info`.
+    pub const MEM_INFO: u32 = 1 << 6;
+    /// `vmm_reserve`.
+    pub const VMM_RESERVE: u32 = 1 << 7;
+    /// `vmm_free_range`.
+    pub const VMM_FREE_RANGE: u32 = 1 << 8;
+    /// `vmm_create_page`.
+    pub const VMM_CREATE: u32 = 1 << 9;
+    /// `vmm_release_page`.
+    pub const VMM_RELEASE: u32 = 1 << 10;
+    /// `vmm_map`.
+    pub const VMM_MAP: u32 = 1 << 11;
+    /// `vmm_unmap`.
+    pub const VMM_UNMAP: u32 = 1 << 12;
+    /// Every call above.
+    pub const ALL: u32 = (1 << 13) - 1;
+}
+
+/// A seeded schedule of failing device calls: each call named in `calls`
+/// fails with probability `1 / one_in`, decided by a generator seeded with
+/// `seed` (the same seed and the same calls give the same failures).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct FaultPlan {
+    /// Seed of the schedule.
+    pub seed: u64,
+    /// One call in this many fails, on average (0 or 1: every call).
+    pub one_in: u32,
+    /// Which calls may fail (bits of [`calls`]).
+    pub calls: u32,
 }
 
 /// A simulated event: completes when the test says so (or on a wait/synchronize).
@@ -80,6 +128,47 @@ struct SimState {
     next_page: u64,
     /// Mappings: address → (page, bytes).
     mapped: BTreeMap<u64, (u64, u64)>,
+    /// The seeded schedule, with its generator's state.
+    faults: Option<(FaultPlan, u64)>,
+    /// Calls (bits of [`calls`]) that fail `n` times after `skip` more succeed: (calls, skip, n).
+    fail_calls: Vec<(u32, u64, u64)>,
+}
+
+impl SimState {
+    /// Whether this `call` fails now (injected); counts it.
+    fn fault(&mut self, call: u32, name: &'static str) -> Result<(), DeviceError> {
+        let mut fail = false;
+        if let Some((_, skip, n)) = self
+            .fail_calls
+            .iter_mut()
+            .find(|(c, _, n)| c & call != 0 && *n > 0)
+        {
+            if *skip > 0 {
+                *skip -= 1;
+            } else {
+                *n -= 1;
+                fail = true;
+            }
+        }
+        if let Some((plan, state)) = self.faults.as_mut() {
+            if plan.calls & call != 0 {
+                // xorshift64*
+                *state ^= *state >> 12;
+                *state ^= *state << 25;
+                *state ^= *state >> 27;
+                let r = state.wrapping_mul(0x2545_f491_4f6c_dd1d);
+                fail |= plan.one_in <= 1 || r % u64::from(plan.one_in) == 0;
+            }
+        }
+        if fail {
+            self.counters.injected_faults += 1;
+            return Err(DeviceError::Driver {
+                name: "CUDA_ERROR_UNKNOWN (injected)".into(),
+                call: name,
+            });
+        }
+        Ok(())
+    }
 }
 
 /// A simulated device; see the module docs.
@@ -109,6 +198,8 @@ impl SimulatedDevice {
                 pages: BTreeMap::new(),
                 next_page: 1,
                 mapped: BTreeMap::new(),
+                faults: None,
+                fail_calls: Vec::new(),
             })),
         }
     }
@@ -142,6 +233,35 @@ impl SimulatedDevice {
     /// Makes every segment allocation above `bytes` fail (`None` lifts it).
     pub fn fail_allocations_above(&self, bytes: Option<u64>) {
         self.state.lock().fail_above = bytes;
+    }
+
+    /// Makes device calls fail on a seeded schedule (`None` stops it).
+    /// Failing calls change nothing on the device and return a driver error.
+    pub fn inject_faults(&self, plan: Option<FaultPlan>) {
+        self.state.lock().faults = plan.map(|p| (p, p.seed | 1));
+    }
+
+    /// Makes the next `n` calls among `calls` (bits of [`calls`]) fail.
+    pub fn fail_calls(&self, calls: u32, n: u64) {
+        self.fail_calls_after(calls, 0, n);
+    }
+
+    /// Lets `skip` calls among `calls` succeed, then makes `n` fail.
+    pub fn fail_calls_after(&self, calls: u32, skip: u64, n: u64) {
+        let mut s = self.state.lock();
+        s.fail_calls.retain(|&(c, _, _)| c != calls);
+        s.fail_calls.push((calls, skip, n));
+    }
+
+    /// Stops every injected failure ([`SimulatedDevice::inject_faults`],
+    /// [`SimulatedDevice::fail_calls`], [`SimulatedDevice::fail_next_allocations`],
+    /// [`SimulatedDevice::fail_allocations_above`]).
+    pub fn stop_faults(&self) {
+        let mut s = self.state.lock();
+        s.faults = None;
+        s.fail_calls.clear();
+        s.fail_next = 0;
+        s.fail_above = None;
     }
 
     /// Completes one pending event. Returns false if it was not pending.
@@ -277,6 +397,7 @@ impl Device for SimulatedDevice {
 
     fn allocate(&self, bytes: u64) -> Result<DevicePtr, DeviceError> {
         let mut s = self.state.lock();
+        s.fault(calls::ALLOCATE, "allocate")?;
         if bytes == 0 {
             return Err(DeviceError::Driver {
                 name: "CUDA_ERROR_INVALID_VALUE".into(),
@@ -298,6 +419,7 @@ impl Device for SimulatedDevice {
 
     fn free(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
+        s.fault(calls::FREE, "free")?;
         match s.segments.get(&ptr.0) {
             Some(&size) if size == bytes => {
                 s.segments.remove(&ptr.0);
@@ -311,7 +433,8 @@ impl Device for SimulatedDevice {
     }
 
     fn mem_info(&self) -> Result<MemInfo, DeviceError> {
-        let s = self.state.lock();
+        let mut s = self.state.lock();
+        s.fault(calls::MEM_INFO, "mem_info")?;
         Ok(MemInfo {
             free: s.capacity.saturating_sub(s.used),
             total: s.capacity,
@@ -320,6 +443,7 @@ impl Device for SimulatedDevice {
 
     fn record_event(&self, stream: StreamId) -> Result<SimEvent, DeviceError> {
         let mut s = self.state.lock();
+        s.fault(calls::RECORD_EVENT, "record_event")?;
         let id = s.next_event;
         s.next_event += 1;
         s.counters.events_recorded += 1;
@@ -331,12 +455,14 @@ impl Device for SimulatedDevice {
 
     fn event_completed(&self, event: &SimEvent) -> Result<bool, DeviceError> {
         let mut s = self.state.lock();
+        s.fault(calls::EVENT_QUERY, "event_completed")?;
         s.counters.event_queries += 1;
         Ok(!s.pending_events.contains_key(&event.id))
     }
 
     fn wait_event(&self, event: &SimEvent) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
+        s.fault(calls::WAIT_EVENT, "wait_event")?;
         s.counters.event_waits += 1;
         s.pending_events.remove(&event.id);
         Ok(())
@@ -346,6 +472,7 @@ impl Device for SimulatedDevice {
 
     fn synchronize(&self) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
+        s.fault(calls::SYNCHRONIZE, "synchronize")?;
         s.counters.synchronizes += 1;
         s.pending_events.clear();
         Ok(())
@@ -357,6 +484,7 @@ impl Device for SimulatedDevice {
 
     fn vmm_reserve(&self, bytes: u64) -> Result<DevicePtr, DeviceError> {
         let mut s = self.state.lock();
+        s.fault(calls::VMM_RESERVE, "vmm_reserve")?;
         let g = s.granularity;
         if bytes == 0 || bytes % g != 0 {
             return Err(DeviceError::Driver {
@@ -372,6 +500,7 @@ impl Device for SimulatedDevice {
 
     fn vmm_free_range(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
+        s.fault(calls::VMM_FREE_RANGE, "vmm_free_range")?;
         if s.ranges.get(&ptr.0) != Some(&bytes) {
             return Err(DeviceError::InvalidAddress(ptr));
         }
@@ -388,6 +517,7 @@ impl Device for SimulatedDevice {
 
     fn vmm_create_page(&self, bytes: u64) -> Result<u64, DeviceError> {
         let mut s = self.state.lock();
+        s.fault(calls::VMM_CREATE, "vmm_create_page")?;
         if bytes == 0 || bytes % s.granularity != 0 {
             return Err(invalid("vmm_create_page"));
         }
@@ -401,6 +531,7 @@ impl Device for SimulatedDevice {
 
     fn vmm_release_page(&self, page: u64) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
+        s.fault(calls::VMM_RELEASE, "vmm_release_page")?;
         if s.mapped.values().any(|&(p, _)| p == page) {
             return Err(invalid("vmm_release_page (page still mapped)"));
         }
@@ -414,6 +545,7 @@ impl Device for SimulatedDevice {
 
     fn vmm_map(&self, ptr: DevicePtr, page: u64, bytes: u64) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
+        s.fault(calls::VMM_MAP, "vmm_map")?;
         let g = s.granularity;
         let in_range = s
             .ranges
@@ -435,6 +567,7 @@ impl Device for SimulatedDevice {
 
     fn vmm_unmap(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
+        s.fault(calls::VMM_UNMAP, "vmm_unmap")?;
         match s.mapped.get(&ptr.0) {
             Some(&(_, n)) if n == bytes => {
                 s.mapped.remove(&ptr.0);
@@ -504,6 +637,36 @@ mod tests {
         d.fail_allocations_above(Some(1024));
         assert!(d.allocate(2048).is_err());
         assert!(d.allocate(1024).is_ok());
+    }
+
+    #[test]
+    fn seeded_faults_repeat_and_stop() {
+        let run = |seed| {
+            let d = SimulatedDevice::unlimited();
+            d.inject_faults(Some(FaultPlan {
+                seed,
+                one_in: 4,
+                calls: calls::ALLOCATE | calls::SYNCHRONIZE,
+            }));
+            let r: Vec<bool> = (0..64)
+                .map(|_| d.allocate(512).is_ok() && d.synchronize().is_ok())
+                .collect();
+            d.stop_faults();
+            assert!(d.allocate(512).is_ok() && d.synchronize().is_ok());
+            (r, d.counters().injected_faults)
+        };
+        let (a, n) = run(7);
+        assert_eq!(run(7).0, a, "the same seed fails the same calls");
+        assert!(n > 5 && a.iter().any(|&ok| ok), "{n} faults");
+        let d = SimulatedDevice::unlimited();
+        d.fail_calls(calls::RECORD_EVENT, 1);
+        assert!(d.record_event(StreamId(1)).is_err());
+        assert!(d.record_event(StreamId(1)).is_ok());
+        assert_eq!(
+            d.counters().events_recorded,
+            1,
+            "a failed call changes nothing"
+        );
     }
 
     #[test]

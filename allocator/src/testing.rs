@@ -848,7 +848,7 @@ impl Model {
                 let own = rounded.div_ceil(c.segment_round) * c.segment_round;
                 let max_seg = c
                     .small_segment
-                    .max(c.medium_segment)
+                    .max(crate::config::MEDIUM_SEGMENT)
                     .max(own.saturating_mul(2));
                 if seg < rounded || (!c.caching && seg != rounded) || seg > max_seg {
                     return Err(format!(
@@ -1047,7 +1047,7 @@ impl Model {
                     l.addr, self.streams[l.stream], s.stream
                 ));
             }
-            let kind = if l.rounded <= self.config.small_size {
+            let kind = if l.rounded <= crate::config::SMALL_SIZE {
                 PoolKind::Small
             } else if l.rounded >= self.config.huge_size {
                 PoolKind::Huge

@@ -11,7 +11,7 @@
 
 use crate::fasthash::FastMap;
 use std::fmt;
-use std::io::{self, BufRead, Write};
+use std::io::{self, BufRead, Read, Write};
 
 /// One trace event.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -68,6 +68,15 @@ pub enum TraceError {
         /// The id.
         id: u64,
     },
+    /// `f` of an id that was allocated and already freed.
+    DoubleFree {
+        /// Line number.
+        line: u64,
+        /// The id.
+        id: u64,
+        /// The line of the first free.
+        freed_on: u64,
+    },
     /// `f` of an id that is not live.
     UnknownId {
         /// Line number.
@@ -84,6 +93,7 @@ impl TraceError {
             TraceError::Io { line, .. }
             | TraceError::Syntax { line, .. }
             | TraceError::IdReused { line, .. }
+            | TraceError::DoubleFree { line, .. }
             | TraceError::UnknownId { line, .. } => *line,
         }
     }
@@ -97,6 +107,10 @@ impl fmt::Display for TraceError {
             TraceError::IdReused { line, id } => {
                 write!(f, "line {line}: allocation id {id} reused while still live")
             }
+            TraceError::DoubleFree { line, id, freed_on } => write!(
+                f,
+                "line {line}: double free of allocation id {id} (freed on line {freed_on})"
+            ),
             TraceError::UnknownId { line, id } => {
                 write!(f, "line {line}: free of unknown allocation id {id}")
             }
@@ -113,13 +127,29 @@ impl std::error::Error for TraceError {
     }
 }
 
+/// The longest line a trace may have (an event line is under 70 bytes; the
+/// rest is room for comments). A longer one is an error as soon as this
+/// much has been read, so a corrupt file cannot make the reader hold a
+/// line of unbounded size.
+pub const MAX_LINE_BYTES: usize = 4096;
+
 /// Streams events out of any buffered reader, validating ids as it goes.
 pub struct TraceReader<R> {
     input: R,
     line: u64,
     buf: Vec<u8>,
     live: FastMap<u64, ()>,
+    /// The last [`FREED_KEPT`] frees as (id, line), a ring searched only when
+    /// a free names an id that is not live: to tell a double free from a
+    /// free of an id never allocated, at the cost of one store per free.
+    freed: Vec<(u64, u64)>,
+    /// Next slot of `freed` to overwrite once it is full.
+    freed_next: usize,
 }
+
+/// Frees remembered to recognise a double free (older ones are reported as
+/// frees of an unknown id).
+pub const FREED_KEPT: usize = 1 << 16;
 
 impl<R: BufRead> TraceReader<R> {
     /// A reader over `input`.
@@ -129,6 +159,8 @@ impl<R: BufRead> TraceReader<R> {
             line: 0,
             buf: Vec::with_capacity(64),
             live: FastMap::default(),
+            freed: Vec::new(),
+            freed_next: 0,
         }
     }
 
@@ -147,8 +179,8 @@ impl<R: BufRead> TraceReader<R> {
         loop {
             self.buf.clear();
             self.line += 1;
-            let n = self
-                .input
+            let n = (&mut self.input)
+                .take(MAX_LINE_BYTES as u64 + 1)
                 .read_until(b'\n', &mut self.buf)
                 .map_err(|source| TraceError::Io {
                     line: self.line,
@@ -157,6 +189,14 @@ impl<R: BufRead> TraceReader<R> {
             if n == 0 {
                 self.line -= 1;
                 return Ok(None);
+            }
+            if self.buf.len() > MAX_LINE_BYTES
+                && !(self.buf.len() == MAX_LINE_BYTES + 1 && self.buf.ends_with(b"\n"))
+            {
+                return Err(TraceError::Syntax {
+                    line: self.line,
+                    message: format!("line longer than {MAX_LINE_BYTES} bytes"),
+                });
             }
             let text = match self.buf.iter().position(|&b| b == b'#') {
                 Some(i) => &self.buf[..i],
@@ -181,6 +221,16 @@ impl<R: BufRead> TraceReader<R> {
                 b"a" => {
                     let id = num("id")?;
                     let bytes = num("size")?;
+                    if bytes > crate::MAX_REQUEST {
+                        return Err(TraceError::Syntax {
+                            line,
+                            message: format!(
+                                "size {bytes} is above 1 PiB, the largest request cachealloc \
+                                 serves (a request up to 1 PiB is replayed, and fails as out of \
+                                 memory where the simulated device has no room)"
+                            ),
+                        });
+                    }
                     let stream = num("stream")?;
                     TraceEvent::Alloc { id, bytes, stream }
                 }
@@ -210,12 +260,33 @@ impl<R: BufRead> TraceReader<R> {
                 }
                 TraceEvent::Free { id } => {
                     if self.live.remove(&id).is_none() {
-                        return Err(TraceError::UnknownId { line, id });
+                        return Err(self.bad_free(line, id));
+                    }
+                    if self.freed.len() < FREED_KEPT {
+                        self.freed.push((id, line));
+                    } else {
+                        self.freed[self.freed_next] = (id, line);
+                        self.freed_next = (self.freed_next + 1) % FREED_KEPT;
                     }
                 }
                 TraceEvent::EmptyCache => {}
             }
             return Ok(Some(event));
+        }
+    }
+}
+
+impl<R> TraceReader<R> {
+    /// The error for a free of `id`, which is not live: a double free if a
+    /// recent free (after its last allocation) named it, else an unknown id.
+    #[cold]
+    fn bad_free(&self, line: u64, id: u64) -> TraceError {
+        // The most recent free of `id` (an id freed, reallocated and freed
+        // again appears twice; the later free is the one that counts).
+        let (older, newer) = self.freed.split_at(self.freed_next);
+        match newer.iter().chain(older).rev().find(|&&(i, _)| i == id) {
+            Some(&(_, freed_on)) => TraceError::DoubleFree { line, id, freed_on },
+            None => TraceError::UnknownId { line, id },
         }
     }
 }
@@ -311,6 +382,40 @@ mod tests {
             read_all(std::str::from_utf8(&bytes).unwrap()).unwrap(),
             events
         );
+    }
+
+    #[test]
+    fn long_lines_double_frees_and_huge_sizes_are_named() {
+        let read_all = |text: &[u8]| -> Result<usize, TraceError> {
+            let mut r = TraceReader::new(text);
+            let mut n = 0;
+            while r.next_event()?.is_some() {
+                n += 1;
+            }
+            Ok(n)
+        };
+        // A line of exactly the limit (newline included) is fine; one more byte is not.
+        let mut ok = b"a 1 512 0 #".to_vec();
+        ok.resize(MAX_LINE_BYTES - 1, b'x');
+        ok.push(b'\n');
+        assert_eq!(read_all(&ok).unwrap(), 1);
+        let mut long = b"a 1 512 0 #".to_vec();
+        long.resize(MAX_LINE_BYTES * 100, b'x');
+        let e = read_all(&long).unwrap_err().to_string();
+        assert!(e.contains("line 1: line longer than 4096 bytes"), "{e}");
+        let e = read_all(b"a 1 512 0\nf 1\nf 1\n").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "line 3: double free of allocation id 1 (freed on line 2)"
+        );
+        assert_eq!(read_all(b"a 1 512 0\nf 1\na 1 512 0\nf 1\n").unwrap(), 4);
+        let e = read_all(b"f 7\n").unwrap_err().to_string();
+        assert!(e.contains("unknown allocation id 7"), "{e}");
+        let e = read_all(b"a 1 1125899906842625 0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("above 1 PiB"), "{e}");
+        assert_eq!(read_all(b"a 1 1125899906842624 0\n").unwrap(), 1);
     }
 
     #[test]

@@ -155,11 +155,18 @@ fn expandable_range_reservation_failure_is_not_a_bare_device_error() {
 /// builds with overflow checks (tests, fuzzing) and a wrong bound without.
 /// The allocator itself is fine (its `div_ceil * segment_round` cannot
 /// overflow for requests up to `MAX_REQUEST`). Fix: `saturating_mul`.
+/// The key table now bounds `segment_round_mb` to 1024, so the parser
+/// refuses the value; the model is still checked on such a configuration,
+/// built field by field.
 #[test]
 fn model_oom_bound_does_not_overflow_for_a_huge_segment_round() {
     use cachealloc_core::testing::{self, Op, Setup};
+    assert!(Config::parse("segment_round_mb:16661974306881").is_err());
     let setup = Setup {
-        config: Config::parse("segment_round_mb:16661974306881").unwrap(),
+        config: Config {
+            segment_round: 16661974306881 * MIB,
+            ..Config::default()
+        },
         capacity: 1 << 30,
         streams: 2,
     };

@@ -122,6 +122,9 @@ fn run_config(name: &str, config: Config, n_cases: u32) {
 
 /// Page-backed segments are not modelled yet (the device's segment list
 /// holds no virtual ranges); run with `--ignored` to see where it stands.
+/// Expandable segments are checked by `tests/faults.rs` instead: random
+/// sequences under injected device faults, with `check_invariants` after
+/// every step and everything given back once the faults stop.
 #[test]
 #[ignore = "the model does not know expandable segments yet"]
 fn model_expandable() {

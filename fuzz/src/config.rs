@@ -13,6 +13,7 @@
 //!   configuration (see [`crate::ops::model_covers`]).
 
 use crate::ops::run_setup;
+use cachealloc_core::config::KEYS;
 use cachealloc_core::testing::{Op, Setup};
 use cachealloc_core::{parse_size, Config, ConfigError};
 
@@ -48,8 +49,34 @@ pub fn fixed_ops() -> Vec<Op> {
     ]
 }
 
-/// The whole body of the `config` target.
+/// The whole body of the `config` target: `data` as a configuration
+/// string, then (when it is long enough) as a key of the table with a value
+/// spread over the full `u64` and `f64` ranges.
 pub fn check(data: &[u8]) {
+    check_text(data);
+    if let Some(text) = numeric_conf(data) {
+        check_text(text.as_bytes());
+    }
+}
+
+/// `preset,key:value` from raw bytes: byte 0 picks the preset, byte 1 the
+/// key of [`KEYS`], bytes 2..10 the value, written as a whole number, as
+/// a float of the same bits, or as a number of bytes with a unit.
+pub fn numeric_conf(data: &[u8]) -> Option<String> {
+    let raw: [u8; 8] = data.get(2..10)?.try_into().ok()?;
+    let n = u64::from_le_bytes(raw);
+    let preset = Config::PRESETS[usize::from(data[0]) % Config::PRESETS.len()];
+    let key = KEYS[usize::from(data[1]) % KEYS.len()].name;
+    let value = match data[0] / 16 % 4 {
+        0 => n.to_string(),
+        1 => f64::from_bits(n).to_string(),
+        2 => (n >> (data[1] % 64)).to_string(),
+        _ => format!("{}GiB", f64::from_bits(n)),
+    };
+    Some(format!("{preset},{key}:{value}"))
+}
+
+fn check_text(data: &[u8]) {
     let text = String::from_utf8_lossy(data);
     let text = text.as_ref();
 
@@ -67,8 +94,13 @@ pub fn check(data: &[u8]) {
             let named = match &e {
                 ConfigError::UnknownKey(k) => k,
                 ConfigError::UnknownPreset(p) => p,
+                ConfigError::Syntax(item) if item.is_empty() => {
+                    assert!(msg.contains("empty"), "{msg}");
+                    return;
+                }
                 ConfigError::Syntax(item) => item,
                 ConfigError::BadValue { key, .. } => key,
+                ConfigError::Duplicate { key, .. } => key,
             };
             assert!(
                 msg.contains(&format!("`{named}`")),
@@ -90,16 +122,15 @@ pub fn check(data: &[u8]) {
     // 127 TiB). A configuration whose
     // segments fit no device only ever answers out-of-memory, a path the
     // `ops` target covers.
-    // (A large request's segment is at least `segment_round`.)
+    // (A large request's segment is at least `segment_round`.) The key
+    // table bounds every segment and page size to 1 GiB, so no accepted
+    // configuration is skipped.
     let mut largest = config
         .small_segment
-        .max(config.medium_segment)
+        .max(cachealloc_core::config::MEDIUM_SEGMENT)
         .max(config.segment_round);
     if config.expandable_segments {
         largest = largest.max(config.expandable_page);
-    }
-    if largest > 16 << 40 {
-        return;
     }
     let setup = Setup {
         config,

@@ -31,7 +31,7 @@ use std::path::PathBuf;
 pub struct Outcome {
     /// Events read before the error (or all of them).
     pub events: Vec<TraceEvent>,
-    /// The error's line and a kind tag (`io`, `syntax`, `reused`, `unknown`).
+    /// The error's line and a kind tag (`io`, `syntax`, `reused`, `unknown`, `double-free`).
     pub error: Option<(u64, &'static str)>,
 }
 
@@ -41,6 +41,7 @@ fn kind(e: &TraceError) -> &'static str {
         TraceError::Syntax { .. } => "syntax",
         TraceError::IdReused { .. } => "reused",
         TraceError::UnknownId { .. } => "unknown",
+        TraceError::DoubleFree { .. } => "double-free",
     }
 }
 

@@ -82,3 +82,38 @@ fn config_seeds_and_random() {
         cachealloc_fuzz::config::check(&data);
     }
 }
+
+/// Every key of the table with values across the whole `u64` and `f64`
+/// ranges, under every preset: each is refused with a message naming the
+/// key, or accepted and then serves the fixed requests. (An expandable page
+/// of 2^44 - 1 MiB was once accepted and wrapped to 0, dividing by zero.)
+#[test]
+fn config_every_key_full_range() {
+    let values = [
+        "0".to_string(),
+        "1".into(),
+        "2".into(),
+        "17592186044415".into(),
+        (u64::MAX / (1 << 20)).to_string(),
+        (u64::MAX - 1).to_string(),
+        u64::MAX.to_string(),
+        "18446744073709551616".into(),
+        "-1".into(),
+        "0.0".into(),
+        "1e308".into(),
+        "NaN".into(),
+        "inf".into(),
+        "-0".into(),
+        "5e-324".into(),
+        "1.0000000000000002".into(),
+    ];
+    for preset in ["default", "expandable", "lowmem"] {
+        for key in cachealloc_core::config::KEYS {
+            for v in &values {
+                let conf = format!("{preset},{}:{v}", key.name);
+                cachealloc_fuzz::config::check(conf.as_bytes());
+            }
+        }
+    }
+    cachealloc_fuzz::config::check(b"expandable,expandable_page_mb:17592186044415");
+}

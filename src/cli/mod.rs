@@ -36,7 +36,9 @@ Traces are text, optionally gzip-compressed, one event per line:
   e                         empty_cache()
 Configurations: a preset ({}) or a key:value,... string in the
 syntax of PYTORCH_CUDA_ALLOC_CONF, optionally starting with a preset
-(e.g. `pytorch,max_split_size_mb:64`).
+(e.g. `pytorch,max_split_size_mb:64`). The command line takes its
+configurations from -c only: CACHEALLOC_CONF is read by the library
+(the C ABI, the Python loader), not here, and a note says so when it is set.
 Sizes: plain bytes, or with a unit: KB MB GB TB (powers of 1000), KiB MiB GiB TiB.",
         Config::PRESETS.join(", ")
     )
@@ -64,6 +66,12 @@ pub struct ConfigArg {
 }
 
 fn parse_config(text: &str) -> Result<ConfigArg, String> {
+    if text.trim().is_empty() {
+        return Err(format!(
+            "an empty configuration: give a preset ({}) or key:value,...",
+            Config::PRESETS.join(", ")
+        ));
+    }
     let config = Config::parse(text).map_err(|e| e.to_string())?;
     let label = if text.trim().is_empty() {
         config.name.clone()
@@ -78,6 +86,9 @@ fn preset(name: &str) -> ConfigArg {
 }
 
 fn parse_capacity(text: &str) -> Result<u64, String> {
+    if text.trim_start().starts_with('-') {
+        return Err(format!("`{text}`: the capacity must be a positive size"));
+    }
     match parse_size(text)? {
         0 => Err("the capacity must be more than 0 bytes".into()),
         n => Ok(n),
@@ -93,7 +104,7 @@ struct ReplayArgs {
     #[arg(long, short = 'c', value_name = "NAME|CONF", value_parser = parse_config, default_value = "default")]
     config: ConfigArg,
     /// Capacity of the simulated device (default: unlimited), e.g. 16GiB.
-    #[arg(long, value_name = "BYTES", value_parser = parse_capacity)]
+    #[arg(long, value_name = "BYTES", value_parser = parse_capacity, allow_hyphen_values = true)]
     capacity: Option<u64>,
     /// Print one JSON object instead of the summary.
     #[arg(long)]
@@ -113,7 +124,7 @@ struct CompareArgs {
     #[arg(long = "config", short = 'c', value_name = "NAME|CONF", value_parser = parse_config)]
     configs: Vec<ConfigArg>,
     /// Capacity of the simulated device (default: unlimited), e.g. 16GiB.
-    #[arg(long, value_name = "BYTES", value_parser = parse_capacity)]
+    #[arg(long, value_name = "BYTES", value_parser = parse_capacity, allow_hyphen_values = true)]
     capacity: Option<u64>,
     /// Print one JSON object per line per trace and configuration.
     #[arg(long)]
@@ -180,6 +191,12 @@ pub fn main() -> i32 {
             return e.exit_code();
         }
     };
+    if std::env::var_os("CACHEALLOC_CONF").is_some_and(|v| !v.is_empty()) {
+        let _ = writeln!(
+            io::stderr().lock(),
+            "note: CACHEALLOC_CONF is not read by the command line; pass a configuration with -c"
+        );
+    }
     let result = match cli.command {
         Command::Replay(a) => replay::run(*a),
         Command::Compare(a) => compare::run(a),

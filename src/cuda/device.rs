@@ -207,11 +207,14 @@ impl Device for CudaDevice {
     }
 
     fn record_event(&self, stream: StreamId) -> Result<CudaEvent, DeviceError> {
+        // A stream the allocator was given but nobody registered is refused
+        // here, before the driver sees it (the allocator then synchronizes).
+        let h = stream_handle(stream)?;
         let _ctx = self.enter()?;
         let ev = self.take_event()?;
-        // SAFETY: `ev` is a live event of this context; the stream handle is
-        // validated by the driver.
-        let rc = unsafe { ffi::cuEventRecord(ev.0, stream_handle(stream)) };
+        // SAFETY: `ev` is a live event of this context; `h` is a live stream
+        // (a special handle, or registered under `register_stream`'s contract).
+        let rc = unsafe { ffi::cuEventRecord(ev.0, h) };
         match check(rc, "cuEventRecord") {
             Ok(()) => Ok(ev),
             Err(e) => {

@@ -17,6 +17,7 @@ use cachealloc_core::{DeviceError, DevicePtr, MemInfo, StreamId};
 use std::ffi::CStr;
 use std::os::raw::{c_char, c_void};
 use std::ptr;
+use std::sync::RwLock;
 
 /// The driver's name for a CUresult (`CUDA_ERROR_ILLEGAL_ADDRESS`), or
 /// `CUresult(N)` when the driver does not know it either.
@@ -47,8 +48,68 @@ pub fn check(code: i32, call: &'static str) -> Result<(), DeviceError> {
     }
 }
 
-pub(crate) fn stream_handle(stream: StreamId) -> ffi::CuStream {
-    stream.0 as usize as ffi::CuStream
+/// Streams that may be handed to the driver besides the special handles:
+/// those made by [`Stream::new`] (until dropped) and those registered with
+/// [`register_stream`]. CUDA does not promise to detect a handle that is not
+/// a live stream (it may crash or corrupt state), so no other integer reaches
+/// the driver as a stream.
+static LIVE_STREAMS: RwLock<Vec<u64>> = RwLock::new(Vec::new());
+
+/// The special handles every context accepts: 0 (the default stream),
+/// `CU_STREAM_LEGACY` (1) and `CU_STREAM_PER_THREAD` (2).
+const SPECIAL_STREAMS: u64 = 2;
+
+/// Adds `stream` to the streams the driver may be handed.
+///
+/// # Safety
+/// `stream` is a live `CUstream` (a `cudaStream_t`) and stays live while the
+/// allocator or anything here may use it: events are recorded on it and
+/// work queued on it until it is unregistered (streams that a program
+/// destroys must be unregistered first, with [`unregister_stream`]).
+pub unsafe fn register_stream(stream: StreamId) {
+    if stream.0 <= SPECIAL_STREAMS {
+        return;
+    }
+    let mut live = LIVE_STREAMS.write().unwrap_or_else(|e| e.into_inner());
+    if !live.contains(&stream.0) {
+        live.push(stream.0);
+    }
+}
+
+/// Removes `stream` from the streams the driver may be handed (calls with it
+/// then fail with an error instead of reaching the driver).
+pub fn unregister_stream(stream: StreamId) {
+    let mut live = LIVE_STREAMS.write().unwrap_or_else(|e| e.into_inner());
+    live.retain(|&s| s != stream.0);
+}
+
+/// Whether `stream` may be handed to the driver (a special handle or a registered stream).
+pub fn is_registered_stream(stream: StreamId) -> bool {
+    stream.0 <= SPECIAL_STREAMS
+        || LIVE_STREAMS
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&stream.0)
+}
+
+/// The `CUstream` of `stream`, or an error if it is neither a special handle
+/// nor a registered stream: the only way a [`StreamId`] becomes a handle.
+pub(crate) fn stream_handle(stream: StreamId) -> Result<ffi::CuStream, DeviceError> {
+    if !is_registered_stream(stream) {
+        return Err(unregistered(stream));
+    }
+    Ok(stream.0 as usize as ffi::CuStream)
+}
+
+#[cold]
+fn unregistered(stream: StreamId) -> DeviceError {
+    DeviceError::Driver {
+        name: format!(
+            "stream {:#x} is not a live stream known to cachealloc (made by Stream::new or registered)",
+            stream.0
+        ),
+        call: "stream handle check",
+    }
 }
 
 /// Makes a context current on the calling thread for the guard's lifetime.
@@ -153,10 +214,11 @@ pub unsafe fn mem_free(ptr: DevicePtr) -> Result<(), DeviceError> {
 /// `cuMemAllocAsync` from the device's current pool on `stream`.
 pub fn mem_alloc_async(bytes: u64, stream: StreamId) -> Result<DevicePtr, DeviceError> {
     let mut p: ffi::CuDevicePtr = 0;
+    let h = stream_handle(stream)?;
     check(
-        // SAFETY: writes one device pointer into `p`; the stream handle is passed
-        // through to the driver, which validates it.
-        unsafe { ffi::cuMemAllocAsync(&mut p, bytes as usize, stream_handle(stream)) },
+        // SAFETY: writes one device pointer into `p`; `h` is a live stream (a
+        // special handle, or registered under `register_stream`'s contract).
+        unsafe { ffi::cuMemAllocAsync(&mut p, bytes as usize, h) },
         "cuMemAllocAsync",
     )?;
     Ok(DevicePtr(p))
@@ -167,9 +229,11 @@ pub fn mem_alloc_async(bytes: u64, stream: StreamId) -> Result<DevicePtr, Device
 /// # Safety
 /// `ptr` came from [`mem_alloc_async`] and is freed once.
 pub unsafe fn mem_free_async(ptr: DevicePtr, stream: StreamId) -> Result<(), DeviceError> {
+    let h = stream_handle(stream)?;
     check(
-        // SAFETY: the caller guarantees ptr is a live stream-ordered allocation.
-        unsafe { ffi::cuMemFreeAsync(ptr.0, stream_handle(stream)) },
+        // SAFETY: the caller guarantees ptr is a live stream-ordered allocation;
+        // `h` is a live stream (see `stream_handle`).
+        unsafe { ffi::cuMemFreeAsync(ptr.0, h) },
         "cuMemFreeAsync",
     )
 }
@@ -387,9 +451,11 @@ pub unsafe fn memset_d32_async(
     words: usize,
     stream: StreamId,
 ) -> Result<(), DeviceError> {
+    let h = stream_handle(stream)?;
     check(
-        // SAFETY: the caller guarantees the range is owned device memory.
-        unsafe { ffi::cuMemsetD32Async(ptr.0, value, words, stream_handle(stream)) },
+        // SAFETY: the caller guarantees the range is owned device memory; `h` is
+        // a live stream (see `stream_handle`).
+        unsafe { ffi::cuMemsetD32Async(ptr.0, value, words, h) },
         "cuMemsetD32Async",
     )
 }
@@ -421,9 +487,11 @@ pub unsafe fn memset_d8_async(
     bytes: usize,
     stream: StreamId,
 ) -> Result<(), DeviceError> {
+    let h = stream_handle(stream)?;
     check(
-        // SAFETY: the caller guarantees the range is owned device memory.
-        unsafe { ffi::cuMemsetD8Async(ptr.0, value, bytes, stream_handle(stream)) },
+        // SAFETY: the caller guarantees the range is owned device memory; `h` is
+        // a live stream (see `stream_handle`).
+        unsafe { ffi::cuMemsetD8Async(ptr.0, value, bytes, h) },
         "cuMemsetD8Async",
     )
 }
@@ -440,11 +508,11 @@ pub unsafe fn memcpy_htod_async(
     bytes: usize,
     stream: StreamId,
 ) -> Result<(), DeviceError> {
+    let h = stream_handle(stream)?;
     check(
-        // SAFETY: the caller guarantees both ranges per the contract above.
-        unsafe {
-            ffi::cuMemcpyHtoDAsync_v2(dst.0, src.cast::<c_void>(), bytes, stream_handle(stream))
-        },
+        // SAFETY: the caller guarantees both ranges per the contract above; `h`
+        // is a live stream (see `stream_handle`).
+        unsafe { ffi::cuMemcpyHtoDAsync_v2(dst.0, src.cast::<c_void>(), bytes, h) },
         "cuMemcpyHtoDAsync_v2",
     )
 }
@@ -461,11 +529,11 @@ pub unsafe fn memcpy_dtoh_async(
     bytes: usize,
     stream: StreamId,
 ) -> Result<(), DeviceError> {
+    let h = stream_handle(stream)?;
     check(
-        // SAFETY: the caller guarantees both ranges per the contract above.
-        unsafe {
-            ffi::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src.0, bytes, stream_handle(stream))
-        },
+        // SAFETY: the caller guarantees both ranges per the contract above; `h`
+        // is a live stream (see `stream_handle`).
+        unsafe { ffi::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src.0, bytes, h) },
         "cuMemcpyDtoHAsync_v2",
     )
 }
@@ -490,9 +558,10 @@ pub unsafe fn read_u32(
 
 /// Blocks until all work queued on `stream` completed.
 pub fn stream_synchronize(stream: StreamId) -> Result<(), DeviceError> {
+    let h = stream_handle(stream)?;
     check(
-        // SAFETY: the stream handle is passed through to the driver, which validates it.
-        unsafe { ffi::cuStreamSynchronize(stream_handle(stream)) },
+        // SAFETY: `h` is a live stream (see `stream_handle`).
+        unsafe { ffi::cuStreamSynchronize(h) },
         "cuStreamSynchronize",
     )
 }
@@ -543,7 +612,11 @@ impl Stream {
             unsafe { ffi::cuDevicePrimaryCtxRelease_v2(dev) };
             return Err(e);
         }
-        Ok(Stream { raw, dev })
+        let stream = Stream { raw, dev };
+        // SAFETY: the stream was just created and stays live until `Drop`,
+        // which unregisters it before destroying it.
+        unsafe { register_stream(stream.id()) };
+        Ok(stream)
     }
 
     /// The stream as the allocator names it (the `CUstream` pointer as an integer).
@@ -559,6 +632,7 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
+        unregister_stream(self.id());
         // SAFETY: `raw` was created by cuStreamCreate and is destroyed once,
         // while our retain keeps its context alive; the driver lets queued
         // work finish before releasing the stream. Then the retain is balanced.
@@ -566,5 +640,27 @@ impl Drop for Stream {
             ffi::cuStreamDestroy_v2(self.raw);
             ffi::cuDevicePrimaryCtxRelease_v2(self.dev);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only special handles and registered streams become handles; no
+    /// driver call is made (this runs without a GPU).
+    #[test]
+    fn only_registered_streams_become_handles() {
+        for special in 0..=SPECIAL_STREAMS {
+            assert!(stream_handle(StreamId(special)).is_ok());
+        }
+        let s = StreamId(0x7f00_dead_b000);
+        let e = stream_handle(s).unwrap_err();
+        assert!(e.to_string().contains("not a live stream"), "{e}");
+        // SAFETY: the handle is never given to the driver in this test.
+        unsafe { register_stream(s) };
+        assert!(stream_handle(s).is_ok());
+        unregister_stream(s);
+        assert!(stream_handle(s).is_err());
     }
 }

@@ -198,13 +198,17 @@ fn create_allocator(device: i32) -> Result<&'static CachingAllocator<CudaDevice>
     let dev = CudaDevice::new(device)?;
     let alloc = CachingAllocator::new(dev, config);
     // E.g. expandable segments requested on a driver without the VMM API:
-    // the allocator falls back to plain segments, and the user should know.
-    for notice in alloc.notices() {
-        eprintln!("cachealloc (device {device}): {notice}");
-    }
+    // the allocator falls back to plain segments, and says so in its
+    // notices (`info_json`). Nothing is printed here: `eprintln!` panics on
+    // a closed stderr, and a write that may fail is no way to report; the
+    // reason goes to stderr only where the write cannot panic.
     if alloc.config().expandable_segments && !alloc.is_expandable() {
         if let Err(why) = alloc.device().vmm_support() {
-            eprintln!("cachealloc (device {device}): virtual memory API unusable: {why}");
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr().lock(),
+                "cachealloc (device {device}): virtual memory API unusable: {why}"
+            );
         }
     }
     Ok(slot.get_or_init(|| alloc))

@@ -506,10 +506,11 @@ impl<E> State<E> {
     ) -> Result<(), AllocError> {
         let mut freed = 0;
         while freed < bytes {
-            let Some((h, kind, size)) = self.page_pool.pop() else {
+            let Some(&(h, kind, size)) = self.page_pool.last() else {
                 break;
             };
             dev.vmm_release_page(h)?;
+            self.page_pool.pop(); // only once released: a failure keeps it pooled
             self.stats.num_page_release += 1;
             self.stats.reserved_bytes.decrease(kind, size);
             freed += size;
@@ -629,16 +630,28 @@ impl<E> State<E> {
         dev: &D,
         pages: Vec<Page>,
     ) -> Result<(), AllocError> {
+        let mut result = Ok(());
         for page in pages {
             match page.counted_as {
                 Some(kind) => self.page_pool.push((page.handle, kind, page.size)),
                 None => {
-                    dev.vmm_release_page(page.handle)?;
+                    if let Err(e) = dev.vmm_release_page(page.handle) {
+                        // Kept (pooled and counted) rather than lost.
+                        self.page_pool
+                            .push((page.handle, PoolKind::Large, page.size));
+                        self.stats
+                            .reserved_bytes
+                            .increase(PoolKind::Large, page.size);
+                        if result.is_ok() {
+                            result = Err(e.into());
+                        }
+                        continue;
+                    }
                     self.stats.num_page_release += 1;
                 }
             }
         }
-        Ok(())
+        result
     }
 
     /// Idle pages as (idle since, segment, first granule): mappings wholly
@@ -718,8 +731,9 @@ impl<E> State<E> {
         self.drop_markers(dev);
         self.device_full_at = None;
         self.unmap_idle_pages(dev, None, u64::MAX, u64::MAX)?;
-        while let Some((h, kind, size)) = self.page_pool.pop() {
+        while let Some(&(h, kind, size)) = self.page_pool.last() {
             dev.vmm_release_page(h)?;
+            self.page_pool.pop(); // only once released: a failure keeps it pooled
             self.stats.num_page_release += 1;
             self.stats.reserved_bytes.decrease(kind, size);
         }

@@ -1,0 +1,148 @@
+//! The three fuzz bodies on stable Rust, without libFuzzer: random inputs,
+//! and mutations of the committed seeds (`fuzz/corpus/<target>/seed-*`),
+//! for a time budget; every panic or error is a crash, saved under
+//! `fuzz/artifacts/stable/`. Prints the inputs run per target and the
+//! allocator operations executed: the `ops` inputs' decoded operations
+//! (the fixed sequences that accepted configurations serve are not counted).
+//!
+//! `cargo run --release --example stable_fuzz -- SECONDS [SEED]`
+
+use cachealloc_core::testing;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+fn seeds(target: &str) -> Vec<Vec<u8>> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("corpus")
+        .join(target);
+    let mut out = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with("seed-") {
+                if let Ok(d) = std::fs::read(e.path()) {
+                    out.push(d);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// A random input, or a seed with a few random byte edits.
+fn input(rng: &mut Rng, seeds: &[Vec<u8>], max_len: usize) -> Vec<u8> {
+    if seeds.is_empty() || rng.below(3) == 0 {
+        let len = rng.below(max_len);
+        return (0..len).map(|_| rng.next() as u8).collect();
+    }
+    let mut d = seeds[rng.below(seeds.len())].clone();
+    for _ in 0..1 + rng.below(8) {
+        match rng.below(4) {
+            0 if !d.is_empty() => {
+                let i = rng.below(d.len());
+                d[i] = rng.next() as u8;
+            }
+            1 if d.len() < max_len => {
+                let i = rng.below(d.len() + 1);
+                d.insert(i, rng.next() as u8);
+            }
+            2 if !d.is_empty() => {
+                let i = rng.below(d.len());
+                d.remove(i);
+            }
+            _ => {
+                let other = &seeds[rng.below(seeds.len())];
+                if !other.is_empty() {
+                    let a = rng.below(other.len());
+                    let n = rng.below(other.len() - a + 1).min(max_len);
+                    let at = rng.below(d.len() + 1);
+                    d.splice(at..at, other[a..a + n].iter().copied());
+                    d.truncate(max_len);
+                }
+            }
+        }
+    }
+    d
+}
+
+fn save(target: &str, data: &[u8], why: &str) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/stable");
+    let _ = std::fs::create_dir_all(&dir);
+    let name = format!("{target}-{:016x}", fxhash(data));
+    let _ = std::fs::write(dir.join(&name), data);
+    eprintln!("CRASH {target} ({name}): {why}");
+}
+
+fn fxhash(d: &[u8]) -> u64 {
+    d.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let seconds: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(60);
+    let seed: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(1);
+    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let (ops_seeds, trace_seeds, config_seeds) = (seeds("ops"), seeds("trace"), seeds("config"));
+    std::panic::set_hook(Box::new(|_| {}));
+    let (mut runs, mut ops, mut crashes) = ([0u64; 3], 0u64, 0u64);
+    let end = Instant::now() + Duration::from_secs(seconds);
+    while Instant::now() < end {
+        for _ in 0..64 {
+            // ops: most of the budget.
+            let d = input(&mut rng, &ops_seeds, 4096);
+            let n = d
+                .split_first()
+                .map_or(0, |(_, rest)| testing::decode(rest).1.len() as u64);
+            match catch_unwind(AssertUnwindSafe(|| cachealloc_fuzz::ops::run(&d))) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    crashes += 1;
+                    save("ops", &d, &e);
+                }
+                Err(_) => {
+                    crashes += 1;
+                    save("ops", &d, "panic");
+                }
+            }
+            runs[0] += 1;
+            ops += n;
+        }
+        for (i, (target, seeds, max)) in
+            [("trace", &trace_seeds, 2048), ("config", &config_seeds, 96)]
+                .into_iter()
+                .enumerate()
+        {
+            let d = input(&mut rng, seeds, max);
+            let r = catch_unwind(AssertUnwindSafe(|| match target {
+                "trace" => cachealloc_fuzz::trace::check(&d),
+                _ => cachealloc_fuzz::config::check(&d),
+            }));
+            if r.is_err() {
+                crashes += 1;
+                save(target, &d, "panic");
+            }
+            runs[i + 1] += 1;
+        }
+    }
+    println!(
+        "stable_fuzz seed {seed}, {seconds} s: ops {} inputs, trace {} inputs, config {} inputs; \
+         {ops} allocator operations; {crashes} crashes",
+        runs[0], runs[1], runs[2]
+    );
+}
