@@ -130,16 +130,15 @@ struct State<E> {
     recorder: Option<Recorder>,
     /// Page granularity when expandable segments are in use.
     granularity: Option<u64>,
-    /// Per pool: its expandable segment, once reserved.
-    ranges: Vec<Option<SegmentId>>,
-    /// Virtual size of each expandable segment.
+    /// Per pool: its expandable segments (virtual ranges), oldest first.
+    ranges: Vec<Vec<SegmentId>>,
+    /// Device memory in bytes (sizes the expandable ranges and the pressure limit).
     range_size: u64,
-    /// Expandable: markers (operation count, one event per stream), oldest first.
-    markers: VecDeque<(u64, Vec<E>)>,
-    /// Expandable: operation count of the last marker recorded.
-    last_marker: u64,
-    /// Expandable: blocks freed before this operation count are quiescent.
-    quiescent_before: u64,
+    /// Expandable, per stream slot: events recorded as blocks were freed there.
+    marks: Vec<expandable::Marks<E>>,
+    /// Expandable: free blocks in the bins that hold a whole mapped page, as
+    /// (idle since, block), longest idle first.
+    idle_index: std::collections::BTreeSet<(u64, u32)>,
     /// Physical pages unmapped but kept (reserved), with the pool kind their bytes are counted under.
     page_pool: Vec<(u64, PoolKind, u64)>,
     /// Expandable: reserved bytes when the device last had no room for a new page.
@@ -228,11 +227,10 @@ impl<D: Device> CachingAllocator<D> {
                 granularity,
                 ranges: Vec::new(),
                 range_size,
+                marks: Vec::new(),
+                idle_index: std::collections::BTreeSet::new(),
                 page_pool: Vec::new(),
                 device_full_at: None,
-                markers: VecDeque::new(),
-                last_marker: 0,
-                quiescent_before: 0,
                 notices,
                 slots: Vec::new(),
                 wanted: Vec::new(),
@@ -534,7 +532,9 @@ impl<E> State<E> {
         self.bins.resize_with(pools, || None);
         self.slab_lists.resize_with(pools, || None);
         self.lookups.resize(pools, 0);
-        self.ranges.resize(pools, None);
+        self.ranges.resize_with(pools, Vec::new);
+        self.marks
+            .resize_with(self.stream_list.len(), expandable::Marks::default);
         slot
     }
 
@@ -827,8 +827,15 @@ impl<E> State<E> {
         // Allocated before any merge below could look at it.
         b.state = BlockState::Allocated;
         b.requested = requested;
-        let (addr, size, pool, already_split, next, segment) =
-            (b.addr, b.size, b.pool, b.is_split(), b.next, b.segment);
+        let (addr, size, pool, already_split, next, segment, since) = (
+            b.addr,
+            b.size,
+            b.pool,
+            b.is_split(),
+            b.next,
+            b.segment,
+            b.freed_at,
+        );
         let kind = pool.kind();
         let remaining = size - rounded;
         let final_size = if self.should_split(kind, rounded, remaining) {
@@ -837,7 +844,13 @@ impl<E> State<E> {
                 prev: Some(id),
                 next,
                 gc_base,
-                ..Block::free(addr + rounded, remaining, segment, pool, self.clock)
+                ..Block::free(
+                    addr + rounded,
+                    remaining,
+                    segment,
+                    pool,
+                    if expandable { since } else { self.clock },
+                )
             }));
             if let Some(n) = next {
                 self.blocks.get_mut(n.0).prev = Some(rest);
@@ -952,6 +965,9 @@ impl<E> State<E> {
         self.shadow_free(size);
         let kind = pool.kind();
         self.count_allocated(kind, size, false);
+        if self.granularity.is_some() {
+            self.mark_free(dev, pool);
+        }
         if let Some(r) = self.recorder.as_mut() {
             if let Some(tid) = r.ids.remove(&ptr.0) {
                 (r.sink)(&TraceEvent::Free { id: tid });
@@ -997,9 +1013,14 @@ impl<E> State<E> {
     /// Returns a block to its pool, merging it with free neighbours (a
     /// slab's chunk goes back to its slab).
     fn free_block(&mut self, id: BlockId) {
+        let expandable = self.granularity.is_some();
         let (orig_size, requested, pool, slab) = {
             let b = self.blocks.get_mut(id.0);
             b.state = BlockState::Free;
+            if expandable {
+                // Idle from now (merging keeps the latest of the parts).
+                b.freed_at = self.clock;
+            }
             (b.size, std::mem::take(&mut b.requested), b.pool, b.slab)
         };
         let kind = pool.kind();
@@ -1074,11 +1095,13 @@ impl<E> State<E> {
             lookups,
             clock,
             granularity,
+            idle_index,
             ..
         } = self;
         let b = blocks.get(id.0);
         let (pool, mut addr, mut size) = (b.pool, b.addr, b.size);
         let (mut prev, mut next) = (b.prev, b.next);
+        let mut since = b.freed_at;
         let bins = bins[pool.index()].get_or_insert_with(Box::default);
         let mut net_blocks: i64 = 0;
         let mut net_bytes: i64 = 0;
@@ -1087,6 +1110,10 @@ impl<E> State<E> {
             if pb.state == BlockState::Free {
                 let (psize, paddr, pprev) = (pb.size, pb.addr, pb.prev);
                 bins.remove(psize, paddr, p);
+                if granularity.is_some() {
+                    idle_index.remove(&(pb.freed_at, p.0));
+                    since = since.max(pb.freed_at);
+                }
                 addr = paddr;
                 size += psize;
                 prev = pprev;
@@ -1104,6 +1131,10 @@ impl<E> State<E> {
             if nb.state == BlockState::Free {
                 let (nsize, naddr, nnext) = (nb.size, nb.addr, nb.next);
                 bins.remove(nsize, naddr, n);
+                if granularity.is_some() {
+                    idle_index.remove(&(nb.freed_at, n.0));
+                    since = since.max(nb.freed_at);
+                }
                 size += nsize;
                 next = nnext;
                 if let Some(nn) = nnext {
@@ -1120,11 +1151,18 @@ impl<E> State<E> {
         b.prev = prev;
         b.next = next;
         b.gc_base = lookups[pool.index()];
-        b.freed_at = *clock;
         bins.insert(size, addr, id);
-        if granularity.is_some() {
+        if let Some(g) = *granularity {
+            // Idle since the latest of the merged parts froze (a split-off
+            // rest keeps its block's age); indexed if it holds a whole page.
+            b.freed_at = since;
+            let seg = segments.get(b.segment.0);
+            if expandable::holds_whole_page(seg, g, addr, addr + size) {
+                idle_index.insert((since, id.0));
+            }
             return (0, 0);
         }
+        b.freed_at = *clock;
         // The merged block counts as inactive split if it shares its segment.
         let split = prev.is_some() || next.is_some();
         net_blocks += i64::from(split);
@@ -1461,16 +1499,16 @@ impl<E> State<E> {
         let mut largest = 0;
         for (i, bins) in self.bins.iter().enumerate() {
             let Some(bins) = bins else { continue };
-            match self.ranges.get(i).copied().flatten() {
-                Some(seg) => {
-                    let s = self.segments.get(seg.0);
-                    for (size, addr, _) in bins.iter() {
+            match self.ranges.get(i).is_some_and(|r| !r.is_empty()) {
+                true => {
+                    for (size, addr, id) in bins.iter() {
+                        let s = self.segments.get(self.blocks.get(id.0).segment.0);
                         let mapped = self.mapped_bytes_in(s, addr, addr + size);
                         free += mapped;
                         largest = largest.max(mapped);
                     }
                 }
-                None => {
+                false => {
                     free += bins.bytes();
                     largest = largest.max(bins.largest().map_or(0, |e| e.0));
                 }
