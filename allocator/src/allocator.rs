@@ -111,6 +111,12 @@ struct State<E> {
     blocks: Slab<Block>,
     segments: Slab<Segment>,
     segment_by_addr: BTreeMap<u64, SegmentId>,
+    /// Per pool kind, segments that may be entirely free, as (free since,
+    /// address, segment), oldest first: every entirely free segment is here
+    /// (added when it may have become free; stale entries are dropped when
+    /// met), so releasing the oldest costs what is released, not the number
+    /// of segments.
+    free_candidates: [std::collections::BTreeSet<(u64, u64, u32)>; 3],
     /// Bins per pool, indexed by [`PoolId::index`]; created on first use.
     bins: Vec<Option<Box<Bins>>>,
     /// Per pool: lookups so far (the clock of garbage-collection ages).
@@ -213,6 +219,7 @@ impl<D: Device> CachingAllocator<D> {
                 blocks: Slab::default(),
                 segments: Slab::default(),
                 segment_by_addr: BTreeMap::new(),
+                free_candidates: Default::default(),
                 bins: Vec::new(),
                 lookups: Vec::new(),
                 streams: FastMap::default(),
@@ -497,6 +504,16 @@ impl<D: Device> CachingAllocator<D> {
         let mut st = self.state.lock();
         st.sync_fronts();
         st.check_invariants()?;
+        for (&addr, &seg) in &st.segment_by_addr {
+            let kind = st.segments.get(seg.0).pool.kind() as usize;
+            if st.segment_is_free(seg)
+                && !st.free_candidates[kind].contains(&(st.free_since(seg), addr, seg.0))
+            {
+                return Err(format!(
+                    "free segment at {addr:#x} is not among the free candidates"
+                ));
+            }
+        }
         st.check_slots()
     }
 }
@@ -800,6 +817,7 @@ impl<E> State<E> {
         );
         self.segments.get_mut(seg.0).head = head;
         self.segment_by_addr.insert(ptr.0, seg);
+        self.free_candidates[pool.kind() as usize].insert((self.clock, ptr.0, seg.0));
         self.stats.segment.increase(pool.kind(), 1);
         seg
     }
@@ -1096,6 +1114,7 @@ impl<E> State<E> {
             clock,
             granularity,
             idle_index,
+            free_candidates,
             ..
         } = self;
         let b = blocks.get(id.0);
@@ -1165,6 +1184,9 @@ impl<E> State<E> {
         b.freed_at = *clock;
         // The merged block counts as inactive split if it shares its segment.
         let split = prev.is_some() || next.is_some();
+        if !split {
+            free_candidates[pool.kind() as usize].insert((*clock, addr, b.segment.0));
+        }
         net_blocks += i64::from(split);
         net_bytes += if split { size as i64 } else { 0 };
         (net_blocks, net_bytes)
@@ -1301,13 +1323,99 @@ impl<E> State<E> {
         Ok(size)
     }
 
+    /// Lists `seg` among the free candidates if it is entirely free (under
+    /// its current idle age).
+    fn note_maybe_free(&mut self, seg: SegmentId) {
+        if self.segment_is_free(seg) {
+            let s = self.segments.get(seg.0);
+            let (addr, kind) = (s.addr, s.pool.kind());
+            self.free_candidates[kind as usize].insert((self.free_since(seg), addr, seg.0));
+        }
+    }
+
+    /// Whether an entry of `free_candidates` is an entirely free segment
+    /// (free since then).
+    fn free_candidate_holds(&self, (since, addr, id): (u64, u64, u32)) -> bool {
+        let seg = SegmentId(id);
+        self.segment_by_addr.get(&addr) == Some(&seg)
+            && self.segment_is_free(seg)
+            && self.free_since(seg) == since
+    }
+
     /// Entirely free segments (any pool, any stream), lowest address first.
-    fn free_segments(&self) -> Vec<(u64, SegmentId)> {
-        self.segment_by_addr
-            .values()
-            .filter(|&&s| self.segment_is_free(s))
-            .map(|&s| (self.segments.get(s.0).size, s))
-            .collect()
+    /// Drops the candidates that are not (or no longer exist).
+    fn free_segments(&mut self) -> Vec<(u64, SegmentId)> {
+        let mut out = Vec::new();
+        let mut stale = Vec::new();
+        for (k, set) in self.free_candidates.iter().enumerate() {
+            for &e in set {
+                if self.free_candidate_holds(e) {
+                    out.push((e.1, self.segments.get(e.2).size, SegmentId(e.2)));
+                } else {
+                    stale.push((k, e));
+                }
+            }
+        }
+        for (k, e) in stale {
+            self.free_candidates[k].remove(&e);
+        }
+        out.sort_unstable_by_key(|e| e.0);
+        out.into_iter().map(|(_, size, seg)| (size, seg)).collect()
+    }
+
+    /// [`State::release_free_segments`] in `ReleaseOrder::Oldest`: walks the
+    /// candidates oldest first and stops once `need` bytes are released (or
+    /// at the first one idle for less than `min_idle`).
+    fn release_oldest_segments<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        need: u64,
+        min_idle: u64,
+        kind: Option<PoolKind>,
+    ) -> Result<u64, AllocError> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let mut total = 0;
+        // Per kind: the last entry looked at; the walk merges the kinds asked for.
+        let mut cursor: [Option<(u64, u64, u32)>; 3] = [None; 3];
+        let mut stale = Vec::new();
+        let mut result = Ok(());
+        while total < need {
+            let mut next: Option<(usize, (u64, u64, u32))> = None;
+            for (k, set) in self.free_candidates.iter().enumerate() {
+                if kind.is_some_and(|want| want as usize != k) {
+                    continue;
+                }
+                let from = cursor[k].map_or(Unbounded, Excluded);
+                if let Some(&e) = set.range((from, Unbounded)).next() {
+                    if next.is_none_or(|(_, n)| e < n) {
+                        next = Some((k, e));
+                    }
+                }
+            }
+            let Some((k, e)) = next else {
+                break;
+            };
+            cursor[k] = Some(e);
+            if !self.free_candidate_holds(e) {
+                stale.push((k, e));
+                continue;
+            }
+            if self.clock - e.0 < min_idle {
+                break; // the rest are younger
+            }
+            match self.release_segment(dev, SegmentId(e.2)) {
+                Ok(size) => total += size,
+                Err(err) => {
+                    result = Err(err);
+                    break;
+                }
+            }
+            stale.push((k, e));
+        }
+        for (k, e) in stale {
+            self.free_candidates[k].remove(&e);
+        }
+        result.map(|()| total)
     }
 
     /// Waits for events and releases every entirely free segment.
@@ -1342,6 +1450,9 @@ impl<E> State<E> {
         min_idle: u64,
         kind: Option<PoolKind>,
     ) -> Result<u64, AllocError> {
+        if self.config.release_order == ReleaseOrder::Oldest {
+            return self.release_oldest_segments(dev, need, min_idle, kind);
+        }
         let mut free = self.free_segments();
         if let Some(k) = kind {
             free.retain(|&(_, seg)| self.segments.get(seg.0).pool.kind() == k);
