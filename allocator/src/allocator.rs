@@ -1387,7 +1387,7 @@ impl<E> State<E> {
                 }
                 let from = cursor[k].map_or(Unbounded, Excluded);
                 if let Some(&e) = set.range((from, Unbounded)).next() {
-                    if next.is_none_or(|(_, n)| e < n) {
+                    if next.map_or(true, |(_, n)| e < n) {
                         next = Some((k, e));
                     }
                 }
