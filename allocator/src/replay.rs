@@ -479,9 +479,10 @@ mod tests {
                 assert_eq!(r.stats.num_sync_all_streams, 0, "{}", config.name);
                 t0.elapsed().as_secs_f64()
             };
+            // The best of a few runs: other tests share the machine.
             time(300); // warm up
             let small = (0..3).map(|_| time(300)).fold(f64::INFINITY, f64::min);
-            let large = time(3000);
+            let large = (0..2).map(|_| time(3000)).fold(f64::INFINITY, f64::min);
             assert!(
                 large < 30.0 * small + 0.05,
                 "{}: 300 streams {small:.3} s, 3000 streams {large:.3} s",
