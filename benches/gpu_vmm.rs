@@ -7,8 +7,9 @@
 //! - `cuMemUnmap` per page, of pages the GPU has written;
 //!
 //! each for pages of 2, 4, 8 and 20 MiB; then `cuCtxSynchronize` on an idle
-//! device, and a cachealloc alloc + free pair on the cache-hit path with the
-//! `default` (plain segments) and the `expandable` configuration.
+//! device, `cuEventRecord`, and `cuEventQuery` and `cuEventSynchronize` of a
+//! completed event, and a cachealloc alloc + free pair on the cache-hit path
+//! with the `default` (plain segments) and the `expandable` configuration.
 //!
 //! ```text
 //! cargo bench --features cuda --bench gpu_vmm -- [--json FILE] [--quick]
@@ -193,6 +194,35 @@ fn main() {
         })
         .fold(f64::INFINITY, f64::min);
     r.rec("cuCtxSynchronize, idle device (us)".into(), best);
+
+    // Events, as the allocator uses them (pooled by `CudaDevice`): a marker
+    // recorded as a block is freed, polled before its pages move, waited for
+    // when a page must move before its stream got there.
+    let n = if quick { 2000 } else { 20000 };
+    let mut ev_best = [f64::INFINITY; 3];
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let events: Vec<_> = (0..n).map(|_| dev.record_event(s.id()).unwrap()).collect();
+        let record = us_per(t0, n);
+        s.synchronize().unwrap();
+        let t0 = Instant::now();
+        for e in &events {
+            assert!(black_box(dev.event_completed(e).unwrap()));
+        }
+        let query = us_per(t0, n);
+        let t0 = Instant::now();
+        for e in &events {
+            dev.wait_event(e).unwrap();
+        }
+        let wait = us_per(t0, n);
+        events.into_iter().for_each(|e| dev.release_event(e));
+        for (b, v) in ev_best.iter_mut().zip([record, query, wait]) {
+            *b = b.min(v);
+        }
+    }
+    r.rec("cuEventRecord (us)".into(), ev_best[0]);
+    r.rec("cuEventQuery, completed (us)".into(), ev_best[1]);
+    r.rec("cuEventSynchronize, completed (us)".into(), ev_best[2]);
 
     // Cache-hit alloc + free pairs, plain and expandable.
     let iters = if quick { 20_000 } else { 200_000 };

@@ -735,7 +735,7 @@ fn default_config_meets_its_fragmentation_goals_on_the_shipped_traces() {
 fn expandable_config_meets_its_goals_on_the_shipped_traces() {
     let traces = ["traces/nmt.trace.gz", "traces/cnn_multiscale.trace.gz"];
     // Most map + unmap calls allowed with no capacity limit.
-    let max_calls = [30_000, 1_000];
+    let max_calls = [16_000, 1_000];
     let o = run(&[
         "compare",
         "--config",
@@ -766,5 +766,56 @@ fn expandable_config_meets_its_goals_on_the_shipped_traces() {
             .as_f64()
             .unwrap();
         assert!(mincap <= 1.01, "{trace}: min-capacity {mincap}");
+    }
+}
+
+/// Replays of the shipped traces with the `expandable` preset never wait
+/// for the whole device (the traces have no `empty_cache` and no
+/// out-of-memory), and make at most a few times the map calls of PyTorch's
+/// expandable segments (`pytorch,expandable_segments:True`, which never
+/// moves a page but holds 9% more memory on nmt): nmt 8,138 against 1,604,
+/// cnn_multiscale 411 against 404.
+#[test]
+fn expandable_replays_never_synchronize_and_bound_map_calls() {
+    let traces = ["traces/nmt.trace.gz", "traces/cnn_multiscale.trace.gz"];
+    let o = run(&[
+        "compare",
+        "--config",
+        "expandable",
+        "--config",
+        "pytorch,expandable_segments:True",
+        "--json",
+        "-j1",
+        traces[0],
+        traces[1],
+    ]);
+    assert_status(&o, 0);
+    let lines = json_lines(&o);
+    assert_eq!(lines.len(), 4);
+    // Map calls allowed per map call of the emulation of PyTorch's.
+    let max_ratio = [6.0, 1.5];
+    for (trace, max_ratio) in traces.iter().zip(max_ratio) {
+        let row = |config: &str| {
+            lines
+                .iter()
+                .find(|v| v["trace"] == *trace && v["config"] == config)
+                .unwrap_or_else(|| panic!("no {config} row for {trace}"))
+        };
+        let ours = row("expandable");
+        let theirs = row("pytorch,expandable_segments:True");
+        assert_eq!(u(ours, "num_sync_all_streams"), 0, "{trace}");
+        assert_eq!(u(ours, "num_ooms"), 0, "{trace}");
+        assert_eq!(u(theirs, "num_sync_all_streams"), 0, "{trace}");
+        assert!(
+            u(ours, "num_events_recorded") > 0,
+            "{trace}: markers recorded"
+        );
+        let ratio = u(ours, "num_vmm_map") as f64 / u(theirs, "num_vmm_map") as f64;
+        assert!(
+            ratio <= max_ratio,
+            "{trace}: {ratio:.2} times the emulation's map calls (at most {max_ratio})"
+        );
+        let creates = u(ours, "num_page_create");
+        assert!(creates <= u(ours, "num_vmm_map"), "{trace}");
     }
 }

@@ -114,6 +114,12 @@ struct State<E> {
     blocks: Slab<Block>,
     segments: Slab<Segment>,
     segment_by_addr: BTreeMap<u64, SegmentId>,
+    /// Per pool kind, segments that may be entirely free, as (free since,
+    /// address, segment), oldest first: every entirely free segment is here
+    /// (added when it may have become free; stale entries are dropped when
+    /// met), so releasing the oldest costs what is released, not the number
+    /// of segments.
+    free_candidates: [std::collections::BTreeSet<(u64, u64, u32)>; 3],
     /// Bins per pool, indexed by [`PoolId::index`]; created on first use.
     bins: Vec<Option<Box<Bins>>>,
     /// Per pool: lookups so far (the clock of garbage-collection ages).
@@ -133,16 +139,15 @@ struct State<E> {
     recorder: Option<Recorder>,
     /// Page granularity when expandable segments are in use.
     granularity: Option<u64>,
-    /// Per pool: its expandable segment, once reserved.
-    ranges: Vec<Option<SegmentId>>,
-    /// Virtual size of each expandable segment.
+    /// Per pool: its expandable segments (virtual ranges), oldest first.
+    ranges: Vec<Vec<SegmentId>>,
+    /// Device memory in bytes (sizes the expandable ranges and the pressure limit).
     range_size: u64,
-    /// Expandable: markers (operation count, one event per stream), oldest first.
-    markers: VecDeque<(u64, Vec<E>)>,
-    /// Expandable: operation count of the last marker recorded.
-    last_marker: u64,
-    /// Expandable: blocks freed before this operation count are quiescent.
-    quiescent_before: u64,
+    /// Expandable, per stream slot: events recorded as blocks were freed there.
+    marks: Vec<expandable::Marks<E>>,
+    /// Expandable: free blocks in the bins that hold a whole mapped page, as
+    /// (idle since, block), longest idle first.
+    idle_index: std::collections::BTreeSet<(u64, u32)>,
     /// Physical pages unmapped but kept (reserved), with the pool kind their bytes are counted under.
     page_pool: Vec<(u64, PoolKind, u64)>,
     /// Expandable: reserved bytes when the device last had no room for a new page.
@@ -217,6 +222,7 @@ impl<D: Device> CachingAllocator<D> {
                 blocks: Slab::default(),
                 segments: Slab::default(),
                 segment_by_addr: BTreeMap::new(),
+                free_candidates: Default::default(),
                 bins: Vec::new(),
                 lookups: Vec::new(),
                 streams: FastMap::default(),
@@ -231,11 +237,10 @@ impl<D: Device> CachingAllocator<D> {
                 granularity,
                 ranges: Vec::new(),
                 range_size,
+                marks: Vec::new(),
+                idle_index: std::collections::BTreeSet::new(),
                 page_pool: Vec::new(),
                 device_full_at: None,
-                markers: VecDeque::new(),
-                last_marker: 0,
-                quiescent_before: 0,
                 notices,
                 slots: Vec::new(),
                 wanted: Vec::new(),
@@ -510,6 +515,16 @@ impl<D: Device> CachingAllocator<D> {
         let mut st = self.state.lock();
         st.sync_fronts();
         st.check_invariants()?;
+        for (&addr, &seg) in &st.segment_by_addr {
+            let kind = st.segments.get(seg.0).pool.kind() as usize;
+            if st.segment_is_free(seg)
+                && !st.free_candidates[kind].contains(&(st.free_since(seg), addr, seg.0))
+            {
+                return Err(format!(
+                    "free segment at {addr:#x} is not among the free candidates"
+                ));
+            }
+        }
         st.check_slots()
     }
 }
@@ -545,7 +560,9 @@ impl<E> State<E> {
         self.bins.resize_with(pools, || None);
         self.slab_lists.resize_with(pools, || None);
         self.lookups.resize(pools, 0);
-        self.ranges.resize(pools, None);
+        self.ranges.resize_with(pools, Vec::new);
+        self.marks
+            .resize_with(self.stream_list.len(), expandable::Marks::default);
         slot
     }
 
@@ -811,6 +828,7 @@ impl<E> State<E> {
         );
         self.segments.get_mut(seg.0).head = head;
         self.segment_by_addr.insert(ptr.0, seg);
+        self.free_candidates[pool.kind() as usize].insert((self.clock, ptr.0, seg.0));
         self.stats.segment.increase(pool.kind(), 1);
         seg
     }
@@ -838,8 +856,15 @@ impl<E> State<E> {
         // Allocated before any merge below could look at it.
         b.state = BlockState::Allocated;
         b.requested = requested;
-        let (addr, size, pool, already_split, next, segment) =
-            (b.addr, b.size, b.pool, b.is_split(), b.next, b.segment);
+        let (addr, size, pool, already_split, next, segment, since) = (
+            b.addr,
+            b.size,
+            b.pool,
+            b.is_split(),
+            b.next,
+            b.segment,
+            b.freed_at,
+        );
         let kind = pool.kind();
         let remaining = size - rounded;
         let final_size = if self.should_split(kind, rounded, remaining) {
@@ -848,7 +873,13 @@ impl<E> State<E> {
                 prev: Some(id),
                 next,
                 gc_base,
-                ..Block::free(addr + rounded, remaining, segment, pool, self.clock)
+                ..Block::free(
+                    addr + rounded,
+                    remaining,
+                    segment,
+                    pool,
+                    if expandable { since } else { self.clock },
+                )
             }));
             if let Some(n) = next {
                 self.blocks.get_mut(n.0).prev = Some(rest);
@@ -979,6 +1010,9 @@ impl<E> State<E> {
         self.shadow_free(size);
         let kind = pool.kind();
         self.count_allocated(kind, size, false);
+        if self.granularity.is_some() {
+            self.mark_free(dev, pool);
+        }
         if let Some(r) = self.recorder.as_mut() {
             if let Some(tid) = r.ids.remove(&ptr.0) {
                 (r.sink)(&TraceEvent::Free { id: tid });
@@ -1063,9 +1097,14 @@ impl<E> State<E> {
     /// Returns a block to its pool, merging it with free neighbours (a
     /// slab's chunk goes back to its slab).
     fn free_block(&mut self, id: BlockId) {
+        let expandable = self.granularity.is_some();
         let (orig_size, requested, pool, slab) = {
             let b = self.blocks.get_mut(id.0);
             b.state = BlockState::Free;
+            if expandable {
+                // Idle from now (merging keeps the latest of the parts).
+                b.freed_at = self.clock;
+            }
             (b.size, std::mem::take(&mut b.requested), b.pool, b.slab)
         };
         let kind = pool.kind();
@@ -1140,11 +1179,14 @@ impl<E> State<E> {
             lookups,
             clock,
             granularity,
+            idle_index,
+            free_candidates,
             ..
         } = self;
         let b = blocks.get(id.0);
         let (pool, mut addr, mut size) = (b.pool, b.addr, b.size);
         let (mut prev, mut next) = (b.prev, b.next);
+        let mut since = b.freed_at;
         let bins = bins[pool.index()].get_or_insert_with(Box::default);
         let mut net_blocks: i64 = 0;
         let mut net_bytes: i64 = 0;
@@ -1153,6 +1195,10 @@ impl<E> State<E> {
             if pb.state == BlockState::Free {
                 let (psize, paddr, pprev) = (pb.size, pb.addr, pb.prev);
                 bins.remove(psize, paddr, p);
+                if granularity.is_some() {
+                    idle_index.remove(&(pb.freed_at, p.0));
+                    since = since.max(pb.freed_at);
+                }
                 addr = paddr;
                 size += psize;
                 prev = pprev;
@@ -1170,6 +1216,10 @@ impl<E> State<E> {
             if nb.state == BlockState::Free {
                 let (nsize, naddr, nnext) = (nb.size, nb.addr, nb.next);
                 bins.remove(nsize, naddr, n);
+                if granularity.is_some() {
+                    idle_index.remove(&(nb.freed_at, n.0));
+                    since = since.max(nb.freed_at);
+                }
                 size += nsize;
                 next = nnext;
                 if let Some(nn) = nnext {
@@ -1186,13 +1236,23 @@ impl<E> State<E> {
         b.prev = prev;
         b.next = next;
         b.gc_base = lookups[pool.index()];
-        b.freed_at = *clock;
         bins.insert(size, addr, id);
-        if granularity.is_some() {
+        if let Some(g) = *granularity {
+            // Idle since the latest of the merged parts froze (a split-off
+            // rest keeps its block's age); indexed if it holds a whole page.
+            b.freed_at = since;
+            let seg = segments.get(b.segment.0);
+            if expandable::holds_whole_page(seg, g, addr, addr + size) {
+                idle_index.insert((since, id.0));
+            }
             return (0, 0);
         }
+        b.freed_at = *clock;
         // The merged block counts as inactive split if it shares its segment.
         let split = prev.is_some() || next.is_some();
+        if !split {
+            free_candidates[pool.kind() as usize].insert((*clock, addr, b.segment.0));
+        }
         net_blocks += i64::from(split);
         net_bytes += if split { size as i64 } else { 0 };
         (net_blocks, net_bytes)
@@ -1339,13 +1399,99 @@ impl<E> State<E> {
         Ok(size)
     }
 
+    /// Lists `seg` among the free candidates if it is entirely free (under
+    /// its current idle age).
+    fn note_maybe_free(&mut self, seg: SegmentId) {
+        if self.segment_is_free(seg) {
+            let s = self.segments.get(seg.0);
+            let (addr, kind) = (s.addr, s.pool.kind());
+            self.free_candidates[kind as usize].insert((self.free_since(seg), addr, seg.0));
+        }
+    }
+
+    /// Whether an entry of `free_candidates` is an entirely free segment
+    /// (free since then).
+    fn free_candidate_holds(&self, (since, addr, id): (u64, u64, u32)) -> bool {
+        let seg = SegmentId(id);
+        self.segment_by_addr.get(&addr) == Some(&seg)
+            && self.segment_is_free(seg)
+            && self.free_since(seg) == since
+    }
+
     /// Entirely free segments (any pool, any stream), lowest address first.
-    fn free_segments(&self) -> Vec<(u64, SegmentId)> {
-        self.segment_by_addr
-            .values()
-            .filter(|&&s| self.segment_is_free(s))
-            .map(|&s| (self.segments.get(s.0).size, s))
-            .collect()
+    /// Drops the candidates that are not (or no longer exist).
+    fn free_segments(&mut self) -> Vec<(u64, SegmentId)> {
+        let mut out = Vec::new();
+        let mut stale = Vec::new();
+        for (k, set) in self.free_candidates.iter().enumerate() {
+            for &e in set {
+                if self.free_candidate_holds(e) {
+                    out.push((e.1, self.segments.get(e.2).size, SegmentId(e.2)));
+                } else {
+                    stale.push((k, e));
+                }
+            }
+        }
+        for (k, e) in stale {
+            self.free_candidates[k].remove(&e);
+        }
+        out.sort_unstable_by_key(|e| e.0);
+        out.into_iter().map(|(_, size, seg)| (size, seg)).collect()
+    }
+
+    /// [`State::release_free_segments`] in `ReleaseOrder::Oldest`: walks the
+    /// candidates oldest first and stops once `need` bytes are released (or
+    /// at the first one idle for less than `min_idle`).
+    fn release_oldest_segments<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        need: u64,
+        min_idle: u64,
+        kind: Option<PoolKind>,
+    ) -> Result<u64, AllocError> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let mut total = 0;
+        // Per kind: the last entry looked at; the walk merges the kinds asked for.
+        let mut cursor: [Option<(u64, u64, u32)>; 3] = [None; 3];
+        let mut stale = Vec::new();
+        let mut result = Ok(());
+        while total < need {
+            let mut next: Option<(usize, (u64, u64, u32))> = None;
+            for (k, set) in self.free_candidates.iter().enumerate() {
+                if kind.is_some_and(|want| want as usize != k) {
+                    continue;
+                }
+                let from = cursor[k].map_or(Unbounded, Excluded);
+                if let Some(&e) = set.range((from, Unbounded)).next() {
+                    if next.map_or(true, |(_, n)| e < n) {
+                        next = Some((k, e));
+                    }
+                }
+            }
+            let Some((k, e)) = next else {
+                break;
+            };
+            cursor[k] = Some(e);
+            if !self.free_candidate_holds(e) {
+                stale.push((k, e));
+                continue;
+            }
+            if self.clock - e.0 < min_idle {
+                break; // the rest are younger
+            }
+            match self.release_segment(dev, SegmentId(e.2)) {
+                Ok(size) => total += size,
+                Err(err) => {
+                    result = Err(err);
+                    break;
+                }
+            }
+            stale.push((k, e));
+        }
+        for (k, e) in stale {
+            self.free_candidates[k].remove(&e);
+        }
+        result.map(|()| total)
     }
 
     /// Waits for events and releases every entirely free segment.
@@ -1380,6 +1526,9 @@ impl<E> State<E> {
         min_idle: u64,
         kind: Option<PoolKind>,
     ) -> Result<u64, AllocError> {
+        if self.config.release_order == ReleaseOrder::Oldest {
+            return self.release_oldest_segments(dev, need, min_idle, kind);
+        }
         let mut free = self.free_segments();
         if let Some(k) = kind {
             free.retain(|&(_, seg)| self.segments.get(seg.0).pool.kind() == k);
@@ -1532,16 +1681,16 @@ impl<E> State<E> {
         let mut largest = 0;
         for (i, bins) in self.bins.iter().enumerate() {
             let Some(bins) = bins else { continue };
-            match self.ranges.get(i).copied().flatten() {
-                Some(seg) => {
-                    let s = self.segments.get(seg.0);
-                    for (size, addr, _) in bins.iter() {
+            match self.ranges.get(i).is_some_and(|r| !r.is_empty()) {
+                true => {
+                    for (size, addr, id) in bins.iter() {
+                        let s = self.segments.get(self.blocks.get(id.0).segment.0);
                         let mapped = self.mapped_bytes_in(s, addr, addr + size);
                         free += mapped;
                         largest = largest.max(mapped);
                     }
                 }
-                None => {
+                false => {
                     free += bins.bytes();
                     largest = largest.max(bins.largest().map_or(0, |e| e.0));
                 }

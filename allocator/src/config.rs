@@ -228,6 +228,9 @@ impl Config {
         Config {
             name: "expandable".into(),
             expandable_segments: true,
+            // Move only the pages needed now: a batch moved ahead is mostly
+            // mapped back where it was (nmt: 8,138 map calls instead of 13,817).
+            recycle_batch: 0.0,
             huge_size: u64::MAX,
             release_same_kind: false,
             release_min_idle: 0,

@@ -229,6 +229,13 @@ pub struct MemoryStats {
     /// Expandable segments: markers waited for instead of synchronizing the
     /// whole device (work queued after a marker keeps running).
     pub num_marker_waits: u64,
+    /// Blocking waits for one event (a stream's marker, or an event guarding
+    /// a block another stream used), outside `empty_cache` and out-of-memory
+    /// handling, where the wait is for every stream (`num_sync_all_streams`).
+    pub num_event_waits: u64,
+    /// Expandable segments: marker events recorded on a stream as its blocks
+    /// were freed (what makes a page's move safe without a wait).
+    pub num_events_recorded: u64,
     /// Segment allocations from the device.
     pub num_device_alloc: u64,
     /// Segment frees to the device.
@@ -337,6 +344,8 @@ impl MemoryStats {
         out.push(("num_ooms".into(), v(self.num_ooms)));
         out.push(("num_sync_all_streams".into(), v(self.num_sync_all_streams)));
         out.push(("num_marker_waits".into(), v(self.num_marker_waits)));
+        out.push(("num_event_waits".into(), v(self.num_event_waits)));
+        out.push(("num_events_recorded".into(), v(self.num_events_recorded)));
         out.push(("num_device_alloc".into(), v(self.num_device_alloc)));
         out.push(("num_device_free".into(), v(self.num_device_free)));
         out.push(("num_vmm_reserve".into(), v(self.num_vmm_reserve)));
@@ -521,6 +530,6 @@ mod tests {
             assert!(keys.contains(&k), "missing {k}");
         }
         assert!(e.contains(&("max_split_size".to_string(), -1)));
-        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 12);
+        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 14);
     }
 }

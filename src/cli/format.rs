@@ -86,6 +86,8 @@ pub fn record(
         "num_page_release": s.num_page_release,
         "num_sync_all_streams": s.num_sync_all_streams,
         "num_marker_waits": s.num_marker_waits,
+        "num_event_waits": s.num_event_waits,
+        "num_events_recorded": s.num_events_recorded,
         "num_alloc_retries": s.num_alloc_retries,
         "num_ooms": s.num_ooms,
         "reserved_over_allocated": r.reserved_over_allocated(),

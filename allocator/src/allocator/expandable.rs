@@ -22,31 +22,106 @@ use crate::block::{BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId};
 use crate::config::EdgePages;
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::AllocError;
+use std::collections::VecDeque;
 
-/// Operations between two markers (see `maybe_record_marker`).
+/// Operations (mallocs and frees, all streams) between two marker events
+/// recorded on one stream as blocks are freed there.
 const MARKER_INTERVAL: u64 = 128;
-/// Markers outstanding at most: enough to cover a few thousand operations
-/// of queued work, so that a recycling round can wait for the work up to a
-/// page's free and no further.
+/// Marker events outstanding per stream at most: enough to cover a few
+/// thousand operations of queued work, so that moving a page waits for the
+/// work up to its block's free and no further.
 const MAX_MARKERS: usize = 64;
 
-/// Largest virtual range reserved per (stream, pool): 256 GiB.
+/// Largest virtual range reserved at once: 256 GiB.
 const MAX_RANGE: u64 = 1 << 38;
 
-/// Virtual bytes reserved per expandable segment, per byte of device memory.
-/// Address space is cheap and holes in it cost no memory once their pages
-/// move, but a range only as large as the device would run out of address
-/// space before the device runs out of memory.
+/// Ranges reserved at the largest size ([`range_size`]) before later pools'
+/// first ranges start small: a program with a few streams gets one range
+/// per pool, as large as ever; one with thousands of streams fits in the
+/// address space.
+const FULL_RANGES: u64 = 64;
+
+/// Size of a pool's first range once `FULL_RANGES` are reserved: 2 GiB
+/// (less on a device with less memory). Later ranges of the pool double, so
+/// a pool that grows needs a few ranges only.
+const FIRST_RANGE: u64 = 2 << 30;
+
+/// Virtual bytes reserved per expandable range at most, per byte of device
+/// memory. Address space is cheap and holes in it cost no memory once their
+/// pages move, but a range only as large as the device would run out of
+/// address space before the device runs out of memory.
 const RANGE_PER_DEVICE_BYTE: u64 = 2;
 
-/// The size of the virtual range of each expandable segment on a device of `total` bytes.
+/// The largest virtual range on a device of `total` bytes.
 pub(super) fn range_size(total: u64, page: u64) -> u64 {
-    total
-        .saturating_mul(RANGE_PER_DEVICE_BYTE)
-        .min(MAX_RANGE)
-        .div_ceil(page)
-        .max(1)
-        * page
+    round_up(
+        total.saturating_mul(RANGE_PER_DEVICE_BYTE).min(MAX_RANGE),
+        page,
+    )
+}
+
+/// The size of a pool's next range on a device of `total` bytes, with
+/// `ranges` reserved in all: the largest ([`range_size`]) while fewer than
+/// `FULL_RANGES` are; past that, twice the pool's `largest` range so far
+/// (`FIRST_RANGE` for the first), within the largest, and at least twice
+/// the request of `rounded` bytes that needs it (at least the request itself).
+pub(super) fn next_range_size(
+    total: u64,
+    page: u64,
+    ranges: u64,
+    largest: u64,
+    rounded: u64,
+) -> u64 {
+    let max = range_size(total, page);
+    let first = if ranges < FULL_RANGES {
+        max
+    } else {
+        FIRST_RANGE
+    };
+    let want = largest
+        .saturating_mul(2)
+        .max(first)
+        .max(rounded.saturating_mul(2))
+        .min(max)
+        .max(rounded);
+    round_up(want, page)
+}
+
+fn round_up(bytes: u64, page: u64) -> u64 {
+    bytes.div_ceil(page).max(1) * page
+}
+
+/// Whether a mapped page lies wholly inside `[start, end)` of `seg` (a free
+/// block there holds idle memory).
+pub(super) fn holds_whole_page(seg: &Segment, g: u64, start: u64, end: u64) -> bool {
+    let Some(pages) = seg.pages.as_ref() else {
+        return false;
+    };
+    let lo = (start - seg.addr).div_ceil(g) as u32;
+    let hi = ((end - seg.addr) / g) as u32;
+    hi > lo && pages.within(lo, hi).next().is_some()
+}
+
+/// Expandable segments, per stream: marker events recorded on the stream
+/// as blocks are freed there, oldest first, as (operation count, event).
+/// Once one completed, the stream's work up to that count is done: pages
+/// of blocks freed on the stream before it can be unmapped.
+pub(super) struct Marks<E> {
+    queue: VecDeque<(u64, E)>,
+    /// Blocks of this stream freed before this operation count are quiescent.
+    quiescent_before: u64,
+    /// Operation count of the last marker recorded.
+    last: u64,
+}
+
+impl<E> Default for Marks<E> {
+    fn default() -> Self {
+        Marks {
+            queue: VecDeque::new(),
+            quiescent_before: 0,
+            last: 0,
+        }
+    }
 }
 
 /// How a mapping chooses its page sizes (see `map_range`).
@@ -76,6 +151,10 @@ pub(super) struct Page {
 /// that stays free after the split, and when that block became free.
 type Tail = (SegmentId, u64, u64, u64);
 
+/// An idle page: (idle since, segment, first granule, its free block in
+/// the idle index, or `None` for the tail of the block being carved).
+type IdlePage = (u64, SegmentId, u32, Option<u32>);
+
 impl<E> State<E> {
     /// Page size of the expandable segments of a pool kind.
     pub(super) fn page_size(&self, kind: PoolKind) -> u64 {
@@ -86,8 +165,8 @@ impl<E> State<E> {
         }
     }
 
-    /// Finds (reserving on first use) the range of `pool` and takes a block of
-    /// `rounded` bytes from it, its pages mapped.
+    /// Takes a block of `rounded` bytes from the expandable segments of
+    /// `pool` (reserving a new range when none has room), its pages mapped.
     pub(super) fn malloc_expandable<D: Device<Event = E>>(
         &mut self,
         dev: &D,
@@ -96,30 +175,6 @@ impl<E> State<E> {
         size: u64,
         rounded: u64,
     ) -> Result<BlockId, AllocError> {
-        self.maybe_record_marker(dev);
-        let seg = match self.ranges[pool.index()] {
-            Some(seg) => seg,
-            None => match self.reserve_range(dev, pool, stream) {
-                Ok(seg) => seg,
-                // Out of address space: release the ranges (and pages) the
-                // cache can spare, then try once more before out-of-memory.
-                Err(AllocError::Device(DeviceError::OutOfMemory)) => {
-                    self.stats.num_alloc_retries += 1;
-                    self.release_cached(dev)?;
-                    match self.reserve_range(dev, pool, stream) {
-                        Ok(seg) => seg,
-                        Err(AllocError::Device(DeviceError::OutOfMemory)) => {
-                            self.stats.num_ooms += 1;
-                            return Err(AllocError::OutOfMemory(Box::new(
-                                self.oom_report(dev, size, rounded),
-                            )));
-                        }
-                        Err(e) => return Err(e),
-                    }
-                }
-                Err(e) => return Err(e),
-            },
-        };
         for attempt in 0..2 {
             if attempt == 1 {
                 // Last rung: wait for every pending event, so that blocks other
@@ -130,15 +185,17 @@ impl<E> State<E> {
             let pick = self.bins[pool.index()]
                 .as_ref()
                 .and_then(|b| b.best_fit(rounded));
-            let Some((bsize, addr, id)) = pick else {
-                continue;
+            let (bsize, addr, id) = match pick {
+                Some(p) => p,
+                None => self.new_range(dev, pool, stream, size, rounded)?,
             };
             // While its pages are gathered the block is out of the bins (so not
             // idle) and marked in use (so a block freed meanwhile does not merge it).
             self.bins_mut(pool).remove(bsize, addr, id);
             let b = self.blocks.get_mut(id.0);
             b.state = BlockState::Allocated;
-            let since = b.freed_at;
+            let (since, seg) = (b.freed_at, b.segment);
+            self.idle_index.remove(&(since, id.0));
             let mapped = self.map_range(dev, seg, addr, addr + rounded, (addr + bsize, since));
             if mapped.is_ok() {
                 return Ok(id);
@@ -158,20 +215,65 @@ impl<E> State<E> {
         )))
     }
 
+    /// Reserves a new range for `pool` that fits `rounded` bytes; returns
+    /// its free block as a bins entry (size, address, block). Out of
+    /// address space, releases what the cache can spare and tries once more.
+    #[cold]
+    fn new_range<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        pool: PoolId,
+        stream: StreamId,
+        size: u64,
+        rounded: u64,
+    ) -> Result<(u64, u64, BlockId), AllocError> {
+        let seg = match self.reserve_range(dev, pool, stream, rounded) {
+            Ok(seg) => seg,
+            Err(AllocError::Device(DeviceError::OutOfMemory)) => {
+                self.stats.num_alloc_retries += 1;
+                self.release_cached(dev)?;
+                match self.reserve_range(dev, pool, stream, rounded) {
+                    Ok(seg) => seg,
+                    Err(AllocError::Device(DeviceError::OutOfMemory)) => {
+                        self.stats.num_ooms += 1;
+                        return Err(AllocError::OutOfMemory(Box::new(
+                            self.oom_report(dev, size, rounded),
+                        )));
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        let s = self.segments.get(seg.0);
+        Ok((s.size, s.addr, s.head))
+    }
+
+    /// Reserves a range for `pool` big enough for `rounded` bytes: the first
+    /// one `FIRST_RANGE` (or the cap on ranges, if smaller), each later one
+    /// twice the largest before, so that a pool needs few ranges however far
+    /// it grows and a thousand streams' pools fit in the address space.
     fn reserve_range<D: Device<Event = E>>(
         &mut self,
         dev: &D,
         pool: PoolId,
         stream: StreamId,
+        rounded: u64,
     ) -> Result<SegmentId, AllocError> {
         let page_size = self.page_size(pool.kind());
-        let size = range_size(self.range_size, page_size);
+        let largest = self.ranges[pool.index()]
+            .iter()
+            .map(|s| self.segments.get(s.0).size)
+            .max()
+            .unwrap_or(0);
+        let ranges = self.stats.segment.all().current;
+        let size = next_range_size(self.range_size, page_size, ranges, largest, rounded);
         let ptr = dev.vmm_reserve(size)?;
         self.stats.num_vmm_reserve += 1;
         let seg = self.add_segment(ptr, size, stream, pool, Some(page_size));
         let head = self.segments.get(seg.0).head;
         self.bins_mut(pool).insert(size, ptr.0, head);
-        self.ranges[pool.index()] = Some(seg);
+        self.ranges[pool.index()].push(seg);
         Ok(seg)
     }
 
@@ -285,8 +387,8 @@ impl<E> State<E> {
         if n == 1 || hi <= base + u64::from(last) * g || lo < start || hi > block_end {
             return Ok(());
         }
-        // Quiescent: freed before a marker whose events completed.
-        if since >= self.quiescent_before && since >= self.poll_markers(dev)? {
+        // Quiescent: freed before a marker of its stream that completed.
+        if !self.quiescent(dev, s.pool.stream_slot(), since)? {
             return Ok(());
         }
         let s = self.segments.get_mut(seg.0);
@@ -518,9 +620,12 @@ impl<E> State<E> {
         Ok(())
     }
 
-    /// One recycling round: wait until the device is idle, recycle blocks
-    /// whose events completed, and unmap the pages needed now (`need` bytes)
-    /// plus `recycle_batch` of the peak, longest idle first, into the pool.
+    /// One recycling round: unmap the pages needed now (`need` bytes) plus
+    /// `recycle_batch` of the peak, longest idle first, into the pool, taking
+    /// only pages no queued work can touch. With `wait`, if that is not
+    /// enough, wait for the streams that freed the next idle pages (their
+    /// marker events, oldest first, or an event recorded now) and for blocks
+    /// awaiting events, one at a time, until it is: never for the whole device.
     fn recycle<D: Device<Event = E>>(
         &mut self,
         dev: &D,
@@ -528,100 +633,131 @@ impl<E> State<E> {
         need: u64,
         wait: bool,
     ) -> Result<(), AllocError> {
-        if self.pending_blocks == 0
-            && self.idle_pages(Some(tail)).is_empty()
-            && self.page_pool.is_empty()
-        {
-            return Ok(()); // nothing to gain
-        }
         let peak = self.stats.allocated_bytes.all().peak;
         let batch = need.saturating_add((peak as f64 * self.config.recycle_batch) as u64);
-        // Pages freed before a completed marker are quiescent: no wait needed.
-        let quiescent = self.poll_markers(dev)?;
-        let got = self.unmap_idle_pages(dev, Some(tail), batch, quiescent)?;
-        if !(wait && got < need && self.waiting_helps(tail, quiescent)) {
+        let mut got = self.unmap_idle_pages(dev, Some(tail), batch, false)?;
+        if !wait {
             return Ok(());
         }
-        // Wait for the markers, oldest first, before the whole device: the
-        // work queued after a marker keeps the device busy while pages move,
-        // where a synchronize drains the queue the host had run ahead with.
-        let mut got = got;
         while got < need {
-            let Some((clock, events)) = self.markers.pop_front() else {
-                break;
-            };
-            let waited = events.iter().try_for_each(|e| dev.wait_event(e));
-            events.into_iter().for_each(|e| dev.release_event(e));
-            waited?;
-            self.stats.num_marker_waits += 1;
-            self.quiescent_before = clock;
-            self.process_events(dev)?;
-            got += self.unmap_idle_pages(dev, Some(tail), batch - got, clock)?;
-        }
-        if got < need && self.waiting_helps(tail, self.quiescent_before) {
-            dev.synchronize()?;
-            self.stats.num_sync_all_streams += 1;
-            self.drop_markers(dev);
-            self.process_events(dev)?;
-            self.unmap_idle_pages(dev, Some(tail), batch - got, u64::MAX)?;
+            // The longest idle page that is not quiescent yet: wait for its stream.
+            if let Some((since, slot)) = self.oldest_busy_idle(dev, tail)? {
+                self.wait_quiescent(dev, slot, since)?;
+            } else if !self.wait_one_pending(dev)? {
+                break; // nothing left to wait for
+            }
+            got += self.unmap_idle_pages(dev, Some(tail), batch - got, false)?;
         }
         Ok(())
     }
 
-    /// Whether waiting for the device could free pages: blocks await
-    /// events, or idle pages were freed at or after `quiescent`.
-    fn waiting_helps(&self, tail: Tail, quiescent: u64) -> bool {
-        self.pending_blocks > 0
-            || self
-                .idle_pages(Some(tail))
-                .iter()
-                .any(|&(since, _, _)| since >= quiescent)
-    }
-
-    /// Records a marker (an event on every stream) every `MARKER_INTERVAL`
-    /// operations, at most `MAX_MARKERS` outstanding: once a marker's events
-    /// completed, every block freed before it is quiescent, so its idle pages
-    /// can be unmapped without waiting for the device.
-    pub(super) fn maybe_record_marker<D: Device<Event = E>>(&mut self, dev: &D) {
-        if self.clock < self.last_marker + MARKER_INTERVAL || self.markers.len() >= MAX_MARKERS {
+    /// Records a marker on the stream of `pool` as a block of it is freed:
+    /// one per `MARKER_INTERVAL` operations, at most `MAX_MARKERS` outstanding
+    /// (the oldest retired first if complete).
+    pub(super) fn mark_free<D: Device<Event = E>>(&mut self, dev: &D, pool: PoolId) {
+        let slot = pool.stream_slot();
+        let clock = self.clock;
+        let m = &mut self.marks[slot];
+        if !m.queue.is_empty() && clock < m.last + MARKER_INTERVAL {
             return;
         }
-        self.last_marker = self.clock;
-        let mut events = Vec::with_capacity(self.stream_list.len());
-        for &stream in &self.stream_list {
-            match dev.record_event(stream) {
-                Ok(e) => events.push(e),
-                Err(_) => {
-                    events.into_iter().for_each(|e| dev.release_event(e));
-                    return;
-                }
+        if m.queue.len() >= MAX_MARKERS {
+            let done = m
+                .queue
+                .front()
+                .is_some_and(|(_, e)| dev.event_completed(e).unwrap_or(false));
+            if !done {
+                return;
             }
+            let (c, e) = m.queue.pop_front().expect("front exists");
+            dev.release_event(e);
+            m.quiescent_before = m.quiescent_before.max(c);
         }
-        self.markers.push_back((self.clock, events));
+        if let Ok(e) = dev.record_event(self.stream_list[slot]) {
+            m.queue.push_back((clock + 1, e));
+            m.last = clock;
+            self.stats.num_events_recorded += 1;
+        }
     }
 
-    /// Retires completed markers; returns the operation count before which
-    /// every freed block is quiescent.
-    fn poll_markers<D: Device<Event = E>>(&mut self, dev: &D) -> Result<u64, AllocError> {
-        while let Some((_, events)) = self.markers.front() {
-            for e in events {
-                if !dev.event_completed(e)? {
-                    return Ok(self.quiescent_before);
-                }
+    /// Whether a block of stream slot `slot` that became free at `since` is
+    /// quiescent (no queued work can touch it), retiring completed markers.
+    fn quiescent<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        slot: usize,
+        since: u64,
+    ) -> Result<bool, AllocError> {
+        let m = &mut self.marks[slot];
+        while since >= m.quiescent_before {
+            let Some((_, e)) = m.queue.front() else {
+                return Ok(false);
+            };
+            if !dev.event_completed(e)? {
+                return Ok(false);
             }
-            let (clock, events) = self.markers.pop_front().expect("front exists");
-            events.into_iter().for_each(|e| dev.release_event(e));
-            self.quiescent_before = clock;
+            let (c, e) = m.queue.pop_front().expect("front exists");
+            dev.release_event(e);
+            m.quiescent_before = m.quiescent_before.max(c);
         }
-        Ok(self.quiescent_before)
+        Ok(true)
+    }
+
+    /// Blocks until a block of stream slot `slot` freed at `since` is
+    /// quiescent: waits for the stream's markers, oldest first, and if none
+    /// recorded after `since` is left, for an event recorded now.
+    fn wait_quiescent<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        slot: usize,
+        since: u64,
+    ) -> Result<(), AllocError> {
+        let clock = self.clock;
+        let stream = self.stream_list[slot];
+        let m = &mut self.marks[slot];
+        while since >= m.quiescent_before {
+            let (c, e) = match m.queue.pop_front() {
+                Some(front) => front,
+                None => (clock + 1, dev.record_event(stream)?),
+            };
+            let waited = dev.wait_event(&e);
+            dev.release_event(e);
+            waited?;
+            m.quiescent_before = m.quiescent_before.max(c);
+            self.stats.num_event_waits += 1;
+            self.stats.num_marker_waits += 1;
+        }
+        Ok(())
+    }
+
+    /// Waits for the oldest event guarding a block freed while other streams
+    /// used it, and recycles the block if that was its last; returns whether
+    /// there was one.
+    fn wait_one_pending<D: Device<Event = E>>(&mut self, dev: &D) -> Result<bool, AllocError> {
+        let Some(i) = self.pending.iter().position(|(_, q)| !q.is_empty()) else {
+            return Ok(false);
+        };
+        let (ev, id) = self.pending[i].1.pop_front().expect("not empty");
+        if let Err(e) = dev.wait_event(&ev) {
+            self.pending[i].1.push_front((ev, id));
+            return Err(e.into());
+        }
+        dev.release_event(ev);
+        self.stats.num_event_waits += 1;
+        self.pending.retain(|(_, q)| !q.is_empty());
+        self.events_done(dev, vec![id])?;
+        Ok(true)
     }
 
     /// After a device synchronize every marker has completed.
     fn drop_markers<D: Device<Event = E>>(&mut self, dev: &D) {
-        for (_, events) in self.markers.drain(..) {
-            events.into_iter().for_each(|e| dev.release_event(e));
+        let clock = self.clock;
+        for m in &mut self.marks {
+            for (_, e) in m.queue.drain(..) {
+                dev.release_event(e);
+            }
+            m.quiescent_before = clock + 1;
         }
-        self.quiescent_before = self.clock;
     }
 
     /// Puts gathered pages back after a failure: pooled ones to the pool, new ones to the device.
@@ -654,54 +790,118 @@ impl<E> State<E> {
         result
     }
 
-    /// Idle pages as (idle since, segment, first granule): mappings wholly
-    /// inside a free block of the bins, or inside `extra` (about to be
-    /// free). A big page partly under a live block is not idle.
-    fn idle_pages(&self, extra: Option<Tail>) -> Vec<(u64, SegmentId, u32)> {
+    /// Appends the mappings wholly inside `[start, end)` of `seg` (idle pages
+    /// if that is free) to `out`, as [`IdlePage`]s; returns their bytes.
+    fn collect_idle(
+        &self,
+        (seg, start, end, since): Tail,
+        block: Option<u32>,
+        out: &mut Vec<IdlePage>,
+    ) -> u64 {
         let g = self.granularity.expect("expandable mode has a granularity");
-        let mut idle = Vec::new();
-        let mut collect = |s: &Segment, seg: SegmentId, start: u64, end: u64, since: u64| {
-            let lo = (start - s.addr).div_ceil(g) as u32;
-            let hi = ((end - s.addr) / g) as u32;
-            if hi > lo {
-                let pages = s.pages.as_ref().expect("expandable");
-                idle.extend(pages.within(lo, hi).map(|(at, _, _)| (since, seg, at)));
-            }
-        };
-        if let Some((seg, start, end, since)) = extra {
-            collect(self.segments.get(seg.0), seg, start, end, since);
+        let s = self.segments.get(seg.0);
+        let lo = (start - s.addr).div_ceil(g) as u32;
+        let hi = ((end - s.addr) / g) as u32;
+        if hi <= lo {
+            return 0;
         }
-        for &seg in self.ranges.iter().flatten() {
-            let s = self.segments.get(seg.0);
-            if s.pages.as_ref().is_some_and(|p| p.is_empty()) {
-                continue;
-            }
-            let Some(bins) = self.bins[s.pool.index()].as_ref() else {
-                continue;
-            };
-            for (size, addr, id) in bins.iter() {
-                collect(s, seg, addr, addr + size, self.blocks.get(id.0).freed_at);
-            }
+        let pages = s.pages.as_ref().expect("expandable");
+        let mut bytes = 0;
+        for (at, _, n) in pages.within(lo, hi) {
+            out.push((since, seg, at, block));
+            bytes += u64::from(n) * g;
         }
-        idle
+        bytes
     }
 
-    /// Unmaps idle pages, longest idle first, up to `max_bytes`, into the pool
-    /// (they stay reserved); returns how many bytes. The caller has made sure no
-    /// queued work can still touch them.
+    /// The entry of the idle index after `cursor` (the first with `None`).
+    fn next_idle(&self, cursor: Option<(u64, u32)>) -> Option<(u64, u32)> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let from = cursor.map_or(Unbounded, Excluded);
+        self.idle_index.range((from, Unbounded)).next().copied()
+    }
+
+    /// The free block `id` of the idle index as a [`Tail`]-like range.
+    fn idle_block(&self, since: u64, id: u32) -> Tail {
+        let b = self.blocks.get(id);
+        (b.segment, b.addr, b.addr + b.size, since)
+    }
+
+    /// The longest idle page's (idle since, stream slot) among pages that
+    /// queued work may still touch, if any.
+    fn oldest_busy_idle<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        tail: Tail,
+    ) -> Result<Option<(u64, usize)>, AllocError> {
+        let g = self.granularity.expect("expandable mode has a granularity");
+        let (seg, start, end, since) = tail;
+        let mut best: Option<(u64, usize)> = None;
+        let s = self.segments.get(seg.0);
+        if holds_whole_page(s, g, start, end) {
+            let slot = s.pool.stream_slot();
+            if !self.quiescent(dev, slot, since)? {
+                best = Some((since, slot));
+            }
+        }
+        // The index is in idle order: the first busy entry is the oldest.
+        let mut cursor = None;
+        while let Some((since, id)) = self.next_idle(cursor) {
+            cursor = Some((since, id));
+            if best.is_some_and(|b| b.0 <= since) {
+                break;
+            }
+            let (seg, ..) = self.idle_block(since, id);
+            let slot = self.segments.get(seg.0).pool.stream_slot();
+            if !self.quiescent(dev, slot, since)? {
+                best = Some((since, slot));
+                break;
+            }
+        }
+        Ok(best)
+    }
+
+    /// Unmaps idle pages no queued work can touch (every idle page with
+    /// `all`, after the device was synchronized), longest idle first, up to
+    /// `max_bytes`, into the pool (they stay reserved); returns how many bytes.
     fn unmap_idle_pages<D: Device<Event = E>>(
         &mut self,
         dev: &D,
         extra: Option<Tail>,
         max_bytes: u64,
-        freed_before: u64,
+        all: bool,
     ) -> Result<u64, AllocError> {
         let g = self.granularity.expect("expandable mode has a granularity");
-        let mut idle = self.idle_pages(extra);
-        idle.retain(|&(since, _, _)| since < freed_before);
-        idle.sort_unstable_by_key(|&(since, seg, p)| (since, std::cmp::Reverse((seg, p))));
+        let mut idle = Vec::new();
+        if let Some(tail) = extra {
+            let slot = self.segments.get(tail.0 .0).pool.stream_slot();
+            if all || self.quiescent(dev, slot, tail.3)? {
+                self.collect_idle(tail, None, &mut idle);
+            }
+        }
+        // Streams found busy in this call (their markers polled once).
+        let mut busy: Vec<usize> = Vec::new();
+        let mut found = 0;
+        let mut cursor = None;
+        while found < max_bytes {
+            let Some((since, id)) = self.next_idle(cursor) else {
+                break;
+            };
+            cursor = Some((since, id));
+            let range = self.idle_block(since, id);
+            let slot = self.segments.get(range.0 .0).pool.stream_slot();
+            if !all && (busy.contains(&slot) || !self.quiescent(dev, slot, since)?) {
+                if !busy.contains(&slot) {
+                    busy.push(slot);
+                }
+                continue;
+            }
+            found += self.collect_idle(range, Some(id), &mut idle);
+        }
+        idle.sort_unstable_by_key(|&(since, seg, p, _)| (since, std::cmp::Reverse((seg, p))));
         let mut bytes = 0;
-        for (_, seg, at) in idle {
+        let mut emptied: Vec<(u64, u32)> = Vec::new();
+        for (since, seg, at, block) in idle {
             if bytes >= max_bytes {
                 break;
             }
@@ -716,6 +916,18 @@ impl<E> State<E> {
             self.page_pool.push((h, s.pool.kind(), size));
             self.stats.num_unmap += 1;
             bytes += size;
+            if let Some(id) = block {
+                if emptied.last() != Some(&(since, id)) {
+                    emptied.push((since, id));
+                }
+            }
+        }
+        // Blocks left with no whole page leave the index.
+        for (since, id) in emptied {
+            let (seg, start, end, _) = self.idle_block(since, id);
+            if !holds_whole_page(self.segments.get(seg.0), g, start, end) {
+                self.idle_index.remove(&(since, id));
+            }
         }
         Ok(bytes)
     }
@@ -730,7 +942,7 @@ impl<E> State<E> {
         dev.synchronize()?;
         self.drop_markers(dev);
         self.device_full_at = None;
-        self.unmap_idle_pages(dev, None, u64::MAX, u64::MAX)?;
+        self.unmap_idle_pages(dev, None, u64::MAX, true)?;
         while let Some(&(h, kind, size)) = self.page_pool.last() {
             dev.vmm_release_page(h)?;
             self.page_pool.pop(); // only once released: a failure keeps it pooled
@@ -738,23 +950,32 @@ impl<E> State<E> {
             self.stats.reserved_bytes.decrease(kind, size);
         }
         for i in 0..self.ranges.len() {
-            let Some(seg) = self.ranges[i] else { continue };
-            let s = self.segments.get(seg.0);
-            let head = self.blocks.get(s.head.0);
-            if head.state != BlockState::Free
-                || head.next.is_some()
-                || !s.pages.as_ref().is_some_and(|p| p.is_empty())
-            {
-                continue;
+            let mut kept = Vec::with_capacity(self.ranges[i].len());
+            for seg in std::mem::take(&mut self.ranges[i]) {
+                let s = self.segments.get(seg.0);
+                let head = self.blocks.get(s.head.0);
+                if head.state != BlockState::Free
+                    || head.next.is_some()
+                    || !s.pages.as_ref().is_some_and(|p| p.is_empty())
+                {
+                    kept.push(seg);
+                    continue;
+                }
+                let (addr, size, pool, head_id, since) =
+                    (s.addr, s.size, s.pool, s.head, head.freed_at);
+                if let Err(e) = dev.vmm_free_range(DevicePtr(addr), size) {
+                    kept.push(seg);
+                    self.ranges[i] = kept;
+                    return Err(e.into());
+                }
+                self.bins_mut(pool).remove(size, addr, head_id);
+                self.idle_index.remove(&(since, head_id.0));
+                self.blocks.discard(head_id.0);
+                self.segments.remove(seg.0);
+                self.segment_by_addr.remove(&addr);
+                self.stats.segment.decrease(pool.kind(), 1);
             }
-            let (addr, size, pool, head_id) = (s.addr, s.size, s.pool, s.head);
-            dev.vmm_free_range(DevicePtr(addr), size)?;
-            self.bins_mut(pool).remove(size, addr, head_id);
-            self.blocks.discard(head_id.0);
-            self.segments.remove(seg.0);
-            self.segment_by_addr.remove(&addr);
-            self.ranges[i] = None;
-            self.stats.segment.decrease(pool.kind(), 1);
+            self.ranges[i] = kept;
         }
         Ok(())
     }
@@ -825,6 +1046,43 @@ impl<E> State<E> {
                     ));
                 }
             }
+            // The idle index holds exactly the free blocks with a whole page.
+            let mut cur = Some(s.head);
+            while let Some(id) = cur {
+                let b = self.blocks.get(id.0);
+                let idle =
+                    b.state == BlockState::Free && holds_whole_page(s, g, b.addr, b.addr + b.size);
+                if idle != self.idle_index.contains(&(b.freed_at, id.0)) {
+                    return Err(format!(
+                        "block at {:#x} (free: {}) is {}in the idle index",
+                        b.addr,
+                        b.state == BlockState::Free,
+                        if idle { "not " } else { "" }
+                    ));
+                }
+                cur = b.next;
+            }
+        }
+        let blocks: usize = self
+            .ranges
+            .iter()
+            .flatten()
+            .map(|seg| {
+                let mut n = 0;
+                let mut cur = Some(self.segments.get(seg.0).head);
+                while let Some(id) = cur {
+                    let b = self.blocks.get(id.0);
+                    n += usize::from(self.idle_index.contains(&(b.freed_at, id.0)));
+                    cur = b.next;
+                }
+                n
+            })
+            .sum();
+        if blocks != self.idle_index.len() {
+            return Err(format!(
+                "the idle index lists {} entries, {blocks} of them blocks",
+                self.idle_index.len()
+            ));
         }
         Ok(())
     }

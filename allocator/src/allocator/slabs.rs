@@ -159,6 +159,7 @@ impl<E> State<E> {
         let h = self.blocks.get_mut(head.0);
         h.slab = false;
         h.freed_at = self.clock;
+        self.free_candidates[pool.kind() as usize].insert((self.clock, addr, seg.0));
         self.bins_mut(pool).insert(size, addr, head);
         true
     }
@@ -331,6 +332,7 @@ impl<E> State<E> {
             .as_mut()
             .expect("a slab's pool has lists");
         if slab.live == 0 {
+            self.free_candidates[pool.kind() as usize].insert((self.clock, s.addr, seg.0));
             if slab.listed == Listed::Partial {
                 unlist(&mut lists.partial[slab.class], seg);
             }

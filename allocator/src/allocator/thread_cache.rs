@@ -371,6 +371,7 @@ impl<E> State<E> {
         }
         self.file_free(id, kind, slab);
         self.blocks.get_mut(id.0).freed_at = parked_at;
+        self.note_maybe_free(self.blocks.get(id.0).segment);
     }
 
     /// Before a large request is placed, the calling thread's parked large
