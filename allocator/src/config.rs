@@ -106,6 +106,11 @@ pub struct Config {
     /// Before growing, release only segments idle for at least this many
     /// allocator operations (mallocs and frees).
     pub release_min_idle: u64,
+    /// Before growing, release only segments that stayed free while the
+    /// program allocated at least this fraction of its peak allocated bytes
+    /// (0: any free segment): an idle age that means the same on every
+    /// workload, about a step's worth of allocations at 1.
+    pub release_idle_frac: f64,
     /// Before growing, release only free segments of the pool kind (small,
     /// large, huge) of the segment being created, so that pools do not trade
     /// memory back and forth every step (the out-of-memory ladder still
@@ -170,6 +175,7 @@ impl Config {
             release_order: ReleaseOrder::SmallestFit,
             oversize_ratio: 0,
             release_min_idle: 0,
+            release_idle_frac: 0.0,
             release_same_kind: false,
             idle_slack: 0.01,
             idle_slack_hard: 0.02,
@@ -386,6 +392,13 @@ impl Config {
             "release_min_idle" => {
                 self.release_min_idle = value.parse().map_err(|_| bad("expected a whole number"))?
             }
+            "release_idle_frac" => {
+                self.release_idle_frac = value
+                    .parse()
+                    .ok()
+                    .filter(|f: &f64| f.is_finite() && *f >= 0.0)
+                    .ok_or_else(|| bad("expected a fraction, 0 or more"))?
+            }
             "release_same_kind" => {
                 self.release_same_kind =
                     parse_bool(value).ok_or_else(|| bad("expected True or False"))?
@@ -525,6 +538,7 @@ impl Config {
             .map(|(i, d)| format!("{}:{d}", 1u64 << i))
             .collect();
         s += &format!(",roundup_power2_divisions:[{}]", list.join(","));
+        s += &format!(",release_idle_frac:{}", self.release_idle_frac);
         s += &format!(",thread_cache:{}", self.thread_cache);
         s += &format!(",slab_max_kb:{}", self.slab_max / 1024);
         if let Some(t) = self.garbage_collection_threshold {
@@ -542,9 +556,10 @@ impl Config {
 /// Blocks each thread keeps in `default` (enough for a few tensors of a
 /// step's repeating shapes; each is flushed back before the allocator grows).
 pub const DEFAULT_THREAD_CACHE: u32 = 8;
-/// Requests that `default` serves from slabs: every small one (see
+/// Requests that `default` serves from slabs: none, since a slab per size
+/// class and stream strands memory (`slab_max_kb:1024` for the speed; see
 /// `docs/POLICY.md`, "Slabs", for what it costs and buys).
-pub const DEFAULT_SLAB_MAX: u64 = SLAB_MAX;
+pub const DEFAULT_SLAB_MAX: u64 = 0;
 /// Upper bound of `thread_cache`.
 pub const MAX_THREAD_CACHE: u32 = 1024;
 
@@ -554,11 +569,15 @@ impl Default for Config {
         Config {
             name: "default".into(),
             release_before_grow: true,
-            release_order: ReleaseOrder::Oldest,
+            release_order: ReleaseOrder::Largest,
             thread_cache: DEFAULT_THREAD_CACHE,
+            large_threshold: 4 * MIB,
+            medium_segment: 8 * MIB,
             huge_size: 256 * MIB,
-            release_same_kind: true,
-            release_min_idle: 25,
+            huge_segment_divisions: 16,
+            oversize_ratio: 2,
+            release_same_kind: false,
+            release_min_idle: 0,
             slab_max: DEFAULT_SLAB_MAX,
             ..Self::pytorch()
         }
@@ -702,7 +721,7 @@ impl fmt::Display for ConfigError {
         match self {
             ConfigError::UnknownKey(k) => write!(
                 f,
-                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, release_same_kind, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb, expandable_edges, thread_cache, slab_max_kb)"
+                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, release_idle_frac, release_same_kind, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb, expandable_edges, thread_cache, slab_max_kb)"
             ),
             ConfigError::UnknownPreset(p) => {
                 write!(f, "unknown configuration `{p}` (presets: {}; or key:value,…)", Config::PRESETS.join(", "))
