@@ -571,13 +571,10 @@ impl Default for Config {
             release_before_grow: true,
             release_order: ReleaseOrder::Largest,
             thread_cache: DEFAULT_THREAD_CACHE,
-            large_threshold: 4 * MIB,
-            medium_segment: 8 * MIB,
             huge_size: 256 * MIB,
-            huge_segment_divisions: 16,
-            oversize_ratio: 2,
             release_same_kind: false,
             release_min_idle: 0,
+            release_idle_frac: 0.25,
             slab_max: DEFAULT_SLAB_MAX,
             ..Self::pytorch()
         }
