@@ -1327,7 +1327,7 @@ impl<E> State<E> {
         if self
             .byte_marks
             .back()
-            .is_none_or(|&(op, _)| self.clock >= op + BYTE_MARK_EVERY)
+            .map_or(true, |&(op, _)| self.clock >= op + BYTE_MARK_EVERY)
         {
             if self.byte_marks.len() >= BYTE_MARKS {
                 self.byte_marks.pop_front();
