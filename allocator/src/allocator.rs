@@ -647,15 +647,26 @@ impl<E> State<E> {
             return None;
         }
         let ratio = self.config.oversize_ratio;
-        if pool.kind() == PoolKind::Huge
-            && ratio > 0
-            && bsize / ratio > size
-            && !self.blocks.get(id.0).is_split()
-        {
+        if ratio > 0 && pool.kind() != PoolKind::Small && self.oversize_whole(id, bsize, size) {
             return None;
         }
         self.bins[pool.index()].as_mut()?.take(found);
         Some(id)
+    }
+
+    /// Whether free block `id` (of `bsize`) is a whole segment more than
+    /// `oversize_ratio` times the segment a request of `size` would get:
+    /// taking it would leave most of a big segment to be carved by smaller,
+    /// longer-lived blocks (huge pool: more than the ratio times the request).
+    #[cold]
+    fn oversize_whole(&self, id: BlockId, bsize: u64, size: u64) -> bool {
+        let ratio = self.config.oversize_ratio;
+        let own = if size >= self.config.huge_size {
+            size
+        } else {
+            self.segment_size(size)
+        };
+        bsize / ratio > own && !self.blocks.get(id.0).is_split()
     }
 
     /// The ladder after a cache miss: new segment → release what suffices →
@@ -725,7 +736,17 @@ impl<E> State<E> {
         if self.config.release_before_grow && self.reserved() + seg_size > self.high_water {
             let need = self.reserved() + seg_size - self.high_water;
             let kind = self.config.release_same_kind.then_some(pool.kind());
-            self.release_free_segments(dev, need, self.config.release_min_idle, true, kind)?;
+            // The idle age may keep young free segments only within the slack.
+            let bound = (1.0 + self.config.release_idle_slack)
+                * self
+                    .stats
+                    .allocated_bytes
+                    .all()
+                    .peak
+                    .max(self.stats.allocated_bytes.all().current + rounded)
+                    as f64;
+            let idle_rule = ((self.reserved() + seg_size) as f64) <= bound;
+            self.release_free_segments(dev, need, self.config.release_min_idle, idle_rule, kind)?;
         }
         if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
             return Ok(id);

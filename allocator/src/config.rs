@@ -111,6 +111,11 @@ pub struct Config {
     /// (0: any free segment): an idle age that means the same on every
     /// workload, about a step's worth of allocations at 1.
     pub release_idle_frac: f64,
+    /// The idle age applies only while reserved memory stays within
+    /// `1 + release_idle_slack` times the peak allocated bytes: past that,
+    /// any free segment is released before growing, so the idle age costs at
+    /// most this much memory.
+    pub release_idle_slack: f64,
     /// Before growing, release only free segments of the pool kind (small,
     /// large, huge) of the segment being created, so that pools do not trade
     /// memory back and forth every step (the out-of-memory ladder still
@@ -176,6 +181,7 @@ impl Config {
             oversize_ratio: 0,
             release_min_idle: 0,
             release_idle_frac: 0.0,
+            release_idle_slack: 0.0,
             release_same_kind: false,
             idle_slack: 0.01,
             idle_slack_hard: 0.02,
@@ -399,6 +405,13 @@ impl Config {
                     .filter(|f: &f64| f.is_finite() && *f >= 0.0)
                     .ok_or_else(|| bad("expected a fraction, 0 or more"))?
             }
+            "release_idle_slack" => {
+                self.release_idle_slack = value
+                    .parse()
+                    .ok()
+                    .filter(|f: &f64| f.is_finite() && *f >= 0.0)
+                    .ok_or_else(|| bad("expected a fraction, 0 or more"))?
+            }
             "release_same_kind" => {
                 self.release_same_kind =
                     parse_bool(value).ok_or_else(|| bad("expected True or False"))?
@@ -539,6 +552,7 @@ impl Config {
             .collect();
         s += &format!(",roundup_power2_divisions:[{}]", list.join(","));
         s += &format!(",release_idle_frac:{}", self.release_idle_frac);
+        s += &format!(",release_idle_slack:{}", self.release_idle_slack);
         s += &format!(",thread_cache:{}", self.thread_cache);
         s += &format!(",slab_max_kb:{}", self.slab_max / 1024);
         if let Some(t) = self.garbage_collection_threshold {
@@ -575,6 +589,7 @@ impl Default for Config {
             release_same_kind: false,
             release_min_idle: 0,
             release_idle_frac: 0.25,
+            release_idle_slack: 0.1,
             slab_max: DEFAULT_SLAB_MAX,
             ..Self::pytorch()
         }
@@ -718,7 +733,7 @@ impl fmt::Display for ConfigError {
         match self {
             ConfigError::UnknownKey(k) => write!(
                 f,
-                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, release_idle_frac, release_same_kind, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb, expandable_edges, thread_cache, slab_max_kb)"
+                "unknown configuration key `{k}` (known: max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, expandable_segments, per_process_memory_fraction, memory_cap, caching, release_before_grow, small_segment_mb, medium_segment_mb, large_threshold_mb, segment_round_mb, large_split_remainder_mb, huge_size_mb, huge_segment_divisions, release_order, oversize_ratio, release_min_idle, release_idle_frac, release_idle_slack, release_same_kind, idle_slack, idle_slack_hard, recycle_batch, expandable_page_mb, expandable_edges, thread_cache, slab_max_kb)"
             ),
             ConfigError::UnknownPreset(p) => {
                 write!(f, "unknown configuration `{p}` (presets: {}; or key:value,…)", Config::PRESETS.join(", "))

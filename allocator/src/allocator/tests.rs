@@ -583,6 +583,7 @@ fn release_idle_frac_counts_bytes_allocated_since_the_segment_went_free() {
     // (Thread-cache hits bypass the byte clock: off here, to count exactly.)
     let config = Config {
         release_idle_frac: 2.0,
+        release_idle_slack: f64::INFINITY,
         thread_cache: 0,
         ..Config::default()
     };
@@ -605,6 +606,28 @@ fn release_idle_frac_counts_bytes_allocated_since_the_segment_went_free() {
     let left: Vec<DevicePtr> = dev.segments().iter().map(|s| s.0).collect();
     assert!(!left.contains(&x), "x idled for 110 MiB of 80: released");
     ok(&a);
+}
+
+#[test]
+fn release_idle_slack_bounds_what_the_idle_age_may_keep() {
+    // x is young (50 MiB allocated since, far from 10 x its 40 MiB peak); it
+    // is kept only while reserved stays within the slack over peak allocated.
+    let run = |slack: f64| {
+        let config = Config {
+            release_idle_frac: 10.0,
+            release_idle_slack: slack,
+            thread_cache: 0,
+            ..Config::default()
+        };
+        let (dev, a) = new(config);
+        let x = a.malloc(40 * MIB, S0).unwrap();
+        a.free(x).unwrap();
+        a.malloc(50 * MIB, S0).unwrap();
+        ok(&a);
+        dev.segments().len()
+    };
+    assert_eq!(run(10.0), 2, "90 MiB is within 11 x 50 MiB: x kept");
+    assert_eq!(run(0.1), 1, "90 MiB is past 1.1 x 50 MiB: x released");
 }
 
 mod expandable {
