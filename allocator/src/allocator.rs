@@ -647,26 +647,15 @@ impl<E> State<E> {
             return None;
         }
         let ratio = self.config.oversize_ratio;
-        if ratio > 0 && pool.kind() != PoolKind::Small && self.oversize_whole(id, bsize, size) {
+        if pool.kind() == PoolKind::Huge
+            && ratio > 0
+            && bsize / ratio > size
+            && !self.blocks.get(id.0).is_split()
+        {
             return None;
         }
         self.bins[pool.index()].as_mut()?.take(found);
         Some(id)
-    }
-
-    /// Whether free block `id` (of `bsize`) is a whole segment more than
-    /// `oversize_ratio` times the segment a request of `size` would get:
-    /// taking it would leave most of a big segment to be carved by smaller,
-    /// longer-lived blocks (huge pool: more than the ratio times the request).
-    #[cold]
-    fn oversize_whole(&self, id: BlockId, bsize: u64, size: u64) -> bool {
-        let ratio = self.config.oversize_ratio;
-        let own = if size >= self.config.huge_size {
-            size
-        } else {
-            self.segment_size(size)
-        };
-        bsize / ratio > own && !self.blocks.get(id.0).is_split()
     }
 
     /// The ladder after a cache miss: new segment → release what suffices →
