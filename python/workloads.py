@@ -1,5 +1,6 @@
 # Copied from ../shared/gpu/trace_capture.py (the project's shared GPU scripts; ../shared does not
-# travel to the GPU machine), unchanged below this header: the workload generators nmt and
+# travel to the GPU machine), unchanged below this header but for the corpus programs added to
+# WORKLOADS (python/corpus/families.py): the workload generators nmt and
 # cnn_multiscale that python/harness.py and python/test_gpu.py import, and the original
 # trace-capture command line (python/workloads.py WORKLOAD OUT_JSON [--trace OUT] [--steps N]).
 #
