@@ -682,19 +682,7 @@ impl<E> State<E> {
                 None
             }
         };
-        let exact = rounded.div_ceil(self.config.segment_round) * self.config.segment_round;
-        match self.grow_with(dev, pool, stream, size, rounded, seg_size, retry) {
-            // A segment rounded up for reuse (medium or huge) that does not
-            // fit even after the flush: a segment of the request's own size
-            // may, so that rounding never makes a workload need a bigger device.
-            Err(AllocError::OutOfMemory(_))
-                if pool.kind() != PoolKind::Small && exact < seg_size =>
-            {
-                self.stats.num_ooms -= 1;
-                self.grow_with(dev, pool, stream, size, rounded, exact, retry)
-            }
-            r => r,
-        }
+        self.grow_with(dev, pool, stream, size, rounded, seg_size, retry)
     }
 
     /// [`State::grow`] for a segment of `seg_size`, where `retry` looks in
