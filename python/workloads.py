@@ -1,4 +1,4 @@
-# The workload generators nmt and
+# The corpus programs (python/corpus/families.py) are in WORKLOADS too. The workload generators nmt and
 # cnn_multiscale that python/harness.py and python/test_gpu.py import, and the original
 # trace-capture command line (python/workloads.py WORKLOAD OUT_JSON [--trace OUT] [--steps N]).
 #
@@ -57,6 +57,12 @@ def cnn_multiscale(steps, seed):
         yield step
 
 WORKLOADS = dict(nmt=nmt, cnn_multiscale=cnn_multiscale)
+
+# The trace corpus's programs (python/corpus/families.py) run under the same names, e.g.
+# `python/harness.py --workloads gpt2_finetune` or `python/workloads.py moe_train OUT.json`.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus"))
+from families import FAMILIES  # noqa: E402
+WORKLOADS.update({name: gen for name, (gen, _) in FAMILIES.items()})
 
 def write_trace(snap, path):
     ids, next_id, n = {}, 0, 0

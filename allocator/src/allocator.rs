@@ -25,6 +25,11 @@ use crate::stats::MemoryStats;
 use crate::trace::TraceEvent;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
+
+/// Operations between two marks of the byte clock (`release_idle_frac`).
+const BYTE_MARK_EVERY: u64 = 64;
+/// Marks of the byte clock kept (the last 4 M operations).
+const BYTE_MARKS: usize = 65536;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -136,6 +141,12 @@ struct State<E> {
     high_water: u64,
     /// Mallocs and frees so far: the clock of idle ages.
     clock: u64,
+    /// Bytes (rounded) allocated so far through the locked path.
+    bytes_clock: u64,
+    /// `(clock, bytes_clock)` every [`BYTE_MARK_EVERY`] operations, the last
+    /// [`BYTE_MARKS`] of them: converts an idle age in operations into bytes
+    /// allocated since (`release_idle_frac`).
+    byte_marks: VecDeque<(u64, u64)>,
     recorder: Option<Recorder>,
     /// Page granularity when expandable segments are in use.
     granularity: Option<u64>,
@@ -233,6 +244,8 @@ impl<D: Device> CachingAllocator<D> {
                 stats,
                 high_water: 0,
                 clock: 0,
+                bytes_clock: 0,
+                byte_marks: VecDeque::new(),
                 recorder: None,
                 granularity,
                 ranges: Vec::new(),
@@ -613,6 +626,7 @@ impl<E> State<E> {
             self.process_events(dev)?;
         }
         self.clock += 1;
+        self.tick_bytes(rounded);
         let kind = if rounded <= SMALL_SIZE {
             PoolKind::Small
         } else if rounded >= self.config.huge_size {
@@ -689,13 +703,14 @@ impl<E> State<E> {
         }
         let seg_size = self.segment_size(rounded);
         let caching = self.config.caching;
-        self.grow_with(dev, pool, stream, size, rounded, seg_size, |st| {
+        let retry = |st: &mut Self| {
             if caching {
                 st.get_free_block(pool, rounded)
             } else {
                 None
             }
-        })
+        };
+        self.grow_with(dev, pool, stream, size, rounded, seg_size, retry)
     }
 
     /// [`State::grow`] for a segment of `seg_size`, where `retry` looks in
@@ -726,7 +741,17 @@ impl<E> State<E> {
         if self.config.release_before_grow && self.reserved() + seg_size > self.high_water {
             let need = self.reserved() + seg_size - self.high_water;
             let kind = self.config.release_same_kind.then_some(pool.kind());
-            self.release_free_segments(dev, need, self.config.release_min_idle, kind)?;
+            // The idle age may keep young free segments only within the slack.
+            let bound = (1.0 + self.config.release_idle_slack)
+                * self
+                    .stats
+                    .allocated_bytes
+                    .all()
+                    .peak
+                    .max(self.stats.allocated_bytes.all().current + rounded)
+                    as f64;
+            let idle_rule = ((self.reserved() + seg_size) as f64) <= bound;
+            self.release_free_segments(dev, need, self.config.release_min_idle, idle_rule, kind)?;
         }
         if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
             return Ok(id);
@@ -1515,21 +1540,53 @@ impl<E> State<E> {
         })
     }
 
+    /// Advances the byte clock; marks it against the operation clock now and then.
+    #[inline]
+    fn tick_bytes(&mut self, rounded: u64) {
+        self.bytes_clock += rounded;
+        if self
+            .byte_marks
+            .back()
+            .map_or(true, |&(op, _)| self.clock >= op + BYTE_MARK_EVERY)
+        {
+            if self.byte_marks.len() >= BYTE_MARKS {
+                self.byte_marks.pop_front();
+            }
+            self.byte_marks.push_back((self.clock, self.bytes_clock));
+        }
+    }
+
+    /// Bytes allocated since operation `op` (to within [`BYTE_MARK_EVERY`]
+    /// operations; before the oldest mark: everything since the start).
+    fn bytes_since(&self, op: u64) -> u64 {
+        let i = self.byte_marks.partition_point(|&(o, _)| o <= op);
+        let then = if i == 0 { 0 } else { self.byte_marks[i - 1].1 };
+        self.bytes_clock - then
+    }
+
     /// Releases entirely free segments totalling at least `need` bytes, in
-    /// `release_order`; only segments idle for `min_idle` operations, and
-    /// only of pool kind `kind` when given.
+    /// `release_order`; only segments idle for `min_idle` operations and
+    /// (`release_idle_frac`, when `idle_rule` is set) for that fraction of
+    /// the peak allocated bytes allocated since, and only of pool kind
+    /// `kind` when given.
     /// Returns the bytes released (possibly less than `need`).
     fn release_free_segments<D: Device<Event = E>>(
         &mut self,
         dev: &D,
         need: u64,
         min_idle: u64,
+        idle_rule: bool,
         kind: Option<PoolKind>,
     ) -> Result<u64, AllocError> {
         if self.config.release_order == ReleaseOrder::Oldest {
             return self.release_oldest_segments(dev, need, min_idle, kind);
         }
         let mut free = self.free_segments();
+        let frac = self.config.release_idle_frac;
+        if idle_rule && frac > 0.0 {
+            let min_bytes = (frac * self.stats.allocated_bytes.all().peak as f64) as u64;
+            free.retain(|&(_, seg)| self.bytes_since(self.free_since(seg)) >= min_bytes);
+        }
         if let Some(k) = kind {
             free.retain(|&(_, seg)| self.segments.get(seg.0).pool.kind() == k);
         }
@@ -1546,6 +1603,10 @@ impl<E> State<E> {
                 if let Some(&(_, seg)) = free.iter().find(|(size, _)| *size >= need) {
                     return self.release_segment(dev, seg);
                 }
+                free.reverse();
+            }
+            ReleaseOrder::Largest => {
+                free.sort_unstable();
                 free.reverse();
             }
             ReleaseOrder::Oldest => {
@@ -1582,7 +1643,7 @@ impl<E> State<E> {
             None => dev.mem_info()?.free,
         };
         let need = seg_size.saturating_sub(headroom).max(1);
-        Ok(self.release_free_segments(dev, need, 0, None)? > 0)
+        Ok(self.release_free_segments(dev, need, 0, false, None)? > 0)
     }
 
     /// PyTorch's `release_available_cached_blocks` (only with `max_split_size`):

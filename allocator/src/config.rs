@@ -76,6 +76,9 @@ pub enum ReleaseOrder {
     SmallestFit,
     /// The longest idle first.
     Oldest,
+    /// The largest first (whole free segments give back the most memory per
+    /// driver call).
+    Largest,
 }
 
 /// Expandable segments: which page size backs the partly covered big pages
@@ -136,6 +139,16 @@ pub struct Config {
     /// Before growing, release only segments idle for at least this many
     /// allocator operations (mallocs and frees).
     pub release_min_idle: u64,
+    /// Before growing, release only segments that stayed free while the
+    /// program allocated at least this fraction of its peak allocated bytes
+    /// (0: any free segment): an idle age that means the same on every
+    /// workload, about a step's worth of allocations at 1.
+    pub release_idle_frac: f64,
+    /// The idle age applies only while reserved memory stays within
+    /// `1 + release_idle_slack` times the peak allocated bytes: past that,
+    /// any free segment is released before growing, so the idle age costs at
+    /// most this much memory.
+    pub release_idle_slack: f64,
     /// Before growing, release only free segments of the pool kind (small,
     /// large, huge) of the segment being created, so that pools do not trade
     /// memory back and forth every step (the out-of-memory ladder still
@@ -194,6 +207,8 @@ impl Config {
             release_order: ReleaseOrder::SmallestFit,
             oversize_ratio: 0,
             release_min_idle: 0,
+            release_idle_frac: 0.0,
+            release_idle_slack: 0.0,
             release_same_kind: false,
             idle_slack: IDLE_SLACK,
             idle_slack_hard: IDLE_SLACK_HARD,
@@ -836,19 +851,21 @@ pub static KEYS: &[Key] = &[
     Key {
         name: "release_order",
         aliases: &[],
-        kind: KeyKind::Choice(&["oldest", "smallest_fit"]),
+        kind: KeyKind::Choice(&["oldest", "smallest_fit", "largest"]),
         stability: Stability::Stable,
-        doc: "which free segments go first: longest idle, or the smallest single one that makes room",
+        doc: "which free segments go first: longest idle, the smallest single one that makes room, or the largest",
         group: None,
         get: |c| {
             Some(Value::Word(match c.release_order {
                 ReleaseOrder::Oldest => "oldest",
                 ReleaseOrder::SmallestFit => "smallest_fit",
+                ReleaseOrder::Largest => "largest",
             }))
         },
         set: |c, v| {
             c.release_order = match w(v) {
                 "oldest" => ReleaseOrder::Oldest,
+                "largest" => ReleaseOrder::Largest,
                 _ => ReleaseOrder::SmallestFit,
             }
         },
@@ -866,6 +883,36 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::U64(c.release_min_idle)),
         set: |c, v| c.release_min_idle = u(v),
+    },
+    Key {
+        name: "release_idle_frac",
+        aliases: &[],
+        kind: KeyKind::Number {
+            min: 0.0,
+            min_included: true,
+            max: 100.0,
+            max_included: true,
+        },
+        stability: Stability::Stable,
+        doc: "before growing, release only segments that stayed free while this fraction of the peak allocated bytes was allocated (0: any)",
+        group: None,
+        get: |c| Some(Value::F64(c.release_idle_frac)),
+        set: |c, v| c.release_idle_frac = f(v),
+    },
+    Key {
+        name: "release_idle_slack",
+        aliases: &[],
+        kind: KeyKind::Number {
+            min: 0.0,
+            min_included: true,
+            max: 100.0,
+            max_included: true,
+        },
+        stability: Stability::Stable,
+        doc: "the idle age of release_idle_frac applies only while reserved stays within 1 + this times the peak allocated bytes",
+        group: None,
+        get: |c| Some(Value::F64(c.release_idle_slack)),
+        set: |c, v| c.release_idle_slack = f(v),
     },
     Key {
         name: "release_same_kind",
@@ -1060,9 +1107,10 @@ fn short(v: &str) -> String {
 /// Blocks each thread keeps in `default` (enough for a few tensors of a
 /// step's repeating shapes; each is flushed back before the allocator grows).
 pub const DEFAULT_THREAD_CACHE: u32 = 8;
-/// Requests that `default` serves from slabs: every small one (see
+/// Requests that `default` serves from slabs: none, since a slab per size
+/// class and stream strands memory (`slab_max_kb:1024` for the speed; see
 /// `docs/POLICY.md`, "Slabs", for what it costs and buys).
-pub const DEFAULT_SLAB_MAX: u64 = SLAB_MAX;
+pub const DEFAULT_SLAB_MAX: u64 = 0;
 /// Upper bound of `thread_cache`.
 pub const MAX_THREAD_CACHE: u32 = 1024;
 
@@ -1072,11 +1120,13 @@ impl Default for Config {
         Config {
             name: "default".into(),
             release_before_grow: true,
-            release_order: ReleaseOrder::Oldest,
+            release_order: ReleaseOrder::Largest,
             thread_cache: DEFAULT_THREAD_CACHE,
             huge_size: 256 * MIB,
-            release_same_kind: true,
-            release_min_idle: 25,
+            release_same_kind: false,
+            release_min_idle: 0,
+            release_idle_frac: 0.25,
+            release_idle_slack: 0.1,
             slab_max: DEFAULT_SLAB_MAX,
             ..Self::pytorch()
         }

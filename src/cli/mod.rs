@@ -10,6 +10,7 @@ mod min_capacity;
 mod plot;
 mod progress;
 mod replay;
+mod scoreboard;
 
 use cachealloc::core::{parse_size, Config};
 use clap::{Args, Parser, Subcommand};
@@ -54,6 +55,9 @@ enum Command {
     /// Find the smallest device capacity on which a trace runs without
     /// out-of-memory (flush-and-retry allowed), by bisection.
     MinCapacity(MinCapacityArgs),
+    /// Replay every trace of a folder, and jittered copies, under several
+    /// configurations: per-trace ratios, worst case and geometric mean.
+    Scoreboard(ScoreboardArgs),
 }
 
 /// A configuration as given on the command line, and what it parses to.
@@ -150,6 +154,29 @@ struct MinCapacityArgs {
     jobs: Option<u32>,
 }
 
+#[derive(Args, Debug)]
+struct ScoreboardArgs {
+    /// Folder of traces (`*.trace`, `*.trace.gz`).
+    #[arg(value_name = "DIR")]
+    dir: PathBuf,
+    /// Jittered copies of each trace (sizes ±5%, order shuffled within steps).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    jitter: u32,
+    /// Configuration (repeat for several; default: pytorch,
+    /// pytorch,expandable_segments:True, default, expandable, lowmem).
+    #[arg(long = "config", short = 'c', value_name = "NAME|CONF", value_parser = parse_config)]
+    configs: Vec<ConfigArg>,
+    /// Skip the smallest-capacity search (one replay per cell).
+    #[arg(long)]
+    no_min_capacity: bool,
+    /// Print one JSON object per line per cell, then one per summary.
+    #[arg(long)]
+    json: bool,
+    /// Replays to run at once (default: the number of CPUs).
+    #[arg(long, short = 'j', value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    jobs: Option<u32>,
+}
+
 /// Why a command failed.
 #[derive(Debug)]
 pub enum CliError {
@@ -201,6 +228,7 @@ pub fn main() -> i32 {
         Command::Replay(a) => replay::run(*a),
         Command::Compare(a) => compare::run(a),
         Command::MinCapacity(a) => min_capacity::run(a),
+        Command::Scoreboard(a) => scoreboard::run(a),
     };
     match result {
         Ok(()) => 0,

@@ -1,0 +1,189 @@
+//! `cachealloc scoreboard` on the two smallest corpus traces (and one
+//! jittered copy of each), against the committed baseline
+//! `tests/data/scoreboard_baseline.json`: a cell whose reserved / allocated
+//! or min-capacity / allocated ratio rises by more than [`TOLERANCE`] (plus
+//! the min-capacity search's precision) fails the test.
+//!
+//! After a deliberate policy change, rewrite the baseline with
+//! `CACHEALLOC_BLESS=1 cargo test --release --test scoreboard` and commit it
+//! with the change that moved it.
+
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Relative rise of a ratio that counts as a regression (0.5%: replays are
+/// deterministic, so any rise is a policy change; this leaves room for
+/// float formatting only).
+const TOLERANCE: f64 = 0.005;
+/// The min-capacity search stops at max(2 MiB, 0.1%).
+const MIB: f64 = (1u64 << 20) as f64;
+const TRACES: [&str; 2] = ["gnn_varsize.trace.gz", "recsys_ragged.trace.gz"];
+const CONFIGS: [&str; 3] = ["pytorch", "default", "expandable"];
+const BASELINE: &str = "tests/data/scoreboard_baseline.json";
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("cachealloc-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Runs the scoreboard on the subset; returns the JSON lines.
+fn scoreboard(extra: &[&str]) -> Vec<Value> {
+    let dir = TempDir::new("scoreboard");
+    for t in TRACES {
+        std::fs::copy(root().join("traces").join(t), dir.0.join(t)).unwrap();
+    }
+    let mut args = vec![
+        "scoreboard",
+        dir.0.to_str().unwrap(),
+        "--json",
+        "--jitter",
+        "1",
+    ];
+    for c in CONFIGS {
+        args.extend(["--config", c]);
+    }
+    args.extend_from_slice(extra);
+    let o = Command::new(env!("CARGO_BIN_EXE_cachealloc"))
+        .args(&args)
+        .output()
+        .expect("the binary runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// (trace, copy, config) → (reserved ratio, min-capacity ratio, peak allocated).
+fn cells(lines: &[Value]) -> BTreeMap<String, (f64, f64, f64)> {
+    lines
+        .iter()
+        .filter(|v| v.get("summary").is_none())
+        .map(|v| {
+            let key = format!("{} {} {}", v["trace"], v["copy"], v["config"]);
+            let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} in {v}"));
+            (
+                key,
+                (
+                    f("reserved_over_allocated"),
+                    f("min_capacity_over_allocated"),
+                    f("peak_allocated_bytes"),
+                ),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn scoreboard_subset_does_not_regress_against_the_baseline() {
+    let lines = scoreboard(&[]);
+    let now = cells(&lines);
+    assert_eq!(now.len(), TRACES.len() * 2 * CONFIGS.len(), "{lines:?}");
+    let path = root().join(BASELINE);
+    if std::env::var_os("CACHEALLOC_BLESS").is_some() {
+        let text: String = lines.iter().map(|v| format!("{v}\n")).collect();
+        std::fs::write(&path, text).unwrap();
+        return;
+    }
+    let text = std::fs::read_to_string(&path).expect("the baseline file exists");
+    let base: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let base = cells(&base);
+    let mut regressions = Vec::new();
+    for (key, &(ratio, min, alloc)) in &now {
+        let Some(&(b_ratio, b_min, _)) = base.get(key) else {
+            regressions.push(format!("{key}: not in the baseline"));
+            continue;
+        };
+        if ratio > b_ratio * (1.0 + TOLERANCE) {
+            regressions.push(format!(
+                "{key}: reserved/alloc {ratio:.4} > baseline {b_ratio:.4}"
+            ));
+        }
+        let precision = (2.0 * MIB).max(min * alloc / 1000.0) / alloc;
+        if min > b_min * (1.0 + TOLERANCE) + precision {
+            regressions.push(format!(
+                "{key}: min cap/alloc {min:.4} > baseline {b_min:.4}"
+            ));
+        }
+    }
+    assert!(
+        regressions.is_empty(),
+        "regressions against {BASELINE}:\n{}",
+        regressions.join("\n")
+    );
+}
+
+#[test]
+fn scoreboard_pytorch_emulation_matches_pytorch_on_the_recorded_traces() {
+    // PyTorch's own peak reserved / peak allocated on the GPU (traces/corpus.json).
+    let corpus: Value =
+        serde_json::from_str(&std::fs::read_to_string(root().join("traces/corpus.json")).unwrap())
+            .unwrap();
+    let lines = scoreboard(&["--no-min-capacity"]);
+    for v in lines
+        .iter()
+        .filter(|v| v.get("summary").is_none() && v["copy"] == "rec" && v["config"] == "pytorch")
+    {
+        let rec = corpus
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == v["trace"])
+            .unwrap();
+        let gpu = rec["max_reserved"].as_f64().unwrap() / rec["max_allocated"].as_f64().unwrap();
+        let ours = v["peak_reserved_bytes"].as_f64().unwrap()
+            / v["peak_allocated_bytes"].as_f64().unwrap();
+        assert!(
+            (ours / gpu - 1.0).abs() < 0.01,
+            "{}: replayed PyTorch policy {ours:.4}, PyTorch on the GPU {gpu:.4}",
+            v["trace"]
+        );
+    }
+}
+
+#[test]
+fn scoreboard_summaries_name_the_worst_trace() {
+    let lines = scoreboard(&["--no-min-capacity"]);
+    let summaries: Vec<&Value> = lines
+        .iter()
+        .filter(|v| v.get("summary").is_some())
+        .collect();
+    assert_eq!(summaries.len(), 2 * CONFIGS.len());
+    for s in summaries {
+        let worst = s["worst_ratio"].as_f64().unwrap();
+        let geo = s["geomean_ratio"].as_f64().unwrap();
+        assert!(geo <= worst && geo >= 1.0, "{s}");
+        let rows: Vec<f64> = lines
+            .iter()
+            .filter(|v| {
+                v.get("summary").is_none()
+                    && v["config"] == s["config"]
+                    && (s["summary"] == "all" || v["copy"] == "rec")
+            })
+            .map(|v| v["reserved_over_allocated"].as_f64().unwrap())
+            .collect();
+        assert_eq!(rows.iter().cloned().fold(0.0, f64::max), worst, "{s}");
+    }
+}
