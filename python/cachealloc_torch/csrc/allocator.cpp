@@ -911,8 +911,17 @@ class CacheallocAllocator final
   }
 
   // pools_mutex_ held: drops the pool once unused and empty.
+  // Drops `p` (its segments go back to the driver) when nobody uses it and
+  // nothing allocated from it is alive. Not while any capture or pool route
+  // is under way: freeing device memory then would invalidate the capture
+  // (PyTorch's allocator also frees private pools' memory only outside
+  // captures). Such pools are dropped when the last route ends
+  // (drop_unused_pools) or at emptyCache.
   void maybe_drop(Pool* p) {
     if (p->use_count > 0 || !p->live.empty()) {
+      return;
+    }
+    if (captures_.load() > 0) {
       return;
     }
     for (auto& r : routes_[p->device]) {
@@ -938,6 +947,20 @@ class CacheallocAllocator final
     pools_.erase(key(p->device, p->id));
   }
 
+  // The pools maybe_drop had to keep while a capture was under way
+  // (pools_mutex_ held).
+  void drop_unused_pools() {
+    std::vector<Pool*> unused;
+    for (auto& [k, p] : pools_) {
+      if (p->use_count == 0 && p->live.empty()) {
+        unused.push_back(p.get());
+      }
+    }
+    for (Pool* p : unused) {
+      maybe_drop(p);
+    }
+  }
+
   void beginAllocateToPool(c10::DeviceIndex dev, MempoolId_t id,
                            std::function<bool(cudaStream_t)> filter) override {
     main_handle(dev);
@@ -955,7 +978,9 @@ class CacheallocAllocator final
       if (it->id == id) {
         rs.erase(it);
         nroutes_[dev].fetch_sub(1);
-        captures_.fetch_sub(1);
+        if (captures_.fetch_sub(1) == 1) {
+          drop_unused_pools();  // the capture has ended (cudaStreamEndCapture came first)
+        }
         return;
       }
     }
