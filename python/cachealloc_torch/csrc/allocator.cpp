@@ -273,6 +273,11 @@ class CacheallocAllocator final
       RelaxedCapture rc(captures_.load(std::memory_order_relaxed) > 0);
       ptr = cachealloc_torch_alloc(h, size, stream, &kind);
     }
+    if (C10_UNLIKELY(ptr == nullptr) && kind == 1 && captures_.load() == 0 &&
+        drop_unused_pools()) {
+      // Out of memory: pools kept after a capture give their memory back first.
+      ptr = cachealloc_torch_alloc(h, size, stream, &kind);
+    }
     if (C10_UNLIKELY(ptr == nullptr)) {
       if (kind == 1) {
         if (Pool* p = oom_pool(dev)) {
@@ -910,13 +915,14 @@ class CacheallocAllocator final
     return p;
   }
 
-  // pools_mutex_ held: drops the pool once unused and empty.
-  // Drops `p` (its segments go back to the driver) when nobody uses it and
-  // nothing allocated from it is alive. Not while any capture or pool route
-  // is under way: freeing device memory then would invalidate the capture
-  // (PyTorch's allocator also frees private pools' memory only outside
-  // captures). Such pools are dropped when the last route ends
-  // (drop_unused_pools) or at emptyCache.
+  // pools_mutex_ held. Drops `p` (its segments go back to the driver) when
+  // nobody uses it and nothing allocated from it is alive. Not while any
+  // capture or pool route is under way: freeing device memory then would
+  // invalidate the capture,
+  // and a graph being captured may have used the pool's memory (PyTorch's
+  // allocator also frees private pools' memory only outside captures). Such
+  // pools stay cached until emptyCache, or an out-of-memory outside a
+  // capture (drop_unused_pools).
   void maybe_drop(Pool* p) {
     if (p->use_count > 0 || !p->live.empty()) {
       return;
@@ -947,18 +953,21 @@ class CacheallocAllocator final
     pools_.erase(key(p->device, p->id));
   }
 
-  // The pools maybe_drop had to keep while a capture was under way
-  // (pools_mutex_ held).
-  void drop_unused_pools() {
+  // Drops the pools maybe_drop had to keep while a capture was under way;
+  // whether any was dropped.
+  bool drop_unused_pools() {
+    std::lock_guard<std::mutex> g(pools_mutex_);
     std::vector<Pool*> unused;
     for (auto& [k, p] : pools_) {
       if (p->use_count == 0 && p->live.empty()) {
         unused.push_back(p.get());
       }
     }
+    size_t before = pools_.size();
     for (Pool* p : unused) {
       maybe_drop(p);
     }
+    return pools_.size() < before;
   }
 
   void beginAllocateToPool(c10::DeviceIndex dev, MempoolId_t id,
@@ -978,9 +987,7 @@ class CacheallocAllocator final
       if (it->id == id) {
         rs.erase(it);
         nroutes_[dev].fetch_sub(1);
-        if (captures_.fetch_sub(1) == 1) {
-          drop_unused_pools();  // the capture has ended (cudaStreamEndCapture came first)
-        }
+        captures_.fetch_sub(1);
         return;
       }
     }
