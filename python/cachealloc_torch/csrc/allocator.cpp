@@ -918,11 +918,10 @@ class CacheallocAllocator final
   // pools_mutex_ held. Drops `p` (its segments go back to the driver) when
   // nobody uses it and nothing allocated from it is alive. Not while any
   // capture or pool route is under way: freeing device memory then would
-  // invalidate the capture,
-  // and a graph being captured may have used the pool's memory (PyTorch's
-  // allocator also frees private pools' memory only outside captures). Such
-  // pools stay cached until emptyCache, or an out-of-memory outside a
-  // capture (drop_unused_pools).
+  // invalidate the capture, and a graph being captured may have used the
+  // pool's memory (PyTorch's allocator also frees private pools' memory only
+  // outside captures). Such pools stay cached until emptyCache, or an
+  // out-of-memory outside a capture (drop_unused_pools).
   void maybe_drop(Pool* p) {
     if (p->use_count > 0 || !p->live.empty()) {
       return;
