@@ -134,6 +134,43 @@ def check_cuda_graph(torch):
     return f"5 replays, max diff {worst:.1e}"
 
 
+def check_graph_reset_recapture(torch):
+    # A graph reset while a tensor of its pool is alive, then captured again:
+    # that tensor is freed during the second capture, which empties the
+    # released pool. Freeing the pool's memory then would invalidate the
+    # capture; it must stay until the capture is over.
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        a = torch.full((1000,), 1.0, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin()
+        b = a
+        for _ in range(10):
+            b = b + 1
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    assert b.sum().item() == 11000.0
+    g.reset()
+    with torch.cuda.stream(s):
+        g.capture_begin()
+        b.fill_(2.0)
+        for _ in range(10):
+            b = b + 2
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    total = b.sum().item()
+    assert total == 22000.0, total
+    g.reset()
+    del g, b
+    torch.cuda.synchronize()
+    assert not torch.cuda.is_current_stream_capturing()
+    x = torch.ones(1 << 20, device="cuda")  # the process still works
+    torch.cuda.empty_cache()
+    return f"sum {total:.0f} after recapture; {x.sum().item():.0f} after"
+
+
 def check_graphed_callables(torch):
     model = _mlp(torch)
     x = torch.randn(32, 64, device="cuda", requires_grad=True)

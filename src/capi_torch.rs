@@ -27,7 +27,7 @@
 //! ```
 //!
 //! The layouts of the statistics vector and of the snapshot words are
-//! [`stats_vector`] and [`snapshot_words`]. Every function catches panics;
+//! `stats_vector` and `snapshot_words`. Every function catches panics;
 //! errors are return values plus the calling thread's last error.
 
 use cachealloc_core::{
@@ -317,7 +317,7 @@ mod exports {
     /// failure (kind 1 out of memory, 2 other error; last error set).
     ///
     /// # Safety
-    /// `h` as in [`handle`]; `kind` is NULL or points at a writable int.
+    /// `h` as in `handle`; `kind` is NULL or points at a writable int.
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_alloc(
         h: *const c_void,
@@ -350,7 +350,7 @@ mod exports {
     /// Frees `ptr`: 0; -2 when this allocator does not own it; -1 on other misuse.
     ///
     /// # Safety
-    /// `h` as in [`handle`].
+    /// `h` as in `handle`.
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_free(h: *const c_void, ptr: *mut c_void) -> c_int {
         guard(-1, || {
@@ -371,7 +371,7 @@ mod exports {
     /// Marks `ptr` as used on `stream` too: 0; -2 when not this allocator's; -1 otherwise.
     ///
     /// # Safety
-    /// `h` as in [`handle`].
+    /// `h` as in `handle`.
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_record_stream(
         h: *const c_void,
@@ -403,7 +403,7 @@ mod exports {
     /// Writes the [`stats_vector`] into `out` (`n` ≥ [`STATS_LEN`]): 0, or -1.
     ///
     /// # Safety
-    /// `h` as in [`handle`]; `out` points at `n` writable `int64_t`.
+    /// `h` as in `handle`; `out` points at `n` writable `int64_t`.
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_stats(
         h: *const c_void,
@@ -429,7 +429,7 @@ mod exports {
     /// Resets the peaks of `h`: 0, or -1.
     ///
     /// # Safety
-    /// `h` as in [`handle`].
+    /// `h` as in `handle`.
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_reset_peak(h: *const c_void) -> c_int {
         guard(-1, || {
@@ -445,7 +445,7 @@ mod exports {
     /// Releases every entirely free segment of `h`: bytes released, or -1.
     ///
     /// # Safety
-    /// `h` as in [`handle`].
+    /// `h` as in `handle`.
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_empty_cache(h: *const c_void) -> i64 {
         guard(-1, || {
@@ -466,7 +466,7 @@ mod exports {
     /// The largest cached free block of `h` in bytes, or -1.
     ///
     /// # Safety
-    /// `h` as in [`handle`].
+    /// `h` as in `handle`.
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_largest_free(h: *const c_void) -> i64 {
         guard(-1, || {
@@ -481,7 +481,7 @@ mod exports {
     /// Caps the reserved memory of `h` at `fraction` of the device: 0, or -1.
     ///
     /// # Safety
-    /// `h` as in [`handle`].
+    /// `h` as in `handle`.
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_set_fraction(
         h: *const c_void,
@@ -513,7 +513,7 @@ mod exports {
     /// written, call again with more room), or -1.
     ///
     /// # Safety
-    /// `h` as in [`handle`]; `out` points at `cap` writable words (or is NULL with `cap` 0).
+    /// `h` as in `handle`; `out` points at `cap` writable words (or is NULL with `cap` 0).
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_snapshot(
         h: *const c_void,
@@ -537,7 +537,7 @@ mod exports {
     /// 1 when `h` uses expandable (page-backed) segments, 0 when plain, -1 on error.
     ///
     /// # Safety
-    /// `h` as in [`handle`].
+    /// `h` as in `handle`.
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_is_expandable(h: *const c_void) -> c_int {
         guard(-1, || {

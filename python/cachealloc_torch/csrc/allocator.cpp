@@ -175,6 +175,34 @@ struct Route {
 
 void raw_delete_fn(void* ptr);
 
+// PyTorch's limit: a request of 1 EB or more is refused before any work.
+constexpr size_t kOneExaByte = 1152921504606846976ULL;
+
+// With the allocator disabled (torch.cuda.caching_allocator_enable(False)),
+// PyTorch's allocator hands out plain cudaMalloc memory freed by cudaFree;
+// so does this one. Such memory is outside cachealloc's statistics.
+void* uncached_alloc(c10::DeviceIndex dev, size_t size) {
+  if (size == 0) {
+    return nullptr;
+  }
+  c10::cuda::CUDAGuard guard(dev);
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, size);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ",
+                     format_size(size), " (caching allocator disabled)");
+  }
+  C10_CUDA_CHECK(err);
+  return p;
+}
+
+void uncached_delete_fn(void* ptr) {
+  if (ptr != nullptr) {
+    C10_CUDA_CHECK(cudaFree(ptr));
+  }
+}
+
 class CacheallocAllocator final
     : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
  public:
@@ -231,6 +259,8 @@ class CacheallocAllocator final
     if (size == 0) {
       return nullptr;
     }
+    TORCH_CHECK_WITH(OutOfMemoryError, size < kOneExaByte,
+                     "CUDA out of memory. Tried to allocate more than 1EB memory.");
     void* h = main_handle(dev);
     if (C10_UNLIKELY(nroutes_[dev].load(std::memory_order_acquire) > 0)) {
       if (Pool* p = route(dev, stream)) {
@@ -241,6 +271,11 @@ class CacheallocAllocator final
     void* ptr;
     {
       RelaxedCapture rc(captures_.load(std::memory_order_relaxed) > 0);
+      ptr = cachealloc_torch_alloc(h, size, stream, &kind);
+    }
+    if (C10_UNLIKELY(ptr == nullptr) && kind == 1 && captures_.load() == 0 &&
+        drop_unused_pools()) {
+      // Out of memory: pools kept after a capture give their memory back first.
       ptr = cachealloc_torch_alloc(h, size, stream, &kind);
     }
     if (C10_UNLIKELY(ptr == nullptr)) {
@@ -403,26 +438,71 @@ class CacheallocAllocator final
 
   c10::DataPtr allocate(size_t size) override {
     c10::DeviceIndex dev = c10::cuda::current_device();
+    if (C10_UNLIKELY(!enabled_.load(std::memory_order_relaxed))) {
+      TORCH_CHECK_WITH(OutOfMemoryError, size < kOneExaByte,
+                       "CUDA out of memory. Tried to allocate more than 1EB memory.");
+      void* u = uncached_alloc(dev, size);
+      return {u, u, &uncached_delete_fn, c10::Device(c10::DeviceType::CUDA, dev)};
+    }
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
     void* p = alloc_on(dev, size, stream);
     return {p, p, &raw_delete_fn, c10::Device(c10::DeviceType::CUDA, dev)};
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
-    return &raw_delete_fn;
+    return enabled_.load(std::memory_order_relaxed) ? &raw_delete_fn : &uncached_delete_fn;
+  }
+
+  // raw_alloc while disabled: cudaMalloc, remembered so that raw_delete
+  // hands it to cudaFree whatever the setting is by then.
+  void* raw_uncached(size_t nbytes) {
+    void* p = uncached_alloc(c10::cuda::current_device(), nbytes);
+    if (p != nullptr) {
+      std::lock_guard<std::mutex> g(uncached_mutex_);
+      uncached_.insert(p);
+      n_uncached_.store(uncached_.size());
+    }
+    return p;
   }
 
   void* raw_alloc(size_t nbytes) override {
+    if (C10_UNLIKELY(!enabled_.load(std::memory_order_relaxed))) {
+      return raw_uncached(nbytes);
+    }
     c10::DeviceIndex dev = c10::cuda::current_device();
     return alloc_on(dev, nbytes, c10::cuda::getCurrentCUDAStream(dev).stream());
   }
 
   void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    if (C10_UNLIKELY(!enabled_.load(std::memory_order_relaxed))) {
+      return raw_uncached(nbytes);
+    }
     return alloc_on(c10::cuda::current_device(), nbytes, stream);
   }
 
   void raw_delete(void* ptr) override {
+    if (C10_UNLIKELY(n_uncached_.load(std::memory_order_relaxed) > 0)) {
+      bool mine = false;
+      {
+        std::lock_guard<std::mutex> g(uncached_mutex_);
+        mine = uncached_.erase(ptr) > 0;
+        n_uncached_.store(uncached_.size());
+      }
+      if (mine) {
+        uncached_delete_fn(ptr);
+        return;
+      }
+    }
     free_ptr(ptr);
+  }
+
+  // torch.cuda.caching_allocator_enable
+  void enable(bool value) override {
+    enabled_.store(value);
+  }
+
+  bool isEnabled() const override {
+    return enabled_.load();
   }
 
   void init(int device_count) override {
@@ -835,9 +915,18 @@ class CacheallocAllocator final
     return p;
   }
 
-  // pools_mutex_ held: drops the pool once unused and empty.
+  // pools_mutex_ held. Drops `p` (its segments go back to the driver) when
+  // nobody uses it and nothing allocated from it is alive. Not while any
+  // capture or pool route is under way: freeing device memory then would
+  // invalidate the capture, and a graph being captured may have used the
+  // pool's memory (PyTorch's allocator also frees private pools' memory only
+  // outside captures). Such pools stay cached until emptyCache, or an
+  // out-of-memory outside a capture (drop_unused_pools).
   void maybe_drop(Pool* p) {
     if (p->use_count > 0 || !p->live.empty()) {
+      return;
+    }
+    if (captures_.load() > 0) {
       return;
     }
     for (auto& r : routes_[p->device]) {
@@ -861,6 +950,23 @@ class CacheallocAllocator final
       }
     }
     pools_.erase(key(p->device, p->id));
+  }
+
+  // Drops the pools maybe_drop had to keep while a capture was under way;
+  // whether any was dropped.
+  bool drop_unused_pools() {
+    std::lock_guard<std::mutex> g(pools_mutex_);
+    std::vector<Pool*> unused;
+    for (auto& [k, p] : pools_) {
+      if (p->use_count == 0 && p->live.empty()) {
+        unused.push_back(p.get());
+      }
+    }
+    size_t before = pools_.size();
+    for (Pool* p : unused) {
+      maybe_drop(p);
+    }
+    return pools_.size() < before;
   }
 
   void beginAllocateToPool(c10::DeviceIndex dev, MempoolId_t id,
@@ -1041,6 +1147,10 @@ class CacheallocAllocator final
   std::array<double, kMaxDevices> fractions_;
   std::mutex init_mutex_;
   int device_count_ = 0;
+  std::atomic<bool> enabled_{true};
+  std::mutex uncached_mutex_;
+  std::unordered_set<void*> uncached_;
+  std::atomic<size_t> n_uncached_{0};
 
   std::mutex pools_mutex_;
   std::map<PoolKey, std::unique_ptr<Pool>> pools_;
