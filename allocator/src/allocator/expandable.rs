@@ -901,6 +901,7 @@ impl<E> State<E> {
         idle.sort_unstable_by_key(|&(since, seg, p, _)| (since, std::cmp::Reverse((seg, p))));
         let mut bytes = 0;
         let mut emptied: Vec<(u64, u32)> = Vec::new();
+        let mut failed = None;
         for (since, seg, at, block) in idle {
             if bytes >= max_bytes {
                 break;
@@ -911,7 +912,9 @@ impl<E> State<E> {
             let size = u64::from(n) * g;
             if let Err(e) = dev.vmm_unmap(DevicePtr(s.addr + u64::from(at) * g), size) {
                 pages.insert(at, n, h);
-                return Err(e.into());
+                // The pages unmapped so far stay unmapped: index them below first.
+                failed = Some(e);
+                break;
             }
             self.page_pool.push((h, s.pool.kind(), size));
             self.stats.num_unmap += 1;
@@ -929,7 +932,10 @@ impl<E> State<E> {
                 self.idle_index.remove(&(since, id));
             }
         }
-        Ok(bytes)
+        match failed {
+            Some(e) => Err(e.into()),
+            None => Ok(bytes),
+        }
     }
 
     /// `empty_cache` for expandable segments: once the device is idle, unmap
