@@ -297,15 +297,19 @@ pub(crate) unsafe fn fill_pod<T: Pod>(
     }
     let pattern = bytemuck::bytes_of(&value);
     let period = fill_period(pattern);
-    // SAFETY (all arms): the caller owns the range on `stream`.
     match period {
-        Some(1) => unsafe { driver::memset_d8_async(ptr, pattern[0], bytes, stream)? },
+        Some(1) => {
+            // SAFETY: the caller owns the `bytes` bytes at `ptr` on `stream`.
+            unsafe { driver::memset_d8_async(ptr, pattern[0], bytes, stream)? }
+        }
         Some(2) => {
             let v = u16::from_ne_bytes([pattern[0], pattern[1]]);
+            // SAFETY: the caller owns the `bytes` bytes at `ptr` on `stream`.
             unsafe { driver::memset_d16_async(ptr, v, bytes / 2, stream)? }
         }
         Some(_) => {
             let v = u32::from_ne_bytes([pattern[0], pattern[1], pattern[2], pattern[3]]);
+            // SAFETY: the caller owns the `bytes` bytes at `ptr` on `stream`.
             unsafe { driver::memset_d32_async(ptr, v, bytes / 4, stream)? }
         }
         None => {

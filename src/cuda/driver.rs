@@ -470,9 +470,11 @@ pub unsafe fn memset_d16_async(
     halves: usize,
     stream: StreamId,
 ) -> Result<(), DeviceError> {
-    // SAFETY: the caller guarantees the range is owned device memory.
+    let h = stream_handle(stream)?;
     check(
-        unsafe { ffi::cuMemsetD16Async(ptr.0, value, halves, stream_handle(stream)) },
+        // SAFETY: the caller guarantees the range is owned device memory; `h` is
+        // a live stream (see `stream_handle`).
+        unsafe { ffi::cuMemsetD16Async(ptr.0, value, halves, h) },
         "cuMemsetD16Async",
     )
 }
