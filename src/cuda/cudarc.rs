@@ -89,10 +89,25 @@ fn driver_error(e: DriverError, call: &'static str) -> CudaError {
     )
 }
 
-/// The allocator's stream id of a cudarc stream (its `CUstream` handle).
+/// The allocator's stream id of a cudarc stream (its `CUstream` handle),
+/// registered as a live stream the first time it is seen.
 #[inline]
 fn stream_id(stream: &CudaStream) -> StreamId {
-    StreamId(stream.cu_stream() as usize as u64)
+    let id = StreamId(stream.cu_stream() as usize as u64);
+    if !driver::is_registered_stream(id) {
+        register(id);
+    }
+    id
+}
+
+#[cold]
+fn register(id: StreamId) {
+    // SAFETY: `id` is the handle of a cudarc stream borrowed by the caller,
+    // so it is live now. The allocator queues work or records events on a
+    // stream only in calls that name it, and every such call here comes from
+    // a `CachedStream` or `CachedSlice`, which hold an `Arc` of that stream:
+    // the handle is never used after cudarc destroys the stream.
+    unsafe { driver::register_stream(id) };
 }
 
 /// The caching allocator of a cudarc stream's device, with that stream as
