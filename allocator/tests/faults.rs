@@ -21,6 +21,7 @@
 //!
 //! `FAULT_CASES=N` sets the number of sequences per preset (default 24).
 
+use cachealloc_core::sample::XorShift64;
 use cachealloc_core::simulated::calls;
 use cachealloc_core::testing::check_stats_against_snapshot;
 use cachealloc_core::{
@@ -31,24 +32,10 @@ use cachealloc_core::{
 const MIB: u64 = 1 << 20;
 const STREAMS: [StreamId; 3] = [StreamId(0), StreamId(7), StreamId(9)];
 
-/// A small deterministic generator (xorshift64).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    /// Log-uniform from 1 B to about 2^(max_exp+1) B.
-    fn size(&mut self, max_exp: u64) -> u64 {
-        let e = self.below(max_exp);
-        (1u64 << e) + self.below(1u64 << e)
-    }
+/// Log-uniform from 1 B to about 2^(max_exp+1) B.
+fn size(rng: &mut XorShift64, max_exp: u64) -> u64 {
+    let e = rng.below(max_exp);
+    (1u64 << e) + rng.below(1u64 << e)
 }
 
 type Alloc = CachingAllocator<SimulatedDevice>;
@@ -76,7 +63,7 @@ fn check(a: &Alloc, dev: &SimulatedDevice, step: usize, what: &str) -> Result<()
 fn run(config: &Config, seed: u64, steps: usize, one_in: u32) -> Result<u64, String> {
     let dev = SimulatedDevice::new(1 << 30);
     let a = CachingAllocator::new(dev.clone(), config.clone());
-    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut rng = XorShift64::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     dev.inject_faults(Some(FaultPlan {
         seed,
         one_in,
@@ -88,9 +75,9 @@ fn run(config: &Config, seed: u64, steps: usize, one_in: u32) -> Result<u64, Str
         match rng.below(20) {
             0..=7 => {
                 let size = if rng.below(4) == 0 {
-                    rng.size(28)
+                    size(&mut rng, 28)
                 } else {
-                    rng.size(21)
+                    size(&mut rng, 21)
                 };
                 let stream = STREAMS[rng.below(3) as usize];
                 what = format!("malloc {size} on {stream:?}");

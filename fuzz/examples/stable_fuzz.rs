@@ -7,23 +7,15 @@
 //!
 //! `cargo run --release --example stable_fuzz -- SECONDS [SEED]`
 
+use cachealloc_core::sample::XorShift64;
 use cachealloc_core::testing;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
+/// `rng.below(n)` for lengths and indices (0 for an empty range).
+fn below(rng: &mut XorShift64, n: usize) -> usize {
+    rng.below(n.max(1) as u64) as usize
 }
 
 fn seeds(target: &str) -> Vec<Vec<u8>> {
@@ -44,32 +36,32 @@ fn seeds(target: &str) -> Vec<Vec<u8>> {
 }
 
 /// A random input, or a seed with a few random byte edits.
-fn input(rng: &mut Rng, seeds: &[Vec<u8>], max_len: usize) -> Vec<u8> {
-    if seeds.is_empty() || rng.below(3) == 0 {
-        let len = rng.below(max_len);
+fn input(rng: &mut XorShift64, seeds: &[Vec<u8>], max_len: usize) -> Vec<u8> {
+    if seeds.is_empty() || below(rng, 3) == 0 {
+        let len = below(rng, max_len);
         return (0..len).map(|_| rng.next() as u8).collect();
     }
-    let mut d = seeds[rng.below(seeds.len())].clone();
-    for _ in 0..1 + rng.below(8) {
-        match rng.below(4) {
+    let mut d = seeds[below(rng, seeds.len())].clone();
+    for _ in 0..1 + below(rng, 8) {
+        match below(rng, 4) {
             0 if !d.is_empty() => {
-                let i = rng.below(d.len());
+                let i = below(rng, d.len());
                 d[i] = rng.next() as u8;
             }
             1 if d.len() < max_len => {
-                let i = rng.below(d.len() + 1);
+                let i = below(rng, d.len() + 1);
                 d.insert(i, rng.next() as u8);
             }
             2 if !d.is_empty() => {
-                let i = rng.below(d.len());
+                let i = below(rng, d.len());
                 d.remove(i);
             }
             _ => {
-                let other = &seeds[rng.below(seeds.len())];
+                let other = &seeds[below(rng, seeds.len())];
                 if !other.is_empty() {
-                    let a = rng.below(other.len());
-                    let n = rng.below(other.len() - a + 1).min(max_len);
-                    let at = rng.below(d.len() + 1);
+                    let a = below(rng, other.len());
+                    let n = below(rng, other.len() - a + 1).min(max_len);
+                    let at = below(rng, d.len() + 1);
                     d.splice(at..at, other[a..a + n].iter().copied());
                     d.truncate(max_len);
                 }
@@ -97,7 +89,7 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let seconds: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(60);
     let seed: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(1);
-    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut rng = XorShift64::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let (ops_seeds, trace_seeds, config_seeds) = (seeds("ops"), seeds("trace"), seeds("config"));
     std::panic::set_hook(Box::new(|_| {}));
     let (mut runs, mut ops, mut crashes) = ([0u64; 3], 0u64, 0u64);
