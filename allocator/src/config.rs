@@ -660,6 +660,13 @@ const fn mib(min: u64, max: u64, unlimited: bool) -> KeyKind {
         unlimited,
     }
 }
+/// A non-negative multiple of a quantity (such as the peak allocated bytes), up to 100.
+const SHARE: KeyKind = KeyKind::Number {
+    min: 0.0,
+    min_included: true,
+    max: 100.0,
+    max_included: true,
+};
 const BOOL: KeyKind = KeyKind::Bool;
 /// `MAX_SIZE` in MiB.
 const MAX_MIB: u64 = MAX_SIZE / MIB;
@@ -887,12 +894,7 @@ pub static KEYS: &[Key] = &[
     Key {
         name: "release_idle_frac",
         aliases: &[],
-        kind: KeyKind::Number {
-            min: 0.0,
-            min_included: true,
-            max: 100.0,
-            max_included: true,
-        },
+        kind: SHARE,
         stability: Stability::Stable,
         doc: "before growing, release only segments that stayed free while this fraction of the peak allocated bytes was allocated (0: any)",
         group: None,
@@ -902,12 +904,7 @@ pub static KEYS: &[Key] = &[
     Key {
         name: "release_idle_slack",
         aliases: &[],
-        kind: KeyKind::Number {
-            min: 0.0,
-            min_included: true,
-            max: 100.0,
-            max_included: true,
-        },
+        kind: SHARE,
         stability: Stability::Stable,
         doc: "the idle age of release_idle_frac applies only while reserved stays within 1 + this times the peak allocated bytes",
         group: None,
