@@ -683,24 +683,9 @@ mod exports {
 
     static ABI: Abi<CudaRegistry> = Abi::new(CudaRegistry);
 
-    thread_local! {
-        /// The stream this thread registered last (a repeat skips the lock).
-        static LAST_STREAM: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-    }
-
     /// The stream PyTorch passed, registered as one the driver may be handed.
     fn stream_id(stream: *mut c_void) -> u64 {
-        let id = stream as usize as u64;
-        if LAST_STREAM.try_with(|l| l.get() == id).unwrap_or(false) {
-            return id;
-        }
-        // SAFETY: PyTorch passes the `cudaStream_t` the tensor is allocated or
-        // used on: a live stream of the current device, kept alive by PyTorch
-        // while its tensors and their events may use it (PyTorch's own
-        // allocator records its events on the same handles).
-        unsafe { crate::cuda::driver::register_stream(StreamId(id)) };
-        let _ = LAST_STREAM.try_with(|l| l.set(id));
-        id
+        crate::cuda::driver::ffi_stream(stream).0
     }
 
     /// Allocates `size` bytes on `device` for use on `stream` (PyTorch's `alloc_fn`).

@@ -330,7 +330,7 @@ mod exports {
             let Some(a) = (unsafe { handle(h) }) else {
                 return (0, 2);
             };
-            let out = alloc(a, size as u64, stream as usize as u64);
+            let out = alloc(a, size as u64, crate::cuda::driver::ffi_stream(stream).0);
             let code = out.code();
             match out {
                 AllocOutcome::Ok(p) => (p, 0),
@@ -385,7 +385,7 @@ mod exports {
             };
             match a.record_stream(
                 DevicePtr(ptr as usize as u64),
-                StreamId(stream as usize as u64),
+                crate::cuda::driver::ffi_stream(stream),
             ) {
                 Ok(()) => 0,
                 Err(e @ AllocError::UnknownPointer(_)) => {

@@ -67,13 +67,39 @@ const SPECIAL_STREAMS: u64 = 2;
 /// work queued on it until it is unregistered (streams that a program
 /// destroys must be unregistered first, with [`unregister_stream`]).
 pub unsafe fn register_stream(stream: StreamId) {
-    if stream.0 <= SPECIAL_STREAMS {
-        return;
+    if is_registered_stream(stream) {
+        return; // the common case: no write lock
     }
     let mut live = LIVE_STREAMS.write().unwrap_or_else(|e| e.into_inner());
     if !live.contains(&stream.0) {
         live.push(stream.0);
     }
+}
+
+thread_local! {
+    /// The stream this thread registered last through [`ffi_stream`] (a
+    /// repeat skips the registry).
+    static LAST_FFI_STREAM: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// A `cudaStream_t` received through a C ABI (PyTorch's allocator
+/// interfaces), registered as a stream the driver may be handed.
+#[inline]
+pub(crate) fn ffi_stream(stream: *mut std::ffi::c_void) -> StreamId {
+    let id = StreamId(stream as usize as u64);
+    if LAST_FFI_STREAM
+        .try_with(|l| l.get() == id.0)
+        .unwrap_or(false)
+    {
+        return id;
+    }
+    // SAFETY: PyTorch passes the `cudaStream_t` a tensor is allocated or
+    // used on: a live stream of the current device, kept alive by PyTorch
+    // while its tensors and their events may use it (PyTorch's own
+    // allocator records its events on the same handles).
+    unsafe { register_stream(id) };
+    let _ = LAST_FFI_STREAM.try_with(|l| l.set(id.0));
+    id
 }
 
 /// Removes `stream` from the streams the driver may be handed (calls with it
