@@ -891,6 +891,10 @@ impl<E> State<E> {
             b.freed_at,
         );
         let kind = pool.kind();
+        if !already_split {
+            // A whole segment handed out is no longer a free-segment candidate.
+            self.free_candidates[kind as usize].remove(&(since, addr, segment.0));
+        }
         let remaining = size - rounded;
         let final_size = if self.should_split(kind, rounded, remaining) {
             let gc_base = self.lookups[pool.index()];
@@ -1578,11 +1582,12 @@ impl<E> State<E> {
         idle_rule: bool,
         kind: Option<PoolKind>,
     ) -> Result<u64, AllocError> {
-        if self.config.release_order == ReleaseOrder::Oldest {
+        let frac = self.config.release_idle_frac;
+        if self.config.release_order == ReleaseOrder::Oldest && !(idle_rule && frac > 0.0) {
+            // The walk in idle order; with an idle age in bytes, the filter below.
             return self.release_oldest_segments(dev, need, min_idle, kind);
         }
         let mut free = self.free_segments();
-        let frac = self.config.release_idle_frac;
         if idle_rule && frac > 0.0 {
             let min_bytes = (frac * self.stats.allocated_bytes.all().peak as f64) as u64;
             free.retain(|&(_, seg)| self.bytes_since(self.free_since(seg)) >= min_bytes);

@@ -1106,3 +1106,22 @@ fn empty_cache_releases_empty_slabs_and_keeps_used_ones() {
     assert_eq!(dev.counters().frees, 2);
     ok(&a);
 }
+
+/// A segment handed out whole leaves the free-segment candidates: a loop
+/// that takes and frees the same whole segment keeps the set small.
+#[test]
+fn free_segment_candidates_stay_bounded_in_a_steady_loop() {
+    for config in [Config::default(), Config::pytorch()] {
+        let (_, a) = new(config);
+        for _ in 0..10_000 {
+            let p = a.malloc(30 * MIB, S0).unwrap();
+            a.free(p).unwrap();
+        }
+        let n: usize = a.state.lock().free_candidates.iter().map(|s| s.len()).sum();
+        assert!(
+            n <= 2,
+            "{n} candidates after a steady loop over one segment"
+        );
+        ok(&a);
+    }
+}
