@@ -862,7 +862,8 @@ mod exports {
             if std::env::var_os("CACHEALLOC_TEST_INIT_CHILD").is_some() {
                 cachealloc_init(1);
                 let e = last_error().unwrap_or_default();
-                std::process::exit(if e.contains("bogus_key") { 0 } else { 3 });
+                // 42, not 0: a filter that matched no test would also exit 0.
+                std::process::exit(if e.contains("bogus_key") { 42 } else { 3 });
             }
             // A pipe whose read end is closed before the child starts: any
             // write to its stderr fails with EPIPE.
@@ -876,7 +877,7 @@ mod exports {
                 .stderr(Stdio::from(writer))
                 .status()
                 .unwrap();
-            assert_eq!(status.code(), Some(0), "{status}");
+            assert_eq!(status.code(), Some(42), "{status}");
         }
     }
 }

@@ -348,7 +348,7 @@ fn release_order_error_lists_every_accepted_value() {
     let words: Vec<&str> = err
         .split(|c: char| !(c.is_alphanumeric() || c == '_'))
         .collect();
-    for value in ["smallest_fit", "oldest"] {
+    for value in ["smallest_fit", "oldest", "largest"] {
         assert!(words.contains(&value), "`{value}` not listed: {err}");
     }
 }

@@ -142,10 +142,12 @@ fn scoreboard_pytorch_emulation_matches_pytorch_on_the_recorded_traces() {
         serde_json::from_str(&std::fs::read_to_string(root().join("traces/corpus.json")).unwrap())
             .unwrap();
     let lines = scoreboard(&["--no-min-capacity"]);
+    let mut checked = 0;
     for v in lines
         .iter()
         .filter(|v| v.get("summary").is_none() && v["copy"] == "rec" && v["config"] == "pytorch")
     {
+        checked += 1;
         let rec = corpus
             .as_array()
             .unwrap()
@@ -161,6 +163,7 @@ fn scoreboard_pytorch_emulation_matches_pytorch_on_the_recorded_traces() {
             v["trace"]
         );
     }
+    assert_eq!(checked, TRACES.len(), "rows checked: {lines:?}");
 }
 
 #[test]
