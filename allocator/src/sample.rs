@@ -56,10 +56,9 @@ impl XorShift64 {
 /// 256 slots and 2 for 4096; the same seed gives the same plan everywhere.
 pub fn random_plan(slots: usize, max_bytes: u64, ops: usize, seed: u64) -> Vec<(usize, u64)> {
     let mut rng = XorShift64::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-    let (lo, hi) = (512f64.ln(), (max_bytes as f64).ln());
     (0..ops)
         .map(|_| {
-            let size = (lo + rng.unit() * (hi - lo)).exp() as u64;
+            let size = rng.log_uniform(512, max_bytes);
             (rng.below(slots as u64) as usize, size)
         })
         .collect()
