@@ -40,6 +40,9 @@
 //!   writes (after a foreign read) or uses (after a foreign write) the buffer;
 //! - the allocator is told ([`CachingAllocator::record_stream`]), so the
 //!   memory is reused only after that stream's work queued by the free completed.
+//!   The free records an event on that stream, so a stream used this way must
+//!   outlive the buffer (cudarc lends it by reference, so the buffer cannot
+//!   keep it alive).
 //!
 //! The event part follows cudarc's own rule: it is on while the context
 //! manages stream synchronisation (`CudaContext::is_managing_stream_synchronization`,
@@ -103,10 +106,12 @@ fn stream_id(stream: &CudaStream) -> StreamId {
 #[cold]
 fn register(id: StreamId) {
     // SAFETY: `id` is the handle of a cudarc stream borrowed by the caller,
-    // so it is live now. The allocator queues work or records events on a
-    // stream only in calls that name it, and every such call here comes from
-    // a `CachedStream` or `CachedSlice`, which hold an `Arc` of that stream:
-    // the handle is never used after cudarc destroys the stream.
+    // so it is live now. A buffer's own stream is kept alive by the `Arc`
+    // its `CachedStream` / `CachedSlice` holds. A foreign stream given to
+    // `device_ptr` is only borrowed: the allocator records an event on it
+    // when the buffer is freed, so such a stream must outlive the buffers it
+    // used (the module documentation says so; cudarc gives no `Arc` here to
+    // keep it alive).
     unsafe { driver::register_stream(id) };
 }
 
