@@ -261,7 +261,10 @@ mod exports {
 
     /// A new private pool allocator on `device` (own segments; same
     /// configuration, without thread caches, slabs or expandable segments,
-    /// so that nothing records stream events behind a CUDA graph capture), or NULL.
+    /// so that nothing records stream events behind a CUDA graph capture),
+    /// or NULL. It never gives segments back on its own (no release before
+    /// growing, no garbage collection, no release on out-of-memory): a captured graph keeps using the pool's free blocks, so only
+    /// `empty_cache` or dropping the pool, once nobody uses it, releases them.
     #[no_mangle]
     pub extern "C" fn cachealloc_torch_pool_new(device: c_int) -> *mut c_void {
         guard(std::ptr::null_mut(), || {
@@ -269,6 +272,9 @@ mod exports {
                 config.thread_cache = 0;
                 config.slab_max = 0;
                 config.expandable_segments = false;
+                config.release_before_grow = false;
+                config.garbage_collection_threshold = None;
+                config.oom_flush = false;
                 Ok(CachingAllocator::new(CudaDevice::new(device)?, config))
             });
             match made {

@@ -762,13 +762,15 @@ impl<E> State<E> {
             }
         }
         // Full flush: wait for every pending event, release every free segment, retry.
-        self.release_cached(dev)?;
-        self.stats.num_alloc_retries += 1;
-        if let Some(id) = retry(self) {
-            return Ok(id);
-        }
-        if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
-            return Ok(id);
+        if self.config.oom_flush {
+            self.release_cached(dev)?;
+            self.stats.num_alloc_retries += 1;
+            if let Some(id) = retry(self) {
+                return Ok(id);
+            }
+            if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
+                return Ok(id);
+            }
         }
         self.stats.num_ooms += 1;
         Err(AllocError::OutOfMemory(Box::new(
@@ -1636,6 +1638,9 @@ impl<E> State<E> {
         rounded: u64,
         seg_size: u64,
     ) -> Result<bool, AllocError> {
+        if !self.config.oom_flush {
+            return Ok(false);
+        }
         let max_split = self.config.max_split_size;
         if max_split != u64::MAX {
             return self.release_oversize(dev, pool, rounded);

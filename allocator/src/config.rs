@@ -154,6 +154,12 @@ pub struct Config {
     /// memory back and forth every step (the out-of-memory ladder still
     /// releases any free segment).
     pub release_same_kind: bool,
+    /// On a device out-of-memory, release cached segments (those that make
+    /// room, then every entirely free one) and retry before failing (plain
+    /// segments). Off for a CUDA graph's private pool: a
+    /// captured graph still uses the pool's free blocks, so only the pool's
+    /// owner may give them back.
+    pub oom_flush: bool,
     /// Which free segments go first when room is needed.
     pub release_order: ReleaseOrder,
     /// Expandable segments: [`IDLE_SLACK`] (a field, with no key, so that
@@ -210,6 +216,7 @@ impl Config {
             release_idle_frac: 0.0,
             release_idle_slack: 0.0,
             release_same_kind: false,
+            oom_flush: true,
             idle_slack: IDLE_SLACK,
             idle_slack_hard: IDLE_SLACK_HARD,
             recycle_batch: RECYCLE_BATCH,
@@ -230,6 +237,7 @@ impl Config {
             huge_segment_divisions: 16,
             oversize_ratio: 2,
             release_same_kind: false,
+            oom_flush: true,
             release_min_idle: 0,
             slab_max: 0,
             ..Self::default()
@@ -248,6 +256,7 @@ impl Config {
             recycle_batch: 0.0,
             huge_size: u64::MAX,
             release_same_kind: false,
+            oom_flush: true,
             release_min_idle: 0,
             ..Self::default()
         }
@@ -922,6 +931,16 @@ pub static KEYS: &[Key] = &[
         set: |c, v| c.release_same_kind = b(v),
     },
     Key {
+        name: "oom_flush",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Experimental,
+        doc: "on out of memory, release every free cached segment and retry (off: only empty_cache gives segments back; what CUDA graph pools need)",
+        group: None,
+        get: |c| Some(Value::Bool(c.oom_flush)),
+        set: |c, v| c.oom_flush = b(v),
+    },
+    Key {
         name: "expandable_page_mb",
         aliases: &[],
         kind: mib(1, 1024, false),
@@ -1121,6 +1140,7 @@ impl Default for Config {
             thread_cache: DEFAULT_THREAD_CACHE,
             huge_size: 256 * MIB,
             release_same_kind: false,
+            oom_flush: true,
             release_min_idle: 0,
             release_idle_frac: 0.25,
             release_idle_slack: 0.1,

@@ -238,6 +238,29 @@ fn empty_cache_waits_and_releases_free_segments_only() {
 }
 
 #[test]
+fn without_oom_flush_cached_segments_stay_until_empty_cache() {
+    // A CUDA graph's private pool: its free blocks are still used by the
+    // captured graph, so an out-of-memory must not give them back.
+    let config = Config {
+        oom_flush: false,
+        ..Config::pytorch()
+    };
+    let (dev, a) = with_capacity(config, 100 * MIB);
+    let p = a.malloc(60 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    let e = a.malloc(70 * MIB, S0).unwrap_err();
+    assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
+    assert_eq!(dev.segments().len(), 1, "the cached segment stays");
+    assert_eq!(a.stats().num_device_free, 0);
+    assert_eq!(a.usage().reserved, 60 * MIB);
+    ok(&a);
+    // Only the owner's empty_cache gives it back.
+    assert_eq!(a.empty_cache().unwrap().bytes, 60 * MIB);
+    assert!(a.malloc(70 * MIB, S0).is_ok());
+    ok(&a);
+}
+
+#[test]
 fn oom_flushes_the_cache_and_retries() {
     let (dev, a) = with_capacity(Config::pytorch(), 100 * MIB);
     let p = a.malloc(60 * MIB, S0).unwrap();

@@ -151,7 +151,8 @@ struct Pool {
   bool use_on_oom = false;
 };
 
-// CACHEALLOC_TORCH_DEBUG=1: trace the out-of-memory path on stderr.
+// CACHEALLOC_TORCH_DEBUG=1: trace the out-of-memory path and private-pool
+// events (routes, pool allocations and frees, drops) on stderr.
 bool debug_on() {
   static const bool on = [] {
     const char* v = std::getenv("CACHEALLOC_TORCH_DEBUG");
@@ -163,6 +164,17 @@ bool debug_on() {
 void debug(const char* what) {
   if (debug_on()) {
     std::fprintf(stderr, "cachealloc debug: %s\n", what);
+    std::fflush(stderr);
+  }
+}
+
+// debug() with printf-style formatting; formats nothing when tracing is off.
+template <typename... Args>
+void debugf(const char* fmt, Args... args) {
+  if (debug_on()) {
+    std::fprintf(stderr, "cachealloc debug: ");
+    std::fprintf(stderr, fmt, args...);
+    std::fprintf(stderr, "\n");
     std::fflush(stderr);
   }
 }
@@ -289,6 +301,10 @@ class CacheallocAllocator final
     if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
       record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, kNoPool, true);
     }
+    if (C10_UNLIKELY(captures_.load(std::memory_order_relaxed) > 0)) {
+      debugf("device %d alloc %p size %zu stream %p during a pool route",
+             (int)dev, ptr, size, (void*)stream);
+    }
     return ptr;
   }
 
@@ -314,6 +330,9 @@ class CacheallocAllocator final
     if (ptr == nullptr) {
       fail(dev, size, kind);
     }
+    debugf("pool (%llu,%llu) alloc %p size %zu stream %p",
+           (unsigned long long)p->id.first, (unsigned long long)p->id.second,
+           ptr, size, (void*)stream);
     {
       std::lock_guard<std::mutex> g(pools_mutex_);
       p->live.insert(ptr);
@@ -392,6 +411,9 @@ class CacheallocAllocator final
           rc = cachealloc_torch_free(p->handle, ptr);
         }
         TORCH_CHECK(rc == 0, "cachealloc: free in private pool: ", last_error());
+        debugf("pool (%llu,%llu) free %p (%zu live)",
+               (unsigned long long)p->id.first, (unsigned long long)p->id.second,
+               ptr, p->live.size());
         // The pool may be dropped here: keep what the history needs first.
         c10::DeviceIndex pdev = p->device;
         MempoolId_t pid = p->id;
@@ -427,6 +449,9 @@ class CacheallocAllocator final
       if (rc == 0) {
         if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
           record_free(d, ptr, kNoPool);
+        }
+        if (C10_UNLIKELY(relaxed)) {
+          debugf("device %d free %p during a pool route", d, ptr);
         }
         return;
       }
@@ -939,8 +964,12 @@ class CacheallocAllocator final
       return;
     }
     if (cachealloc_torch_pool_drop(p->handle) != 0) {
+      debugf("pool (%llu,%llu) kept: the core still uses it",
+             (unsigned long long)p->id.first, (unsigned long long)p->id.second);
       return;  // still in use according to the core: keep it
     }
+    debugf("pool (%llu,%llu) dropped", (unsigned long long)p->id.first,
+           (unsigned long long)p->id.second);
     {
       std::lock_guard<std::mutex> g(stats_mutex_);
       for (size_t i = 0; i + 1 < kStatsLen; ++i) {
@@ -974,6 +1003,8 @@ class CacheallocAllocator final
     main_handle(dev);
     std::lock_guard<std::mutex> g(pools_mutex_);
     Pool* p = incref(dev, id);
+    debugf("pool (%llu,%llu) begin route, use count %d",
+           (unsigned long long)id.first, (unsigned long long)id.second, p->use_count);
     routes_[dev].push_back({id, std::move(filter), p});
     nroutes_[dev].fetch_add(1);
     captures_.fetch_add(1);
@@ -984,6 +1015,8 @@ class CacheallocAllocator final
     auto& rs = routes_[dev];
     for (auto it = rs.begin(); it != rs.end(); ++it) {
       if (it->id == id) {
+        debugf("pool (%llu,%llu) end route", (unsigned long long)id.first,
+               (unsigned long long)id.second);
         rs.erase(it);
         nroutes_[dev].fetch_sub(1);
         captures_.fetch_sub(1);
@@ -1000,6 +1033,9 @@ class CacheallocAllocator final
     TORCH_CHECK(p != nullptr, "cachealloc: releasePool of an unknown pool " + pool_name(id));
     TORCH_CHECK(p->use_count > 0, "cachealloc: releasePool of a pool not in use");
     p->use_count--;
+    debugf("pool (%llu,%llu) released, use count %d, %zu live",
+           (unsigned long long)id.first, (unsigned long long)id.second,
+           p->use_count, p->live.size());
     maybe_drop(p);
   }
 
@@ -1011,7 +1047,9 @@ class CacheallocAllocator final
                 "with its own allocator; use torch.cuda.MemPool() without one");
     main_handle(dev);
     std::lock_guard<std::mutex> g(pools_mutex_);
-    incref(dev, id);
+    Pool* p = incref(dev, id);
+    debugf("pool (%llu,%llu) incref, use count %d", (unsigned long long)id.first,
+           (unsigned long long)id.second, p->use_count);
   }
 
   void setUseOnOOM(c10::DeviceIndex dev, MempoolId_t id,
@@ -1059,9 +1097,12 @@ class CacheallocAllocator final
   void emptyCache(MempoolId_t mempool_id = {0, 0}) override {
     uint64_t devs = devices_in_use_.load();
     if (mempool_id != kNoPool) {
+      // As PyTorch's allocator: a pool still in use (a live graph or
+      // MemPool) keeps its cached blocks, which a captured graph may use.
       std::lock_guard<std::mutex> g(pools_mutex_);
       for (int d = 0; d < kMaxDevices; ++d) {
-        if (Pool* p = find_pool(d, mempool_id)) {
+        Pool* p = find_pool(d, mempool_id);
+        if (p != nullptr && p->use_count == 0) {
           TORCH_CHECK(cachealloc_torch_empty_cache(p->handle) >= 0, last_error());
           maybe_drop(p);
         }
