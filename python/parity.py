@@ -404,12 +404,39 @@ def check_multi_device(torch):
     if n < 2:
         return "skipped: 1 GPU"
     a = torch.ones(1 << 20, device="cuda:0")
+    before0 = torch.cuda.memory_allocated(0)
     torch.cuda.set_device(1)
     b = torch.ones(1 << 20, device="cuda:1") * 2
     c = a.to("cuda:1") + b
     assert c.eq(3).all().item()
     assert torch.cuda.memory_allocated(1) >= 8 << 20
+    # A tensor of device 0 freed while device 1 is current.
+    del a
+    assert torch.cuda.memory_allocated(0) == before0 - (4 << 20), "device 0's free not counted"
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved(1) >= torch.cuda.memory_allocated(1) > 0
+    with torch.cuda.device(0):
+        d = torch.randn(1 << 18, device="cuda") * 1
+    assert d.device.index == 0
     return f"{n} GPUs"
+
+
+def check_ddp(torch):
+    """DistributedDataParallel over two GPUs under torchrun (ddp_check.py)."""
+    n = torch.cuda.device_count()
+    if n < 2:
+        return "skipped: 1 GPU"
+    env = dict(os.environ)
+    ours = "CACHEALLOC_CONF" in env
+    env["CACHEALLOC_TORCH"] = "1" if ours else "0"
+    env["DDP_CHECK_ALLOCATOR"] = "cachealloc" if ours else "native"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", "2", os.path.join(HERE, "ddp_check.py")]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
+    ok = [l for l in p.stdout.splitlines() if l.startswith("DDP_OK")]
+    tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
+    assert p.returncode == 0 and ok, f"exit {p.returncode}: {tail}"
+    return "torchrun, " + ok[0][len("DDP_OK "):]
 
 
 def check_ipc(torch):

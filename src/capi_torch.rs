@@ -14,7 +14,9 @@
 //! int     cachealloc_torch_pool_drop(void* h);        // 0; -1 if h is no pool or still in use
 //! void*   cachealloc_torch_alloc(void* h, size_t size, void* stream, int* kind);
 //!                                                     // kind: 0 ok, 1 out of memory, 2 other error
-//! int     cachealloc_torch_free(void* h, void* ptr);  // 0, -1 (error), -2 (not this allocator's)
+//! int     cachealloc_torch_free(void* h, void* ptr, uint64_t* size);
+//!                                                     // 0, -1 (error), -2 (not this allocator's);
+//!                                                     // *size (if not NULL): the size requested
 //! int     cachealloc_torch_record_stream(void* h, void* ptr, void* stream);  // as free
 //! int     cachealloc_torch_stats(void* h, int64_t* out, size_t n);  // n >= CACHEALLOC_TORCH_STATS
 //! int     cachealloc_torch_reset_peak(void* h);
@@ -161,14 +163,18 @@ pub fn alloc<D: Device>(a: &CachingAllocator<D>, size: u64, stream: u64) -> Allo
         Err(e @ AllocError::Device(cachealloc_core::DeviceError::OutOfMemory)) => {
             AllocOutcome::OutOfMemory(e.to_string())
         }
+        // Larger than any device: out of memory to PyTorch ("Tried to
+        // allocate 800000000.00 GiB"), as its own allocator reports it.
+        Err(e @ AllocError::SizeTooLarge(_)) => AllocOutcome::OutOfMemory(e.to_string()),
         Err(e) => AllocOutcome::Error(e.to_string()),
     }
 }
 
-/// Frees through `a`: 0, -2 when `a` does not own `ptr`, -1 on another error.
-pub fn free<D: Device>(a: &CachingAllocator<D>, ptr: u64) -> Result<(), (i32, String)> {
-    match a.free(DevicePtr(ptr)) {
-        Ok(()) => Ok(()),
+/// Frees through `a`, returning the size that was requested; errors: -2
+/// when `a` does not own `ptr`, -1 another.
+pub fn free<D: Device>(a: &CachingAllocator<D>, ptr: u64) -> Result<u64, (i32, String)> {
+    match a.free_sized(DevicePtr(ptr)) {
+        Ok(size) => Ok(size),
         Err(e @ AllocError::UnknownPointer(_)) => Err((-2, e.to_string())),
         Err(e) => Err((-1, e.to_string())),
     }
@@ -353,19 +359,31 @@ mod exports {
         ptr as usize as *mut c_void
     }
 
-    /// Frees `ptr`: 0; -2 when this allocator does not own it; -1 on other misuse.
+    /// Frees `ptr`: 0; -2 when this allocator does not own it; -1 on other
+    /// misuse. On success `*size` (when `size` is not NULL) is the size that
+    /// was requested (for the profiler's memory events).
     ///
     /// # Safety
-    /// `h` as in `handle`.
+    /// `h` as in `handle`; `size` is NULL or points at a writable u64.
     #[no_mangle]
-    pub unsafe extern "C" fn cachealloc_torch_free(h: *const c_void, ptr: *mut c_void) -> c_int {
+    pub unsafe extern "C" fn cachealloc_torch_free(
+        h: *const c_void,
+        ptr: *mut c_void,
+        size: *mut u64,
+    ) -> c_int {
         guard(-1, || {
             // SAFETY: forwarded contract.
             let Some(a) = (unsafe { handle(h) }) else {
                 return -1;
             };
             match free(a, ptr as usize as u64) {
-                Ok(()) => 0,
+                Ok(n) => {
+                    if !size.is_null() {
+                        // SAFETY: non-null and writable per the contract.
+                        unsafe { *size = n };
+                    }
+                    0
+                }
                 Err((code, m)) => {
                     set_error(&m);
                     code
@@ -671,12 +689,14 @@ mod tests {
         let oom = alloc(&a, 512 << 20, 0);
         assert_eq!(oom.code(), 1);
         assert!(matches!(&oom, AllocOutcome::OutOfMemory(m) if m.contains("out of memory")));
+        // A request larger than any device is an out-of-memory too.
+        assert_eq!(alloc(&a, u64::MAX / 2, 0).code(), 1);
         let AllocOutcome::Ok(p) = alloc(&a, 1 << 20, 0) else {
             panic!("1 MiB fits")
         };
         assert!(!pool_idle(&a));
         assert_eq!(free(&a, 0xdead_0000).unwrap_err().0, -2);
-        free(&a, p).unwrap();
+        assert_eq!(free(&a, p).unwrap(), 1 << 20, "the size requested");
         assert_eq!(free(&a, p).unwrap_err().0, -1, "double free");
         assert!(pool_idle(&a));
         assert!(largest_free(&a) >= 1 << 20);

@@ -49,7 +49,7 @@ void* cachealloc_torch_device(int device);
 void* cachealloc_torch_pool_new(int device);
 int cachealloc_torch_pool_drop(void* h);
 void* cachealloc_torch_alloc(void* h, size_t size, void* stream, int* kind);
-int cachealloc_torch_free(void* h, void* ptr);
+int cachealloc_torch_free(void* h, void* ptr, uint64_t* size);
 int cachealloc_torch_record_stream(void* h, void* ptr, void* stream);
 int cachealloc_torch_stats(void* h, int64_t* out, size_t n);
 int cachealloc_torch_reset_peak(void* h);
@@ -301,6 +301,9 @@ class CacheallocAllocator final
     if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
       record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, kNoPool, true);
     }
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+      report_to_profiler(dev, ptr, static_cast<int64_t>(size));
+    }
     if (C10_UNLIKELY(captures_.load(std::memory_order_relaxed) > 0)) {
       debugf("device %d alloc %p size %zu stream %p during a pool route",
              (int)dev, ptr, size, (void*)stream);
@@ -342,7 +345,20 @@ class CacheallocAllocator final
     if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
       record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, p->id, true);
     }
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+      report_to_profiler(dev, ptr, static_cast<int64_t>(size));
+    }
     return ptr;
+  }
+
+  // torch.profiler's memory events (profile_memory=True): the change in
+  // bytes with the device's totals after it, as PyTorch's allocator reports.
+  void report_to_profiler(c10::DeviceIndex dev, void* ptr, int64_t delta) {
+    auto st = getDeviceStats(dev);
+    c10::reportMemoryUsageToProfiler(
+        ptr, delta, static_cast<size_t>(st.allocated_bytes[0].current),
+        static_cast<size_t>(st.reserved_bytes[0].current),
+        c10::Device(c10::DeviceType::CUDA, dev));
   }
 
   void fail(c10::DeviceIndex dev, size_t size, int kind) {
@@ -406,9 +422,10 @@ class CacheallocAllocator final
         p->live.erase(ptr);
         pool_live_.fetch_sub(1, std::memory_order_relaxed);
         int rc;
+        uint64_t size = 0;
         {
           RelaxedCapture r(true);
-          rc = cachealloc_torch_free(p->handle, ptr);
+          rc = cachealloc_torch_free(p->handle, ptr, &size);
         }
         TORCH_CHECK(rc == 0, "cachealloc: free in private pool: ", last_error());
         debugf("pool (%llu,%llu) free %p (%zu live)",
@@ -420,7 +437,10 @@ class CacheallocAllocator final
         maybe_drop(p);
         g.unlock();
         if (history_on_.load()) {
-          record_free(pdev, ptr, pid);
+          record_free(pdev, ptr, pid, size);
+        }
+        if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+          report_to_profiler(pdev, ptr, -static_cast<int64_t>(size));
         }
         return;
       }
@@ -442,13 +462,17 @@ class CacheallocAllocator final
       }
       void* h = main_[d].load(std::memory_order_acquire);
       int rc;
+      uint64_t size = 0;
       {
         RelaxedCapture r(relaxed);
-        rc = cachealloc_torch_free(h, ptr);
+        rc = cachealloc_torch_free(h, ptr, &size);
       }
       if (rc == 0) {
         if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
-          record_free(d, ptr, kNoPool);
+          record_free(d, ptr, kNoPool, size);
+        }
+        if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+          report_to_profiler(d, ptr, -static_cast<int64_t>(size));
         }
         if (C10_UNLIKELY(relaxed)) {
           debugf("device %d free %p during a pool route", d, ptr);
@@ -815,7 +839,6 @@ class CacheallocAllocator final
     }
     if (!enabled) {
       contexts_.clear();
-      sizes_.clear();
     }
     history_on_.store(enabled);
   }
@@ -855,29 +878,24 @@ class CacheallocAllocator final
     if (keep_context && ctx) {
       contexts_[ptr] = ctx;
     }
-    if (action == CDA::TraceEntry::ALLOC) {
-      sizes_[ptr] = size;  // for the free's trace entry
-    }
-    if (when_ >= CCA::RecordContext::ALLOC &&
-        !skip_.count(static_cast<int>(action))) {
-      push_trace(CDA::TraceEntry(action, dev, reinterpret_cast<size_t>(ptr),
-                                 size, stream, pool, c10::getApproximateTime(),
-                                 ctx));
+    // As PyTorch's allocator: while history is on every action is traced;
+    // `when` decides only whether the entry carries its stack (ALLOC, ALL)
+    // or only live blocks do (STATE).
+    if (history_on_.load() && !skip_.count(static_cast<int>(action))) {
+      push_trace(CDA::TraceEntry(
+          action, dev, reinterpret_cast<size_t>(ptr), size, stream, pool,
+          c10::getApproximateTime(),
+          when_ >= CCA::RecordContext::ALLOC ? ctx : nullptr));
     }
   }
 
-  void record_free(c10::DeviceIndex dev, void* ptr, MempoolId_t pool) {
-    size_t size = 0;
+  void record_free(c10::DeviceIndex dev, void* ptr, MempoolId_t pool,
+                   size_t size) {
     CCA::CreateContextFn rec;
     CCA::RecordContext when;
     {
       std::lock_guard<std::mutex> g(history_mutex_);
       contexts_.erase(ptr);
-      auto it = sizes_.find(ptr);
-      if (it != sizes_.end()) {
-        size = it->second;
-        sizes_.erase(it);
-      }
       rec = recorder_;
       when = when_;
     }
@@ -886,7 +904,7 @@ class CacheallocAllocator final
       ctx = rec();
     }
     std::lock_guard<std::mutex> g(history_mutex_);
-    if (when_ >= CCA::RecordContext::ALLOC) {
+    if (history_on_.load()) {
       for (auto a : {CDA::TraceEntry::FREE_REQUESTED,
                      CDA::TraceEntry::FREE_COMPLETED}) {
         if (!skip_.count(static_cast<int>(a))) {
@@ -1218,7 +1236,6 @@ class CacheallocAllocator final
   std::array<size_t, kMaxDevices> ring_next_{};
   std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> contexts_;
   // Sizes of the allocations made while recording (a free's entry carries its size).
-  std::unordered_map<void*, size_t> sizes_;
 };
 
 // Never destroyed: tensors may be freed during interpreter shutdown.
