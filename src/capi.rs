@@ -225,11 +225,18 @@ static LAST_ERROR_ANY: Mutex<Option<String>> = Mutex::new(None);
 /// Records `e` as the calling thread's last error (and the process's), returns its text.
 fn record_error(e: &AbiError) -> String {
     let msg = e.to_string();
-    // `try_with`: a free during thread teardown must not panic on a destroyed thread-local.
-    let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = Some(msg.clone()));
-    *LAST_ERROR_ANY.lock() = Some(msg.clone());
-    ERROR_COUNT.fetch_add(1, Ordering::Relaxed);
+    record_message(&msg);
     msg
+}
+
+/// Records `msg` as the calling thread's last error and the process's, and
+/// counts it: the one error channel of both C ABIs (this one and
+/// `capi_torch`'s).
+pub(crate) fn record_message(msg: &str) {
+    // `try_with`: a free during thread teardown must not panic on a destroyed thread-local.
+    let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = Some(msg.to_string()));
+    *LAST_ERROR_ANY.lock() = Some(msg.to_string());
+    ERROR_COUNT.fetch_add(1, Ordering::Relaxed);
 }
 
 /// The calling thread's last error.
@@ -247,7 +254,8 @@ pub fn error_count() -> u64 {
     ERROR_COUNT.load(Ordering::Relaxed)
 }
 
-fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
+/// The text of a caught panic's payload.
+pub(crate) fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
         s.to_string()
     } else if let Some(s) = p.downcast_ref::<String>() {

@@ -36,7 +36,6 @@ use cachealloc_core::{
     AllocError, BlockState, CachingAllocator, Device, DevicePtr, MemoryStats, PoolKind, Snapshot,
     StreamId,
 };
-use std::cell::RefCell;
 
 /// Length of the statistics vector ([`stats_vector`]).
 pub const STATS_LEN: usize = 9 * 3 * 4 + 2 * 4 + 6;
@@ -190,22 +189,15 @@ pub fn pool_idle<D: Device>(a: &CachingAllocator<D>) -> bool {
     a.usage().allocated == 0
 }
 
-thread_local! {
-    static LAST: RefCell<String> = const { RefCell::new(String::new()) };
-}
-
-/// Sets the calling thread's last error of this ABI.
+/// Records an error of this ABI: the calling thread's last error, counted in
+/// `cachealloc_error_count` like the plain ABI's.
 fn set_error(msg: &str) {
-    let _ = LAST.try_with(|l| {
-        let mut l = l.borrow_mut();
-        l.clear();
-        l.push_str(msg);
-    });
+    crate::capi::record_message(msg);
 }
 
-/// The calling thread's last error of this ABI ("" when none).
+/// The calling thread's last error of either C ABI ("" when none).
 pub fn last_error() -> String {
-    LAST.try_with(|l| l.borrow().clone()).unwrap_or_default()
+    crate::capi::last_error().unwrap_or_default()
 }
 
 #[cfg(feature = "cuda")]
@@ -229,11 +221,7 @@ mod exports {
     /// Runs `f`, turning a panic into `fallback` with the last error set.
     fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
         catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
+            let msg = crate::capi::panic_text(p);
             set_error(&format!("cachealloc: internal error (panic): {msg}"));
             fallback
         })
@@ -384,6 +372,9 @@ mod exports {
                     }
                     0
                 }
+                // -2 is a lookup miss while the caller tries each
+                // device's allocator, not an error.
+                Err((-2, _)) => -2,
                 Err((code, m)) => {
                     set_error(&m);
                     code
@@ -704,7 +695,12 @@ mod tests {
 
     #[test]
     fn last_error_is_per_thread() {
+        let before = crate::capi::error_count();
         set_error("x");
+        assert!(
+            crate::capi::error_count() > before,
+            "counted with the plain ABI's errors"
+        );
         assert_eq!(last_error(), "x");
         std::thread::spawn(|| assert_eq!(last_error(), ""))
             .join()
