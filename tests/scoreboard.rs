@@ -190,3 +190,38 @@ fn scoreboard_summaries_name_the_worst_trace() {
         assert_eq!(rows.iter().cloned().fold(0.0, f64::max), worst, "{s}");
     }
 }
+
+#[test]
+fn scoreboard_reads_a_pytorch_memory_snapshot() {
+    // A `torch.cuda.memory._dump_snapshot` pickle (8 steps of 12 allocations)
+    // beside nothing else: listed, read and scored like a text trace.
+    let dir = TempDir::new("scoreboard-pickle");
+    std::fs::copy(
+        root().join("tests/data/snapshot.pickle"),
+        dir.0.join("snapshot.pickle"),
+    )
+    .unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_cachealloc"))
+        .args([
+            "scoreboard",
+            dir.0.to_str().unwrap(),
+            "--json",
+            "--jitter",
+            "0",
+        ])
+        .args(["--config", "default", "--no-min-capacity"])
+        .output()
+        .expect("the binary runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let lines: Vec<Value> = String::from_utf8(o.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let row = lines
+        .iter()
+        .find(|v| v.get("summary").is_none())
+        .expect("one row for the snapshot");
+    assert_eq!(row["trace"], "snapshot");
+    assert!(row["peak_allocated_bytes"].as_f64().unwrap() > 0.0, "{row}");
+}

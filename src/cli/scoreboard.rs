@@ -68,10 +68,15 @@ pub fn load(path: &Path) -> Result<Loaded, String> {
     })
 }
 
-/// Event counts at which a `# step` comment stands.
+/// Event counts at which a `# step` comment stands (none in a PyTorch
+/// memory snapshot pickle, whose steps are inferred).
 fn step_marks(path: &Path) -> io::Result<Vec<usize>> {
     let mut raw = BufReader::new(File::open(path)?);
-    let gzip = raw.fill_buf()?.starts_with(&[0x1f, 0x8b]);
+    let head = raw.fill_buf()?;
+    if cachealloc::pickle_trace::is_pickle(head) {
+        return Ok(Vec::new());
+    }
+    let gzip = head.starts_with(&[0x1f, 0x8b]);
     let text: Box<dyn BufRead> = if gzip {
         Box::new(BufReader::new(MultiGzDecoder::new(raw)))
     } else {
@@ -315,7 +320,8 @@ pub fn score(
     }
 }
 
-/// The trace files of a folder (`*.trace`, `*.trace.gz`), by name.
+/// The trace files of a folder (`*.trace`, `*.trace.gz`, and PyTorch
+/// memory snapshots `*.pickle`), by name.
 pub fn trace_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
     let entries = std::fs::read_dir(dir)
         .map_err(|e| format!("cannot read the folder {}: {e}", dir.display()))?;
@@ -323,13 +329,14 @@ pub fn trace_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
             let n = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            p.is_file() && (n.ends_with(".trace") || n.ends_with(".trace.gz"))
+            p.is_file()
+                && (n.ends_with(".trace") || n.ends_with(".trace.gz") || n.ends_with(".pickle"))
         })
         .collect();
     files.sort();
     if files.is_empty() {
         return Err(format!(
-            "no trace files (*.trace, *.trace.gz) in {}",
+            "no trace files (*.trace, *.trace.gz, *.pickle) in {}",
             dir.display()
         ));
     }
@@ -367,6 +374,7 @@ pub fn run(args: ScoreboardArgs) -> Result<(), CliError> {
                 .map_or(trace_name(&l.path), |n| n.to_string_lossy().into_owned());
             n.trim_end_matches(".gz")
                 .trim_end_matches(".trace")
+                .trim_end_matches(".pickle")
                 .to_string()
         })
         .collect();
