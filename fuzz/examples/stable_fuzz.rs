@@ -3,14 +3,20 @@
 //! for a time budget; every panic or error is a crash, saved under
 //! `fuzz/artifacts/stable/`. Prints the inputs run per target and the
 //! allocator operations executed: the `ops` inputs' decoded operations
-//! (the fixed sequences that accepted configurations serve are not counted).
+//! (the fixed sequences that accepted configurations serve are not counted),
+//! then the same as one JSON line (`{"seed":…,"ops":…,"crashes":…}`), which
+//! `fuzz/run-parallel.sh` sums over processes.
 //!
 //! `cargo run --release --example stable_fuzz -- SECONDS [SEED]`
+//!
+//! `CACHEALLOC_FUZZ_DIR` names the folder holding `corpus/` and receiving
+//! `artifacts/` (default: this crate's folder), so that a built binary runs
+//! on another machine.
 
 use cachealloc_core::sample::XorShift64;
 use cachealloc_core::testing;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::Path;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// `rng.below(n)` for lengths and indices (0 for an empty range).
@@ -18,10 +24,15 @@ fn below(rng: &mut XorShift64, n: usize) -> usize {
     rng.below(n.max(1) as u64) as usize
 }
 
+/// The folder holding `corpus/` and `artifacts/`.
+fn fuzz_dir() -> PathBuf {
+    std::env::var_os("CACHEALLOC_FUZZ_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
 fn seeds(target: &str) -> Vec<Vec<u8>> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("corpus")
-        .join(target);
+    let dir = fuzz_dir().join("corpus").join(target);
     let mut out = Vec::new();
     if let Ok(entries) = std::fs::read_dir(dir) {
         for e in entries.flatten() {
@@ -72,7 +83,7 @@ fn input(rng: &mut XorShift64, seeds: &[Vec<u8>], max_len: usize) -> Vec<u8> {
 }
 
 fn save(target: &str, data: &[u8], why: &str) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/stable");
+    let dir = fuzz_dir().join("artifacts/stable");
     let _ = std::fs::create_dir_all(&dir);
     let name = format!("{target}-{:016x}", fxhash(data));
     let _ = std::fs::write(dir.join(&name), data);
@@ -91,6 +102,12 @@ fn main() {
     let seed: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(1);
     let mut rng = XorShift64::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let (ops_seeds, trace_seeds, config_seeds) = (seeds("ops"), seeds("trace"), seeds("config"));
+    if ops_seeds.is_empty() || trace_seeds.is_empty() || config_seeds.is_empty() {
+        eprintln!(
+            "stable_fuzz: no seeds under {}/corpus: random inputs only (set CACHEALLOC_FUZZ_DIR)",
+            fuzz_dir().display()
+        );
+    }
     std::panic::set_hook(Box::new(|_| {}));
     let (mut runs, mut ops, mut crashes) = ([0u64; 3], 0u64, 0u64);
     let end = Instant::now() + Duration::from_secs(seconds);
@@ -135,6 +152,11 @@ fn main() {
     println!(
         "stable_fuzz seed {seed}, {seconds} s: ops {} inputs, trace {} inputs, config {} inputs; \
          {ops} allocator operations; {crashes} crashes",
+        runs[0], runs[1], runs[2]
+    );
+    println!(
+        "{{\"seed\":{seed},\"seconds\":{seconds},\"ops_inputs\":{},\"trace_inputs\":{},\
+         \"config_inputs\":{},\"ops\":{ops},\"crashes\":{crashes}}}",
         runs[0], runs[1], runs[2]
     );
 }
