@@ -19,7 +19,7 @@
 //!   snapshot as awaiting events);
 //! - an out-of-memory error comes only after the full flush (no event left
 //!   pending, no entirely free segment left cached, `num_alloc_retries` went
-//!   up) and only when the device truly could not give the segment: its free
+//!   up; with `oom_flush` off, after none: nothing cached given back) and only when the device truly could not give the segment: its free
 //!   memory was below the segment size, or the cap would have been passed, or
 //!   an injected failure was active; the report's figures are the real ones;
 //! - misuse (size 0, absurd size, double, foreign or interior pointer)
@@ -142,6 +142,11 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         // Slabs for every small request, and for the smallest next to the bins.
         ("default-slabs-1024", parse("default,slab_max_kb:1024")),
         ("pytorch-slabs-16", parse("pytorch,slab_max_kb:16")),
+        // A CUDA graph pool's allocator: never gives segments back on its own.
+        (
+            "graph-pool",
+            parse("default,oom_flush:false,release_before_grow:false"),
+        ),
     ]
 }
 
@@ -859,13 +864,24 @@ impl Model {
                 if st.num_ooms != before.stats.num_ooms + 1 {
                     return Err("an OOM was not counted in num_ooms".into());
                 }
-                if st.num_alloc_retries != before.stats.num_alloc_retries + 1 {
-                    return Err(format!(
-                        "OOM for malloc({size}) without the flush-and-retry (num_alloc_retries {} → {})",
-                        before.stats.num_alloc_retries, st.num_alloc_retries
-                    ));
+                if !self.config.oom_flush {
+                    // A graph pool's allocator: nothing cached is given back.
+                    if st.num_alloc_retries != before.stats.num_alloc_retries
+                        || self.dev.counters().frees != before.counters.frees
+                    {
+                        return Err(format!(
+                            "OOM for malloc({size}) with oom_flush off released cached segments"
+                        ));
+                    }
+                } else {
+                    if st.num_alloc_retries != before.stats.num_alloc_retries + 1 {
+                        return Err(format!(
+                            "OOM for malloc({size}) without the flush-and-retry (num_alloc_retries {} → {})",
+                            before.stats.num_alloc_retries, st.num_alloc_retries
+                        ));
+                    }
+                    self.check_flushed(&format!("an OOM for malloc({size})"))?;
                 }
-                self.check_flushed(&format!("an OOM for malloc({size})"))?;
                 let info: MemInfo = self.dev.mem_info().map_err(|e| e.to_string())?;
                 let reserved = st.reserved_bytes.all().current;
                 let c = self.dev.counters();

@@ -150,6 +150,11 @@ fn model_default() {
 }
 
 #[test]
+fn model_graph_pool() {
+    run_config("graph-pool", config("graph-pool"), 128);
+}
+
+#[test]
 fn model_no_caching() {
     run_config("no-caching", config("no-caching"), 128);
 }
