@@ -7,9 +7,11 @@
 #   BINARY  a built stable_fuzz (default: build it with cargo, release)
 #   CACHEALLOC_FUZZ_DIR  folder with corpus/ (default: this folder); crashes
 #                        are saved under its artifacts/stable/
+#   FUZZ_SEED0           seeds are FUZZ_SEED0+1 .. FUZZ_SEED0+N (default 0), so
+#                        that a second run tries other inputs
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-[ $# -ge 3 ] || { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 3 ] || { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 n="$1"; secs="$2"; out="$3"; bin="${4:-}"
 case "$n$secs" in *[!0-9]*|"") echo "error: N and SECONDS must be whole numbers" >&2; exit 2 ;; esac
 if [ -z "$bin" ]; then
@@ -19,7 +21,9 @@ fi
 export CACHEALLOC_FUZZ_DIR="${CACHEALLOC_FUZZ_DIR:-$here}"
 mkdir -p "$out"
 pids=()
-for s in $(seq 1 "$n"); do
+seed0="${FUZZ_SEED0:-0}"
+case "$seed0" in *[!0-9]*|"") echo "error: FUZZ_SEED0 must be a whole number" >&2; exit 2 ;; esac
+for s in $(seq $((seed0 + 1)) $((seed0 + n))); do
   "$bin" "$secs" "$s" > "$out/seed-$s.out" 2> "$out/seed-$s.err" & pids+=($!)
 done
 fail=0
