@@ -11,7 +11,7 @@
 #                        that a second run tries other inputs
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-[ $# -ge 3 ] || { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 3 ] || { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 n="$1"; secs="$2"; out="$3"; bin="${4:-}"
 case "$n$secs" in *[!0-9]*|"") echo "error: N and SECONDS must be whole numbers" >&2; exit 2 ;; esac
 if [ -z "$bin" ]; then
