@@ -24,6 +24,10 @@
 //! int64_t cachealloc_torch_largest_free(void* h);     // largest cached free block, or -1
 //! int     cachealloc_torch_set_fraction(void* h, double fraction);
 //! int64_t cachealloc_torch_snapshot(void* h, uint64_t* out, size_t cap);  // words needed, or -1
+//! int64_t cachealloc_torch_restore(void* h, const uint64_t* words, size_t n,
+//!                                  uint64_t* out, size_t cap);
+//!                                                     // back to a snapshot's layout: addresses
+//!                                                     // allocated (written to out), or -1
 //! int     cachealloc_torch_is_expandable(void* h);   // 1 page-backed segments, 0 plain, -1 error
 //! size_t  cachealloc_torch_last_error(char* buf, size_t cap);  // this thread's last error
 //! ```
@@ -127,6 +131,86 @@ pub fn snapshot_words(snap: &Snapshot) -> Vec<u64> {
         }
     }
     out
+}
+
+/// The snapshot that [`snapshot_words`] wrote, as far as a layout needs it
+/// (addresses, sizes, requested sizes and states; the pool word tells only
+/// small from large).
+pub fn snapshot_from_words(words: &[u64]) -> Result<Snapshot, String> {
+    let mut segments = Vec::new();
+    let mut rest = words;
+    while !rest.is_empty() {
+        let Some((head, tail)) = rest.split_at_checked(SEGMENT_WORDS) else {
+            return Err(format!("{} words left: not a segment header", rest.len()));
+        };
+        let n = usize::try_from(head[6]).map_err(|_| "block count out of range")?;
+        let Some((body, tail)) = n
+            .checked_mul(BLOCK_WORDS)
+            .and_then(|len| tail.split_at_checked(len))
+        else {
+            return Err(format!(
+                "segment at {:#x}: {n} blocks announced, fewer given",
+                head[0]
+            ));
+        };
+        let mut blocks = Vec::with_capacity(n);
+        for b in body.chunks_exact(BLOCK_WORDS) {
+            let state = match b[3] {
+                block_state::INACTIVE => BlockState::Free,
+                block_state::ALLOCATED => BlockState::Allocated,
+                block_state::PENDING_FREE => BlockState::AwaitingEvents,
+                other => return Err(format!("block at {:#x}: state {other}", b[0])),
+            };
+            blocks.push(cachealloc_core::BlockSnapshot {
+                address: DevicePtr(b[0]),
+                size: b[1],
+                requested_size: b[2],
+                state,
+                stream_uses: Vec::new(),
+            });
+        }
+        segments.push(cachealloc_core::SegmentSnapshot {
+            address: DevicePtr(head[0]),
+            total_size: head[1],
+            allocated_size: head[2],
+            requested_size: head[3],
+            stream: StreamId(head[4]),
+            pool: if head[5] == 0 {
+                PoolKind::Small
+            } else {
+                PoolKind::Large
+            },
+            blocks,
+            mapped_size: head[7],
+        });
+        rest = tail;
+    }
+    Ok(Snapshot { segments })
+}
+
+/// Restores `a` to the layout of `words` ([`snapshot_words`] of it, taken
+/// earlier): the addresses allocated again, at most `cap` of them (more is
+/// an error, before anything changes).
+pub fn restore<D: Device>(
+    a: &CachingAllocator<D>,
+    words: &[u64],
+    cap: usize,
+) -> Result<Vec<u64>, String> {
+    let layout = snapshot_from_words(words)?;
+    let n = layout
+        .segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .filter(|b| b.state != BlockState::Free)
+        .count();
+    if n > cap {
+        return Err(format!(
+            "cachealloc: restore needs room for {n} addresses, {cap} given"
+        ));
+    }
+    a.restore_layout(&layout)
+        .map(|v| v.into_iter().map(|p| p.0).collect())
+        .map_err(|e| format!("cachealloc: {e}"))
 }
 
 /// What an allocation through a handle gave.
@@ -549,6 +633,52 @@ mod exports {
         })
     }
 
+    /// Sets `h`'s blocks back to the layout of `words[..n]` (its own
+    /// snapshot words, taken earlier; nothing may be allocated now): the
+    /// number of addresses allocated again, written to `out[..cap]`; -1 on
+    /// error (nothing changed; last error set).
+    ///
+    /// # Safety
+    /// `h` as in `handle`; `words` points at `n` readable words and `out` at
+    /// `cap` writable ones (each may be NULL when its count is 0).
+    #[no_mangle]
+    pub unsafe extern "C" fn cachealloc_torch_restore(
+        h: *const c_void,
+        words: *const u64,
+        n: usize,
+        out: *mut u64,
+        cap: usize,
+    ) -> i64 {
+        guard(-1, || {
+            // SAFETY: forwarded contract.
+            let Some(a) = (unsafe { handle(h) }) else {
+                return -1;
+            };
+            let words: &[u64] = if n == 0 || words.is_null() {
+                &[]
+            } else {
+                // SAFETY: `words` has `n` readable words per the contract.
+                unsafe { std::slice::from_raw_parts(words, n) }
+            };
+            let cap = if out.is_null() { 0 } else { cap };
+            match restore(a, words, cap) {
+                Ok(addrs) => {
+                    if !addrs.is_empty() {
+                        // SAFETY: `restore` returned at most `cap` addresses
+                        // (so `out` is not NULL) and `out` has room for `cap`
+                        // words per the contract.
+                        unsafe { std::ptr::copy_nonoverlapping(addrs.as_ptr(), out, addrs.len()) };
+                    }
+                    i64::try_from(addrs.len()).unwrap_or(i64::MAX)
+                }
+                Err(m) => {
+                    set_error(&m);
+                    -1
+                }
+            }
+        })
+    }
+
     /// 1 when `h` uses expandable (page-backed) segments, 0 when plain, -1 on error.
     ///
     /// # Safety
@@ -691,6 +821,43 @@ mod tests {
         assert_eq!(free(&a, p).unwrap_err().0, -1, "double free");
         assert!(pool_idle(&a));
         assert!(largest_free(&a) >= 1 << 20);
+    }
+
+    #[test]
+    fn restore_goes_back_to_a_layout_given_as_snapshot_words() {
+        let a = alloc_1g();
+        let x = a.malloc(3 << 20, StreamId(0)).unwrap();
+        let y = a.malloc(1000, StreamId(0)).unwrap();
+        let z = a.malloc(5 << 20, StreamId(0)).unwrap();
+        a.free(y).unwrap();
+        let words = snapshot_words(&a.snapshot());
+        assert_eq!(snapshot_words(&snapshot_from_words(&words).unwrap()), words);
+        // Refused while allocated, and with too little room for the addresses.
+        assert!(restore(&a, &words, 8).is_err());
+        a.free(x).unwrap();
+        a.free(z).unwrap();
+        assert!(restore(&a, &words, 1).unwrap_err().contains("room for 2"));
+        let mut got = restore(&a, &words, 8).unwrap();
+        got.sort();
+        assert_eq!(got, vec![x.0.min(z.0), x.0.max(z.0)]);
+        // The same blocks in use at the same places (a block parked in a
+        // thread cache then is part of the free space now).
+        let used = |w: &[u64]| -> Vec<(u64, u64, u64)> {
+            let s = snapshot_from_words(w).unwrap();
+            s.segments
+                .iter()
+                .flat_map(|s| &s.blocks)
+                .filter(|b| b.state != BlockState::Free)
+                .map(|b| (b.address.0, b.size, b.requested_size))
+                .collect()
+        };
+        assert_eq!(used(&snapshot_words(&a.snapshot())), used(&words));
+        a.check_invariants().unwrap();
+        // Truncated or garbled words are refused.
+        assert!(snapshot_from_words(&words[..words.len() - 1]).is_err());
+        let mut bad = words.clone();
+        bad[SEGMENT_WORDS + 3] = 9;
+        assert!(snapshot_from_words(&bad).is_err());
     }
 
     #[test]

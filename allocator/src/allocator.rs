@@ -2106,6 +2106,7 @@ impl<E> State<E> {
 }
 
 mod expandable;
+mod layout;
 mod slabs;
 mod thread_cache;
 use slabs::SlabLists;

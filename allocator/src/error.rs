@@ -26,6 +26,9 @@ pub enum AllocError {
     OutOfMemory(Box<OomReport>),
     /// A device call failed for a reason other than lack of memory.
     Device(DeviceError),
+    /// A layout to restore ([`crate::CachingAllocator::restore_layout`])
+    /// does not fit the allocator's state; nothing was changed.
+    BadLayout(String),
 }
 
 impl fmt::Display for AllocError {
@@ -50,6 +53,7 @@ impl fmt::Display for AllocError {
             AllocError::DoubleFree(p) => write!(f, "pointer {p} was already freed (double free)"),
             AllocError::OutOfMemory(r) => r.fmt(f),
             AllocError::Device(e) => write!(f, "device error: {e}"),
+            AllocError::BadLayout(why) => write!(f, "cannot restore the layout: {why}"),
         }
     }
 }
