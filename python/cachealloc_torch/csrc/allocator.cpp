@@ -57,6 +57,8 @@ int64_t cachealloc_torch_empty_cache(void* h);
 int64_t cachealloc_torch_largest_free(void* h);
 int cachealloc_torch_set_fraction(void* h, double fraction);
 int64_t cachealloc_torch_snapshot(void* h, uint64_t* out, size_t cap);
+int64_t cachealloc_torch_restore(void* h, const uint64_t* words, size_t n,
+                                 uint64_t* out, size_t cap);
 int cachealloc_torch_is_expandable(void* h);
 size_t cachealloc_torch_last_error(char* buf, size_t cap);
 }
@@ -1163,22 +1165,68 @@ class CacheallocAllocator final
     return {};
   }
 
+  // A private pool's layout (its snapshot words) at a point CUDA graph
+  // trees may come back to.
+  struct PoolState : CCA::AllocatorState {
+    c10::DeviceIndex device;
+    MempoolId_t id;
+    std::vector<uint64_t> words;
+  };
+
   std::shared_ptr<CCA::AllocatorState> getCheckpointState(
-      c10::DeviceIndex, MempoolId_t) override {
-    TORCH_CHECK(false,
-                "cachealloc does not support checkpointed pool state "
-                "(getCheckpointState: CUDA graph trees recording a second "
-                "path); use torch.compile(mode=\"reduce-overhead\") with one "
-                "graph path, or PyTorch's own allocator");
-    return nullptr;
+      c10::DeviceIndex dev, MempoolId_t id) override {
+    std::lock_guard<std::mutex> g(pools_mutex_);
+    Pool* p = find_pool(dev, id);
+    TORCH_CHECK(p != nullptr, "cachealloc: getCheckpointState of an unknown pool " +
+                pool_name(id));
+    auto st = std::make_shared<PoolState>();
+    st->device = dev;
+    st->id = id;
+    st->words = words_of(p->handle);
+    return st;
   }
 
+  // Back to a checkpoint: every block the pool has allocated now is freed
+  // (ptrs_freed), then the checkpoint's allocated blocks are allocated
+  // again at their addresses (dataptrs_allocd), as PyTorch's allocator does.
   CCA::CheckpointDelta setCheckpointPoolState(
-      c10::DeviceIndex, std::shared_ptr<CCA::AllocatorState>) override {
-    TORCH_CHECK(false,
-                "cachealloc does not support checkpointed pool state "
-                "(setCheckpointPoolState)");
-    return {};
+      c10::DeviceIndex dev, std::shared_ptr<CCA::AllocatorState> as) override {
+    auto st = std::dynamic_pointer_cast<PoolState>(as);
+    TORCH_CHECK(st != nullptr,
+                "cachealloc: setCheckpointPoolState of a state cachealloc did not make");
+    TORCH_CHECK(st->device == dev, "cachealloc: setCheckpointPoolState: the state is "
+                "of device ", num(st->device), ", not ", num(dev));
+    std::lock_guard<std::mutex> g(pools_mutex_);
+    Pool* p = find_pool(dev, st->id);
+    TORCH_CHECK(p != nullptr, "cachealloc: setCheckpointPoolState of a pool no longer "
+                "there " + pool_name(st->id));
+    CCA::CheckpointDelta delta;
+    std::vector<void*> live(p->live.begin(), p->live.end());
+    RelaxedCapture r(true);
+    for (void* ptr : live) {
+      TORCH_CHECK(cachealloc_torch_free(p->handle, ptr, nullptr) == 0,
+                  "cachealloc: setCheckpointPoolState: ", last_error());
+      p->live.erase(ptr);
+      pool_of_.erase(ptr);
+      pool_live_.fetch_sub(1, std::memory_order_relaxed);
+      delta.ptrs_freed.push_back(ptr);
+    }
+    std::vector<uint64_t> out(st->words.size() / kBlockWords + 1);
+    int64_t n = cachealloc_torch_restore(p->handle, st->words.data(),
+                                         st->words.size(), out.data(), out.size());
+    TORCH_CHECK(n >= 0, "cachealloc: setCheckpointPoolState: ", last_error());
+    for (int64_t i = 0; i < n; ++i) {
+      void* ptr = reinterpret_cast<void*>(out[i]);
+      p->live.insert(ptr);
+      pool_of_[ptr] = p;
+      pool_live_.fetch_add(1, std::memory_order_relaxed);
+      delta.dataptrs_allocd.emplace_back(ptr, ptr, &raw_delete_fn,
+                                         c10::Device(c10::DeviceType::CUDA, dev));
+    }
+    debugf("pool (%llu,%llu) back to a checkpoint: %zu freed, %lld allocated",
+           (unsigned long long)st->id.first, (unsigned long long)st->id.second,
+           delta.ptrs_freed.size(), (long long)n);
+    return delta;
   }
 
   void enablePeerAccess(c10::DeviceIndex dev,
