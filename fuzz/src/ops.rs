@@ -7,14 +7,12 @@
 //! - configurations the model checker covers (those of `testing::configs()`,
 //!   and any without expandable segments) run under [`testing::run_with`]:
 //!   every property after every op, then the final free-everything /
-//!   `empty_cache` / nothing-left check. The model tolerates the core's
-//!   known bugs ([`testing::KnownBugs::CURRENT`]) so that the fuzzer looks
-//!   past them; `CACHEALLOC_FUZZ_STRICT=1` judges by the strict contract;
-//! - expandable segments, which the model does not know yet, run the same
-//!   ops under [`run_unmodelled`]: the core's own `check_invariants()` after
-//!   each op, misuse must be an error, no two live allocations may overlap,
-//!   and the same final leak check. When the model learns them,
-//!   [`model_covers`] sends them to it instead.
+//!   `empty_cache` / nothing-left check, by the strict contract. The
+//!   expandable preset is among them;
+//! - other configurations with expandable segments run the same ops under
+//!   [`run_unmodelled`]: the core's own `check_invariants()` after each op,
+//!   misuse must be an error, no two live allocations may overlap, and the
+//!   same final leak check.
 
 use cachealloc_core::testing::{self, Op, Options, Setup};
 use cachealloc_core::{
@@ -22,7 +20,6 @@ use cachealloc_core::{
     MAX_REQUEST,
 };
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
 
 /// The presets the `ops` target chooses from, by its first byte.
 pub fn presets() -> Vec<Config> {
@@ -37,22 +34,10 @@ pub fn model_covers(config: &Config) -> bool {
     testing::configs().iter().any(|(_, c)| c == config) || !config.expandable_segments
 }
 
-/// Whether to judge by the strict contract (`CACHEALLOC_FUZZ_STRICT=1`):
-/// no known bug tolerated by the model (nor by [`run_unmodelled`], should
-/// it ever need to tolerate one).
-pub fn strict() -> bool {
-    static STRICT: OnceLock<bool> = OnceLock::new();
-    *STRICT.get_or_init(|| std::env::var_os("CACHEALLOC_FUZZ_STRICT").is_some_and(|v| v == "1"))
-}
-
-/// How the model judges: tolerating its known bugs
-/// ([`testing::KnownBugs::CURRENT`]) unless [`strict`].
+/// How the model judges: by the strict contract, with the core's
+/// `check_invariants` too unless `MODEL_SKIP_INTERNAL` is set.
 pub fn options() -> Options {
-    if strict() {
-        Options::default()
-    } else {
-        Options::tolerating_known_bugs()
-    }
+    Options::default()
 }
 
 /// The whole body of the `ops` target: byte 0 picks how the preset is
