@@ -8,9 +8,9 @@
 //! - an allocator built with any configuration the parser accepts serves a
 //!   fixed sequence of requests (small, large, huge, absurd; two streams,
 //!   a cross-stream use, `empty_cache`) on a 1 GiB simulated device (larger
-//!   where the configuration's segments need it) with every invariant intact, and holds nothing after everything is freed. The
-//!   sequence runs under the shared model checker when it covers the
-//!   configuration (see [`crate::ops::model_covers`]).
+//!   where the configuration's segments need it) under the shared model
+//!   checker: every property after every op, and nothing held after
+//!   everything is freed.
 
 use crate::ops::run_setup;
 use cachealloc_core::config::{KeyKind, KEYS};
@@ -54,10 +54,17 @@ pub fn fixed_ops() -> Vec<Op> {
 /// spread over the full `u64` and `f64` ranges and over the key's own range
 /// ([`numeric_conf`]).
 pub fn check(data: &[u8]) {
-    check_text(data);
+    check_counted(data);
+}
+
+/// [`check`], returning the number of allocator operations run (the fixed
+/// sequence's ops, once per configuration the parser accepted).
+pub fn check_counted(data: &[u8]) -> u64 {
+    let mut ops = check_text(data);
     if let Some(text) = numeric_conf(data) {
-        check_text(text.as_bytes());
+        ops += check_text(text.as_bytes());
     }
+    ops
 }
 
 /// The bounds of a numeric key, in the units its text is written in.
@@ -208,7 +215,8 @@ pub fn numeric_conf(data: &[u8]) -> Option<String> {
     Some(format!("{preset},{}:{value}", key.name))
 }
 
-fn check_text(data: &[u8]) {
+/// Checks one configuration string; returns the allocator operations run.
+fn check_text(data: &[u8]) -> u64 {
     let text = String::from_utf8_lossy(data);
     let text = text.as_ref();
 
@@ -228,7 +236,7 @@ fn check_text(data: &[u8]) {
                 ConfigError::UnknownPreset(p) => p,
                 ConfigError::Syntax(item) if item.is_empty() => {
                     assert!(msg.contains("empty"), "{msg}");
-                    return;
+                    return 0;
                 }
                 ConfigError::Syntax(item) => item,
                 ConfigError::BadValue { key, .. } => key,
@@ -238,7 +246,7 @@ fn check_text(data: &[u8]) {
                 msg.contains(&format!("`{named}`")),
                 "{e:?}: the message does not name `{named}`: {msg}"
             );
-            return;
+            return 0;
         }
     };
     let conf = config.to_conf_string();
@@ -269,7 +277,9 @@ fn check_text(data: &[u8]) {
         capacity: (1u64 << 30).max(4 * largest),
         streams: 2,
     };
-    if let Err(e) = run_setup(&setup, &fixed_ops()) {
+    let ops = fixed_ops();
+    if let Err(e) = run_setup(&setup, &ops) {
         panic!("config {text:?} ({conf}): {e}");
     }
+    ops.len() as u64
 }
