@@ -1012,15 +1012,21 @@ impl Model {
                 let reserved = st.reserved_bytes.all().current;
                 let attempts = self.attempts(before);
                 // The device memory the request needs: its segment, or with
-                // expandable segments its pages, less what the allocator holds
-                // and can move under it (pooled pages, idle pages), plus at most
-                // one page at each edge.
+                // expandable segments its pages (the request plus at most one
+                // page at each edge: a granule, unless big pages are mapped at
+                // the edges whatever the pressure), less what the allocator
+                // holds and can move under it (pooled pages, idle pages).
                 let (need, largest_page) = if self.expandable {
                     let g = self.dev.vmm_granularity().ok_or("no granularity")?;
                     let page = self.config.expandable_page.div_ceil(g).max(1) * g;
+                    let edge = if self.config.expandable_edges == crate::EdgePages::Big {
+                        page
+                    } else {
+                        g
+                    };
                     let spare = self.dev.unmapped_page_bytes()
                         + self.idle_page_bytes(&self.alloc.snapshot());
-                    ((rounded + 2 * page).saturating_sub(spare), page)
+                    ((rounded + 2 * edge).saturating_sub(spare), page)
                 } else {
                     (seg, seg)
                 };

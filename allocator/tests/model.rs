@@ -397,3 +397,42 @@ fn strict_no_caching_empty_cache_reports_all_it_released() {
     ];
     testing::run(&setup(Config::no_caching(), 1 << 30), &ops).unwrap();
 }
+
+/// Bug, found by `model_expandable` (about one run in three at the default
+/// case counts, every run at `PROPTEST_CASES=2000`): with expandable
+/// segments, once the cap was lowered below use and the blocks above it
+/// were freed, a request that needs a new page fails with out-of-memory
+/// although idle pages far above the cap could be given back: the recycling
+/// round under the cap takes only as many idle pages as the request needs
+/// (`gather_pages`: `excess = (reserved + grow - cap).min(grow)`), so
+/// reserved memory never comes back under the cap. Plain segments release
+/// every free segment before an OOM. Dropping the `.min(grow)` fixes it
+/// (the model tests then pass 2,000 cases per expandable configuration).
+#[test]
+#[ignore = "bug: expandable segments recycle too little when reserved memory is above a lowered cap"]
+fn expandable_request_above_a_lowered_cap_releases_idle_pages() {
+    let m = |size, stream| Op::Malloc { size, stream };
+    let ops = [
+        m(1, 1),
+        m(1, 1),
+        m(1, 2),
+        m(1, 0),
+        Op::Free { slot: 2 },
+        // 96 MiB + 1 on stream 1: 13 pages of 8 MiB.
+        m(96 * MIB + 1, 1),
+        Op::SetCap(Some(MemoryCap::Bytes(52 * MIB))),
+        m(1, 0),
+        m(1, 0),
+        // Frees the 96 MiB block: its pages are idle, reserved stays above the cap.
+        Op::Free { slot: 3 },
+        m(1, 2),
+        // Needs one new 2 MiB page: fits once idle pages go back.
+        m(MIB + 1, 0),
+    ];
+    let setup = Setup {
+        config: Config::expandable(),
+        capacity: 512 * MIB,
+        streams: 3,
+    };
+    testing::run(&setup, &ops).unwrap();
+}
