@@ -359,7 +359,7 @@ fn cap_lowered_below_use() {
     assert_eq!(m.ooms, 2);
 }
 
-/// Regression (fixed in f7943d0; `KnownBugs::too_large_polls_events`): a
+/// Regression (fixed in f7943d0; once tolerated by a model flag): a
 /// too-large request is misuse, yet `malloc` polled events first and
 /// recycled the block whose event completed, so the failing call changed
 /// the stats.
@@ -381,7 +381,7 @@ fn strict_too_large_malloc_changes_nothing() {
     testing::run(&setup(Config::pytorch(), 1 << 30), &ops).unwrap();
 }
 
-/// Regression (fixed in f7943d0; `KnownBugs::empty_cache_uncounted_releases`):
+/// Regression (fixed in f7943d0; once tolerated by a model flag):
 /// without caching, the segment freed when `empty_cache` waited for its
 /// event was not counted in the `Released` it returned.
 #[test]
