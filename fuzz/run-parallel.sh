@@ -1,44 +1,68 @@
 #!/usr/bin/env bash
-# Runs the stable fuzz driver as N processes with seeds 1..N for SECONDS each
-# and sums their final JSON lines: inputs per target, allocator operations,
-# crashes. Exits 1 when any process crashed or failed.
+# Runs the stable fuzz driver (examples/stable_fuzz.rs) as N processes with
+# seeds BASE+1 .. BASE+N for SECONDS each, then sums their final JSON lines.
 #
-# Usage: fuzz/run-parallel.sh N SECONDS OUTDIR [BINARY]
-#   BINARY  a built stable_fuzz (default: build it with cargo, release)
-#   CACHEALLOC_FUZZ_DIR  folder with corpus/ (default: this folder); crashes
-#                        are saved under its artifacts/stable/
-#   FUZZ_SEED0           seeds are FUZZ_SEED0+1 .. FUZZ_SEED0+N (default 0), so
-#                        that a second run tries other inputs
+#   fuzz/run-parallel.sh N SECONDS OUTDIR
+#
+# OUTDIR receives seed-K.json (each process's final line), seed-K.log (its
+# crash messages), crashes/ (the crashing inputs, each with a .txt message)
+# and total.json (the sum), which is also printed as the last line.
+# Environment: STABLE_FUZZ_BIN (default: fuzz/target/release/examples/stable_fuzz,
+# built by `cd fuzz && cargo build --release --example stable_fuzz`),
+# SEED_BASE (default 0), STABLE_FUZZ_CORPUS (see the driver).
 set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-[ $# -ge 3 ] || { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
-n="$1"; secs="$2"; out="$3"; bin="${4:-}"
-case "$n$secs" in *[!0-9]*|"") echo "error: N and SECONDS must be whole numbers" >&2; exit 2 ;; esac
-if [ -z "$bin" ]; then
-  (cd "$here" && cargo build --release --example stable_fuzz >&2)
-  bin="$here/target/release/examples/stable_fuzz"
+
+if [ $# -ne 3 ]; then
+    echo "usage: $0 N SECONDS OUTDIR" >&2
+    exit 2
 fi
-export CACHEALLOC_FUZZ_DIR="${CACHEALLOC_FUZZ_DIR:-$here}"
-mkdir -p "$out"
+n=$1 seconds=$2 out=$3
+here=$(cd "$(dirname "$0")" && pwd)
+bin=${STABLE_FUZZ_BIN:-$here/target/release/examples/stable_fuzz}
+base=${SEED_BASE:-0}
+if [ ! -x "$bin" ]; then
+    echo "$bin not found: cd fuzz && cargo build --release --example stable_fuzz" >&2
+    exit 2
+fi
+# The seeds, wherever the driver was built.
+export STABLE_FUZZ_CORPUS=${STABLE_FUZZ_CORPUS:-$here/corpus}
+mkdir -p "$out/crashes"
+
 pids=()
-seed0="${FUZZ_SEED0:-0}"
-case "$seed0" in *[!0-9]*|"") echo "error: FUZZ_SEED0 must be a whole number" >&2; exit 2 ;; esac
-for s in $(seq $((seed0 + 1)) $((seed0 + n))); do
-  "$bin" "$secs" "$s" > "$out/seed-$s.out" 2> "$out/seed-$s.err" & pids+=($!)
+for k in $(seq $((base + 1)) $((base + n))); do
+    "$bin" "$seconds" "$k" "$out/crashes" >"$out/seed-$k.out" 2>"$out/seed-$k.log" &
+    pids+=($!)
 done
-fail=0
-for p in "${pids[@]}"; do wait "$p" || fail=1; done
-python3 - "$out" "$n" "$fail" <<'PY'
-import json, pathlib, sys
-out, n, fail = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-rows = []
-for f in sorted(out.glob("seed-*.out")):
-    lines = [l for l in f.read_text().splitlines() if l.startswith("{")]
-    if lines:
-        rows.append(json.loads(lines[-1]))
-keys = ["ops_inputs", "trace_inputs", "config_inputs", "ops", "crashes"]
-tot = {k: sum(r[k] for r in rows) for k in keys}
-tot["processes"] = len(rows)
-print(json.dumps(tot))
-sys.exit(1 if fail or tot["crashes"] or len(rows) != n else 0)
+failed=0
+for p in "${pids[@]}"; do
+    wait "$p" || failed=$((failed + 1))
+done
+for k in $(seq $((base + 1)) $((base + n))); do
+    tail -n 1 "$out/seed-$k.out" >"$out/seed-$k.json"
+    rm -f "$out/seed-$k.out"
+done
+
+python3 - "$out" "$n" "$failed" <<'PY'
+import glob, json, os, sys
+out, n, failed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+total = {"processes": n, "processes_failed": failed, "processes_reported": 0,
+         "runs": 0, "ops": 0, "crashes": 0, "targets": {}, "ops_per_s": 0.0}
+for path in sorted(glob.glob(os.path.join(out, "seed-*.json"))):
+    try:
+        r = json.loads(open(path).read())
+    except (ValueError, OSError):
+        continue  # a process that died before its final line counts as failed
+    total["processes_reported"] += 1
+    for k in ("runs", "ops", "crashes", "ops_per_s"):
+        total[k] += r[k]
+    for t, v in r["targets"].items():
+        acc = total["targets"].setdefault(t, {"runs": 0, "ops": 0, "crashes": 0})
+        for k in acc:
+            acc[k] += v[k]
+total["ops_per_s"] = round(total["ops_per_s"])
+total["crash_files"] = len([f for f in os.listdir(os.path.join(out, "crashes"))
+                            if not f.endswith(".txt")])
+line = json.dumps(total, separators=(",", ":"))
+open(os.path.join(out, "total.json"), "w").write(line + "\n")
+print(line)
 PY

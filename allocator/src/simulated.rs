@@ -284,6 +284,11 @@ impl SimulatedDevice {
         self.state.lock().pending_events.keys().copied().collect()
     }
 
+    /// The stream a pending event was recorded on (`None` once it completed).
+    pub fn event_stream(&self, id: u64) -> Option<StreamId> {
+        self.state.lock().pending_events.get(&id).copied()
+    }
+
     /// Whether event `id` is still pending.
     pub fn is_pending(&self, id: u64) -> bool {
         self.state.lock().pending_events.contains_key(&id)
@@ -294,10 +299,36 @@ impl SimulatedDevice {
         self.state.lock().used
     }
 
-    /// Number of segments (and created physical pages) the device holds for us.
+    /// Number of segments, created physical pages and reserved virtual
+    /// ranges the device holds for us.
     pub fn outstanding(&self) -> usize {
         let s = self.state.lock();
-        s.segments.len() + s.pages.len()
+        s.segments.len() + s.pages.len() + s.ranges.len()
+    }
+
+    /// The reserved virtual ranges as (address, bytes), lowest address first.
+    pub fn ranges(&self) -> Vec<(DevicePtr, u64)> {
+        let s = self.state.lock();
+        s.ranges.iter().map(|(&a, &n)| (DevicePtr(a), n)).collect()
+    }
+
+    /// Bytes of created physical pages that are not mapped anywhere.
+    pub fn unmapped_page_bytes(&self) -> u64 {
+        let s = self.state.lock();
+        let mapped: u64 = s.mapped.values().map(|&(_, n)| n).sum();
+        s.pages.values().sum::<u64>() - mapped
+    }
+
+    /// Bytes of `[ptr, ptr+bytes)` backed by mapped pages.
+    pub fn mapped_bytes_in(&self, ptr: DevicePtr, bytes: u64) -> u64 {
+        let s = self.state.lock();
+        let (lo, hi) = (ptr.0, ptr.0.saturating_add(bytes));
+        // A mapping starting below `lo` may reach into the span: start from the last one before it.
+        let from = s.mapped.range(..=lo).next_back().map_or(lo, |(&a, _)| a);
+        s.mapped
+            .range(from..hi)
+            .map(|(&a, &(_, n))| (a + n).min(hi).saturating_sub(a.max(lo)))
+            .sum()
     }
 
     /// The page mappings as (address, bytes), lowest address first.
@@ -718,10 +749,24 @@ mod tests {
             "no unmap from the middle of a page"
         );
         assert_eq!(d.mappings(), vec![(DevicePtr(r.0 + (2 << 20)), 4 << 20)]);
+        assert_eq!(d.ranges(), vec![(r, 64 << 20)]);
+        assert_eq!(d.outstanding(), 3, "one range and two pages");
+        assert_eq!(d.unmapped_page_bytes(), 2 << 20);
+        assert_eq!(d.mapped_bytes_in(r, 64 << 20), 4 << 20);
+        assert_eq!(d.mapped_bytes_in(r, 3 << 20), 1 << 20);
+        assert_eq!(
+            d.mapped_bytes_in(DevicePtr(r.0 + (3 << 20)), 2 << 20),
+            2 << 20
+        );
+        assert_eq!(
+            d.mapped_bytes_in(DevicePtr(r.0 + (5 << 20)), 4 << 20),
+            1 << 20
+        );
         d.vmm_unmap(DevicePtr(r.0 + (2 << 20)), 4 << 20).unwrap();
         d.vmm_release_page(p1).unwrap();
         d.vmm_release_page(p2).unwrap();
         d.vmm_free_range(r, 64 << 20).unwrap();
         assert_eq!(d.used(), 0);
+        assert_eq!(d.outstanding(), 0);
     }
 }

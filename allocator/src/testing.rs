@@ -142,38 +142,26 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         // Slabs for every small request, and for the smallest next to the bins.
         ("default-slabs-1024", parse("default,slab_max_kb:1024")),
         ("pytorch-slabs-16", parse("pytorch,slab_max_kb:16")),
+        // Page-backed segments: virtual ranges, physical pages mapped under blocks.
+        ("expandable", Config::expandable()),
+        // Big pages at every edge, and slabs for small requests.
+        (
+            "expandable-big-edges",
+            parse("expandable,expandable_edges:big,expandable_page_mb:4,slab_max_kb:64"),
+        ),
+        // Granule pages everywhere, recycling before growing past the peak.
+        (
+            "expandable-small-pages",
+            parse(
+                "expandable,expandable_edges:small,expandable_page_mb:2,release_before_grow:true",
+            ),
+        ),
         // A CUDA graph pool's allocator: never gives segments back on its own.
         (
             "graph-pool",
             parse("default,oom_flush:false,release_before_grow:false"),
         ),
     ]
-}
-
-/// Deviations from the contract that these tests found and the allocator
-/// does not fix yet. The model tolerates one only while its flag is set;
-/// [`KnownBugs::NONE`] is the strict contract. Drop a flag once it is fixed.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct KnownBugs {
-    /// `malloc` of a size above `MAX_REQUEST` polls pending events (and may
-    /// recycle blocks whose events completed) before it returns `SizeTooLarge`.
-    pub too_large_polls_events: bool,
-    /// Without caching, `empty_cache` does not count in its `Released` the
-    /// segments freed as the events it waits for complete.
-    pub empty_cache_uncounted_releases: bool,
-}
-
-impl KnownBugs {
-    /// The strict contract: tolerate nothing.
-    pub const NONE: KnownBugs = KnownBugs {
-        too_large_polls_events: false,
-        empty_cache_uncounted_releases: false,
-    };
-    /// What the allocator still does wrong (see each field).
-    pub const CURRENT: KnownBugs = KnownBugs {
-        too_large_polls_events: false,
-        empty_cache_uncounted_releases: false,
-    };
 }
 
 /// What a model starts from.
@@ -187,11 +175,10 @@ pub struct Setup {
     pub streams: usize,
 }
 
-/// How strictly a model judges (see [`Model::with_options`]).
+/// How a model judges (see [`Model::with_options`]); the model itself is
+/// always strict.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct Options {
-    /// Known deviations the model tolerates.
-    pub known_bugs: KnownBugs,
     /// Also run [`CachingAllocator::check_invariants`] after every step.
     /// Turned off only to show that the model's own checks catch a broken
     /// allocator without the allocator's help.
@@ -199,22 +186,11 @@ pub struct Options {
 }
 
 impl Default for Options {
-    /// The strict contract, with internal checks unless the environment
-    /// variable `MODEL_SKIP_INTERNAL` is set.
+    /// Internal checks on, unless the environment variable
+    /// `MODEL_SKIP_INTERNAL` is set.
     fn default() -> Self {
         Options {
-            known_bugs: KnownBugs::NONE,
             internal_checks: std::env::var_os("MODEL_SKIP_INTERNAL").is_none(),
-        }
-    }
-}
-
-impl Options {
-    /// The default options, tolerating [`KnownBugs::CURRENT`].
-    pub fn tolerating_known_bugs() -> Self {
-        Options {
-            known_bugs: KnownBugs::CURRENT,
-            ..Self::default()
         }
     }
 }
@@ -264,12 +240,16 @@ pub struct Model {
     /// The allocator under test.
     pub alloc: CachingAllocator<SimulatedDevice>,
     config: Config,
-    known_bugs: KnownBugs,
+    /// Whether the allocator uses expandable (page-backed) segments.
+    expandable: bool,
     internal_checks: bool,
     streams: Vec<StreamId>,
     live: Vec<Live>,
     freed: Vec<u64>,
     guards: Vec<Guard>,
+    /// Marker events of expandable segments (how far a stream's work got;
+    /// they guard no block).
+    markers: BTreeSet<u64>,
     cap: Option<u64>,
     fail_next: u64,
     fail_above: Option<u64>,
@@ -304,12 +284,39 @@ fn group(kind: PoolKind) -> usize {
 }
 
 /// Checks that every statistic's `current` equals what the snapshot
-/// recomputes, per pool group, and that each stat is self-consistent.
+/// recomputes, per pool group, and that each stat is self-consistent
+/// (plain segments; see [`check_expandable_stats_against_snapshot`]).
 pub fn check_stats_against_snapshot(
     stats: &MemoryStats,
     snap: &Snapshot,
     max_split_size: u64,
 ) -> Result<(), String> {
+    check_stats(stats, snap, max_split_size, None)
+}
+
+/// [`check_stats_against_snapshot`] for expandable segments, where reserved
+/// bytes are physical pages: the mapped bytes of the segments (their
+/// `mapped_size`), per pool, plus `pooled` bytes of unmapped pages kept for
+/// reuse (whose pool the snapshot does not show: each pool's reserved bytes
+/// are at least its mapped bytes, and the total is exactly mapped plus
+/// pooled). Free space of an expandable segment is not inactive-split
+/// memory, and no segment counts as oversize.
+pub fn check_expandable_stats_against_snapshot(
+    stats: &MemoryStats,
+    snap: &Snapshot,
+    max_split_size: u64,
+    pooled: u64,
+) -> Result<(), String> {
+    check_stats(stats, snap, max_split_size, Some(pooled))
+}
+
+fn check_stats(
+    stats: &MemoryStats,
+    snap: &Snapshot,
+    max_split_size: u64,
+    pooled: Option<u64>,
+) -> Result<(), String> {
+    let expandable = pooled.is_some();
     // Indices into `stats.arrays()`.
     const ALLOCATION: usize = 0;
     const SEGMENT: usize = 1;
@@ -330,11 +337,27 @@ pub fn check_stats_against_snapshot(
     for s in &snap.segments {
         let k = s.pool;
         add(SEGMENT, k, 1);
-        add(RESERVED_BYTES, k, s.total_size);
-        if s.total_size >= max_split_size {
-            oversize_segs += 1;
+        if expandable {
+            if s.mapped_size > s.total_size {
+                return Err(format!(
+                    "snapshot: segment {} maps {} of its {} bytes",
+                    s.address, s.mapped_size, s.total_size
+                ));
+            }
+            add(RESERVED_BYTES, k, s.mapped_size);
+        } else {
+            if s.mapped_size != s.total_size {
+                return Err(format!(
+                    "snapshot: plain segment {} says {} of its {} bytes are mapped",
+                    s.address, s.mapped_size, s.total_size
+                ));
+            }
+            add(RESERVED_BYTES, k, s.total_size);
+            if s.total_size >= max_split_size {
+                oversize_segs += 1;
+            }
         }
-        let split = s.blocks.len() > 1;
+        let split = s.blocks.len() > 1 && !expandable;
         let mut allocated = 0;
         let mut at = s.address.0;
         for b in &s.blocks {
@@ -390,9 +413,17 @@ pub fn check_stats_against_snapshot(
         for (g, group) in crate::stats::STAT_GROUPS.iter().enumerate() {
             let s = groups[g];
             let (c, w) = (s.current, expect[i][g]);
-            if c != w {
+            let wrong = match pooled {
+                // Pooled pages count under some pool: each group holds at
+                // least its mapped bytes, all of them mapped plus pooled.
+                Some(p) if i == RESERVED_BYTES && g == 0 => c != w + p,
+                Some(p) if i == RESERVED_BYTES => c < w || c > w + p,
+                _ => c != w,
+            };
+            if wrong {
                 return Err(format!(
-                    "stat {name}.{group}.current is {c} but the snapshot recomputes {w}"
+                    "stat {name}.{group}.current is {c} but the snapshot recomputes {w}{}",
+                    pooled.map_or(String::new(), |p| format!(" (and {p} bytes pooled)"))
                 ));
             }
             if s.peak < s.current || s.allocated.wrapping_sub(s.freed) != s.current {
@@ -430,18 +461,20 @@ impl Model {
     pub fn with_options(setup: &Setup, options: Options) -> Self {
         let dev = SimulatedDevice::new(setup.capacity);
         let alloc = CachingAllocator::new(dev.clone(), setup.config.clone());
+        let expandable = alloc.is_expandable();
         let cap = setup.config.memory_cap.map(|c| c.bytes(setup.capacity));
         let n = setup.streams.clamp(1, STREAMS.len());
         Model {
             dev,
             alloc,
+            expandable,
             config: setup.config.clone(),
-            known_bugs: options.known_bugs,
             internal_checks: options.internal_checks,
             streams: STREAMS[..n].to_vec(),
             live: Vec::new(),
             freed: Vec::new(),
             guards: Vec::new(),
+            markers: BTreeSet::new(),
             cap,
             fail_next: 0,
             fail_above: None,
@@ -476,11 +509,73 @@ impl Model {
         let before = self.before();
         self.step(op, &before)?;
         // Device attempts while injected failures were armed consumed them.
-        let after = self.dev.counters();
-        let attempts = (after.allocs - before.counters.allocs)
-            + (after.failed_allocs - before.counters.failed_allocs);
+        let attempts = self.attempts(&before);
         self.fail_next = self.fail_next.saturating_sub(attempts);
         self.check(&before)
+    }
+
+    /// Requests for device memory (segments or physical pages) since `before`, failed ones included.
+    fn attempts(&self, before: &Before) -> u64 {
+        let (a, b) = (self.dev.counters(), &before.counters);
+        (a.allocs - b.allocs)
+            + (a.vmm_creates - b.vmm_creates)
+            + (a.failed_allocs - b.failed_allocs)
+    }
+
+    /// Expandable segments: the pages under the blocks, as the device maps them.
+    /// Every segment's `mapped_size` is what the device maps in its range;
+    /// every block in use or awaiting events (queued work may still touch
+    /// it) is wholly mapped.
+    fn check_pages(&self, snap: &Snapshot) -> Result<(), String> {
+        let mut mapped = 0;
+        for s in &snap.segments {
+            let dev = self.dev.mapped_bytes_in(s.address, s.total_size);
+            if dev != s.mapped_size {
+                return Err(format!(
+                    "segment {} says {} bytes mapped, the device maps {dev} in it",
+                    s.address, s.mapped_size
+                ));
+            }
+            mapped += dev;
+            for b in &s.blocks {
+                if matches!(b.state, BlockState::Allocated | BlockState::AwaitingEvents)
+                    && self.dev.mapped_bytes_in(b.address, b.size) != b.size
+                {
+                    return Err(format!(
+                        "{:?} block {}+{} is not wholly mapped ({} bytes are)",
+                        b.state,
+                        b.address,
+                        b.size,
+                        self.dev.mapped_bytes_in(b.address, b.size)
+                    ));
+                }
+            }
+        }
+        let all: u64 = self.dev.mappings().iter().map(|m| m.1).sum();
+        if all != mapped {
+            return Err(format!(
+                "the device maps {all} bytes, {mapped} of them inside the allocator's segments"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes of whole mapped pages lying inside free blocks (pages a
+    /// recycling round can move).
+    fn idle_page_bytes(&self, snap: &Snapshot) -> u64 {
+        let mappings = self.dev.mappings();
+        let mut idle = 0;
+        for s in &snap.segments {
+            for b in s.blocks.iter().filter(|b| b.state == BlockState::Free) {
+                let (lo, hi) = (b.address.0, b.address.0 + b.size);
+                idle += mappings
+                    .iter()
+                    .filter(|(a, n)| a.0 >= lo && a.0 + n <= hi)
+                    .map(|m| m.1)
+                    .sum::<u64>();
+            }
+        }
+        idle
     }
 
     fn unchanged(&self, before: &Before, what: &str) -> Result<(), String> {
@@ -566,12 +661,40 @@ impl Model {
                     .map_err(|e| format!("free({:#x}) of a live allocation failed: {e}", l.addr))?;
                 let recorded =
                     self.dev.counters().events_recorded - before.counters.events_recorded;
-                let new: Vec<u64> = self
+                let mut new: Vec<u64> = self
                     .dev
                     .pending_events()
                     .into_iter()
                     .filter(|e| !pending_before.contains(e))
                     .collect();
+                let mut recorded = recorded;
+                if self.expandable {
+                    // Expandable segments also record, now and then, a marker
+                    // event on the freeing stream (how far its work got): one
+                    // at most, not a guard of this block.
+                    let owner = self.streams[l.stream];
+                    let markers = new
+                        .iter()
+                        .filter(|&&e| self.dev.event_stream(e) == Some(owner))
+                        .count() as u64;
+                    if markers > 1 {
+                        return Err(format!(
+                            "free recorded {markers} events on the freeing stream"
+                        ));
+                    }
+                    if markers == 1 {
+                        self.saw("free recorded a marker");
+                    }
+                    let dev = &self.dev;
+                    self.markers.retain(|&e| dev.is_pending(e));
+                    for &e in &new {
+                        if self.dev.event_stream(e) == Some(owner) {
+                            self.markers.insert(e);
+                        }
+                    }
+                    new.retain(|e| !self.markers.contains(e));
+                    recorded -= markers;
+                }
                 if recorded != l.uses.len() as u64 || new.len() != l.uses.len() {
                     return Err(format!(
                         "free of a block used by {} other streams recorded {recorded} events ({} new pending)",
@@ -677,14 +800,8 @@ impl Model {
                     st.reserved_bytes.all().current,
                 );
                 let (sb, sa) = (before.stats.segment.all().current, st.segment.all().current);
-                let uncounted =
-                    !self.config.caching && self.known_bugs.empty_cache_uncounted_releases;
                 let (wb, ws) = (rb - ra.min(rb), sb - sa.min(sb));
-                let wrong = if uncounted {
-                    r.bytes > wb || r.segments > ws
-                } else {
-                    r.bytes != wb || r.segments != ws
-                };
+                let wrong = r.bytes != wb || r.segments != ws;
                 if r.segments > 0 {
                     self.saw("empty_cache released segments");
                 }
@@ -739,20 +856,39 @@ impl Model {
         }
     }
 
-    /// After a full flush: no event pending, nothing awaiting, no entirely free segment.
+    /// After a full flush: no event pending, nothing awaiting, no entirely
+    /// free segment; with expandable segments also no idle page mapped and
+    /// none pooled (`release`: what `empty_cache` does; an OOM's flush only
+    /// waits for every event, and the ranges stay).
     fn check_flushed(&self, what: &str) -> Result<(), String> {
-        let pending = self.dev.pending_events();
+        self.check_flushed_as(what, true)
+    }
+
+    fn check_flushed_as(&self, what: &str, release: bool) -> Result<(), String> {
+        let mut pending = self.dev.pending_events();
+        if !release {
+            // Waiting for the work that guards blocks is the flush; markers guard none.
+            pending.retain(|e| !self.markers.contains(e));
+        }
         if !pending.is_empty() {
             return Err(format!(
                 "after {what}, events {pending:?} are still pending (not waited for)"
             ));
         }
         let snap = self.alloc.snapshot();
-        if let Some(s) = snap.segments.iter().find(|s| is_free_segment(s)) {
+        if let Some(s) = snap.segments.iter().find(|s| is_free_segment(s) && release) {
             return Err(format!(
                 "after {what}, the entirely free segment at {} ({} bytes) is still cached",
                 s.address, s.total_size
             ));
+        }
+        if self.expandable && release {
+            let (idle, pooled) = (self.idle_page_bytes(&snap), self.dev.unmapped_page_bytes());
+            if idle != 0 || pooled != 0 {
+                return Err(format!(
+                    "after {what}, {idle} bytes of idle pages are still mapped and {pooled} bytes of pages pooled"
+                ));
+            }
         }
         if let Some(b) = awaiting_block(&snap) {
             return Err(format!(
@@ -814,7 +950,19 @@ impl Model {
                 if st.num_ooms != before.stats.num_ooms {
                     return Err("a successful malloc counted an OOM".into());
                 }
-                if st.num_device_alloc == before.stats.num_device_alloc {
+                let c = self.dev.counters();
+                if self.expandable {
+                    if c.vmm_creates > before.counters.vmm_creates {
+                        self.saw("malloc created pages");
+                    } else if c.vmm_maps > before.counters.vmm_maps {
+                        self.saw("malloc mapped pooled or moved pages");
+                    } else {
+                        self.saw("malloc on mapped pages");
+                    }
+                    if c.vmm_reserves > before.counters.vmm_reserves {
+                        self.saw("malloc reserved a range");
+                    }
+                } else if st.num_device_alloc == before.stats.num_device_alloc {
                     self.saw("malloc from the cache");
                 }
                 if st.num_alloc_retries != before.stats.num_alloc_retries {
@@ -832,15 +980,6 @@ impl Model {
             }
             Err(AllocError::ZeroSize) if size == 0 => self.unchanged(before, "malloc(0)"),
             Err(AllocError::SizeTooLarge(s)) if s == size && size > MAX_REQUEST => {
-                let awaiting = before
-                    .snapshot
-                    .segments
-                    .iter()
-                    .flat_map(|s| &s.blocks)
-                    .any(|b| b.state == BlockState::AwaitingEvents);
-                if awaiting && self.known_bugs.too_large_polls_events {
-                    return Ok(());
-                }
                 self.unchanged(before, &format!("malloc({size}) (too large)"))
             }
             Err(AllocError::OutOfMemory(r)) if valid => {
@@ -855,7 +994,10 @@ impl Model {
                     .small_segment
                     .max(crate::config::MEDIUM_SEGMENT)
                     .max(own.saturating_mul(2));
-                if seg < rounded || (!c.caching && seg != rounded) || seg > max_seg {
+                if seg < rounded
+                    || ((!c.caching || self.expandable) && seg != rounded)
+                    || seg > max_seg
+                {
                     return Err(format!(
                         "the OOM report names a {seg}-byte segment for a request rounded to {rounded}"
                     ));
@@ -880,19 +1022,39 @@ impl Model {
                             before.stats.num_alloc_retries, st.num_alloc_retries
                         ));
                     }
-                    self.check_flushed(&format!("an OOM for malloc({size})"))?;
+                    self.check_flushed_as(
+                        &format!("an OOM for malloc({size})"),
+                        !self.expandable,
+                    )?;
                 }
                 let info: MemInfo = self.dev.mem_info().map_err(|e| e.to_string())?;
                 let reserved = st.reserved_bytes.all().current;
-                let c = self.dev.counters();
-                let attempts = (c.allocs - before.counters.allocs)
-                    + (c.failed_allocs - before.counters.failed_allocs);
+                let attempts = self.attempts(before);
+                // The device memory the request needs: its segment, or with
+                // expandable segments its pages (the request plus at most one
+                // page at each edge: a granule, unless big pages are mapped at
+                // the edges whatever the pressure), less what the allocator
+                // holds and can move under it (pooled pages, idle pages).
+                let (need, largest_page) = if self.expandable {
+                    let g = self.dev.vmm_granularity().ok_or("no granularity")?;
+                    let page = self.config.expandable_page.div_ceil(g).max(1) * g;
+                    let edge = if self.config.expandable_edges == crate::EdgePages::Big {
+                        page
+                    } else {
+                        g
+                    };
+                    let spare = self.dev.unmapped_page_bytes()
+                        + self.idle_page_bytes(&self.alloc.snapshot());
+                    ((rounded + 2 * edge).saturating_sub(spare), page)
+                } else {
+                    (seg, seg)
+                };
                 let injected = (attempts > 0 && self.fail_next >= attempts)
-                    || self.fail_above.is_some_and(|l| seg > l);
-                let device_full = info.free < seg;
+                    || self.fail_above.is_some_and(|l| largest_page > l);
+                let device_full = info.free < need;
                 let capped = self
                     .cap
-                    .is_some_and(|cap| reserved.saturating_add(seg) > cap);
+                    .is_some_and(|cap| reserved.saturating_add(need) > cap);
                 if injected {
                     self.saw("OOM: injected failure");
                 }
@@ -904,7 +1066,7 @@ impl Model {
                 }
                 if !(injected || device_full || capped) {
                     return Err(format!(
-                        "OOM for malloc({size}) (segment {seg}) though the device had {} free, reserved {reserved}, cap {:?}, no injected failure",
+                        "OOM for malloc({size}) (segment {seg}, {need} bytes of new memory at most) though the device had {} free, reserved {reserved}, cap {:?}, no injected failure",
                         info.free, self.cap
                     ));
                 }
@@ -951,8 +1113,13 @@ impl Model {
         let stats = self.alloc.stats();
         let counters = self.dev.counters();
 
-        // The snapshot's segments are exactly the device's segments.
-        let dev_segs = self.dev.segments();
+        // The snapshot's segments are exactly the device's segments (its
+        // reserved virtual ranges, with expandable segments).
+        let (dev_segs, other) = if self.expandable {
+            (self.dev.ranges(), self.dev.segments())
+        } else {
+            (self.dev.segments(), self.dev.ranges())
+        };
         let snap_segs: Vec<(DevicePtr, u64)> = snap
             .segments
             .iter()
@@ -963,7 +1130,26 @@ impl Model {
                 "the allocator's segments {snap_segs:?} are not the device's {dev_segs:?}"
             ));
         }
-        check_stats_against_snapshot(&stats, &snap, self.config.max_split_size)?;
+        if !other.is_empty() {
+            return Err(format!(
+                "the device holds {other:?}, of the kind (plain segments or virtual ranges) this allocator does not use"
+            ));
+        }
+        if self.expandable {
+            self.check_pages(&snap)?;
+            let pooled = self.dev.unmapped_page_bytes();
+            check_expandable_stats_against_snapshot(
+                &stats,
+                &snap,
+                self.config.max_split_size,
+                pooled,
+            )?;
+        } else {
+            if !self.dev.mappings().is_empty() || self.dev.unmapped_page_bytes() != 0 {
+                return Err("plain segments, yet the device holds physical pages".into());
+            }
+            check_stats_against_snapshot(&stats, &snap, self.config.max_split_size)?;
+        }
         let reserved = stats.reserved_bytes.all().current;
         if reserved != self.dev.used() {
             return Err(format!(
@@ -1083,10 +1269,26 @@ impl Model {
                     l.addr, uses, l.uses
                 ));
             }
-            if l.addr % MIN_BLOCK != 0 || !self.dev.contains(DevicePtr(l.addr), b.size) {
+            let inside = if self.expandable {
+                self.dev.mapped_bytes_in(DevicePtr(l.addr), b.size) == b.size
+                    && l.addr >= s.address.0
+                    && l.addr + b.size <= s.address.0 + s.total_size
+            } else {
+                self.dev.contains(DevicePtr(l.addr), b.size)
+            };
+            if l.addr % MIN_BLOCK != 0 || !inside {
                 return Err(format!(
-                    "allocation {:#x}+{} is not 512-aligned inside one live device segment",
-                    l.addr, b.size
+                    "allocation {:#x}+{} is not 512-aligned inside one live device segment{}",
+                    l.addr,
+                    b.size,
+                    if self.expandable {
+                        format!(
+                            " (its range, {} of its bytes mapped)",
+                            self.dev.mapped_bytes_in(DevicePtr(l.addr), b.size)
+                        )
+                    } else {
+                        String::new()
+                    }
                 ));
             }
         }
@@ -1164,9 +1366,16 @@ impl Model {
         }
         if self.dev.outstanding() != 0 || self.dev.used() != 0 {
             return Err(format!(
-                "after freeing everything and empty_cache, the device still lends {} segments ({} bytes)",
+                "after freeing everything and empty_cache, the device still lends {} segments, pages or ranges ({} bytes)",
                 self.dev.outstanding(),
                 self.dev.used()
+            ));
+        }
+        let c = self.dev.counters();
+        if c.vmm_creates != c.vmm_releases || c.vmm_maps != c.vmm_unmaps || c.allocs != c.frees {
+            return Err(format!(
+                "after freeing everything and empty_cache, the device counts {}/{} segments allocated/freed, {}/{} pages created/released, {}/{} mapped/unmapped",
+                c.allocs, c.frees, c.vmm_creates, c.vmm_releases, c.vmm_maps, c.vmm_unmaps
             ));
         }
         if !self.dev.pending_events().is_empty() {

@@ -10,8 +10,9 @@
 //! - `check_invariants` holds (every block, bin, segment and event in place);
 //! - reserved bytes equal the device's used bytes (segments, or the physical
 //!   pages of expandable segments, mapped or pooled: nothing counted twice or
-//!   lost), and outside expandable segments every statistic equals what a
-//!   snapshot recomputes;
+//!   lost), and every statistic equals what a snapshot recomputes (with
+//!   expandable segments, reserved bytes from the mapped bytes plus the
+//!   device's unmapped pages);
 //! - a failed free of a live allocation is a device error, never a double
 //!   free or an unknown pointer: the block stays allocated and the free can
 //!   be retried.
@@ -23,7 +24,9 @@
 
 use cachealloc_core::sample::XorShift64;
 use cachealloc_core::simulated::calls;
-use cachealloc_core::testing::check_stats_against_snapshot;
+use cachealloc_core::testing::{
+    check_expandable_stats_against_snapshot, check_stats_against_snapshot,
+};
 use cachealloc_core::{
     AllocError, CachingAllocator, Config, DevicePtr, FaultPlan, MemoryCap, SimulatedDevice,
     StreamId,
@@ -43,9 +46,14 @@ type Alloc = CachingAllocator<SimulatedDevice>;
 fn check(a: &Alloc, dev: &SimulatedDevice, step: usize, what: &str) -> Result<(), String> {
     let at = |e: String| format!("step {step} ({what}): {e}");
     a.check_invariants().map_err(at)?;
-    if !a.is_expandable() {
-        let snap = a.snapshot();
-        check_stats_against_snapshot(&a.stats(), &snap, a.config().max_split_size).map_err(at)?;
+    let snap = a.snapshot();
+    let max_split = a.config().max_split_size;
+    if a.is_expandable() {
+        let pooled = dev.unmapped_page_bytes();
+        check_expandable_stats_against_snapshot(&a.stats(), &snap, max_split, pooled)
+            .map_err(at)?;
+    } else {
+        check_stats_against_snapshot(&a.stats(), &snap, max_split).map_err(at)?;
     }
     // Every byte the device holds for the allocator is counted once:
     // segments, or physical pages (mapped or pooled) of expandable segments.

@@ -6,7 +6,7 @@
 //! `MODEL_SKIP_INTERNAL=1` leaves out `check_invariants`, so that only the
 //! model's own checks judge (used to show they catch a broken allocator).
 
-use cachealloc_core::testing::{self, log_size, Op, Options, Setup, CAPACITIES};
+use cachealloc_core::testing::{self, log_size, Op, Setup, CAPACITIES};
 use cachealloc_core::{Config, MemoryCap, MAX_REQUEST};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as PropConfig, TestRunner};
@@ -36,7 +36,8 @@ fn cap() -> impl Strategy<Value = Option<MemoryCap>> {
     ]
 }
 
-fn op() -> impl Strategy<Value = Op> {
+/// Ops; `faults` weighs the injected device failures (2 by default).
+fn op(faults: u32) -> impl Strategy<Value = Op> {
     let slot = any::<usize>();
     prop_oneof![
         30 => (size(), 0usize..3).prop_map(|(size, stream)| Op::Malloc { size, stream }),
@@ -47,8 +48,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => Just(Op::ProcessEvents),
         2 => Just(Op::EmptyCache),
         3 => cap().prop_map(Op::SetCap),
-        2 => (0u64..4).prop_map(Op::FailNext),
-        2 => prop_oneof![
+        faults => (0u64..4).prop_map(Op::FailNext),
+        faults => prop_oneof![
             Just(None),
             (9u32..31, any::<u64>()).prop_map(|(e, m)| Some(log_size(e, m))),
         ]
@@ -71,6 +72,11 @@ fn cases(default: u32) -> u32 {
 /// Runs the model over random sequences with `config`; panics with the
 /// shrunk failing sequence and the violated property.
 fn run_config(name: &str, config: Config, n_cases: u32) {
+    run_config_with(name, config, n_cases, 2);
+}
+
+/// [`run_config`] with `faults` as the weight of injected device failures.
+fn run_config_with(name: &str, config: Config, n_cases: u32, faults: u32) {
     let mut runner = TestRunner::new(PropConfig {
         cases: cases(n_cases),
         max_shrink_iters: 4096,
@@ -80,7 +86,7 @@ fn run_config(name: &str, config: Config, n_cases: u32) {
     let strategy = (
         proptest::sample::select(CAPACITIES.to_vec()),
         2usize..=3,
-        proptest::collection::vec(op(), 1..200),
+        proptest::collection::vec(op(faults), 1..200),
     );
     let ooms = std::cell::Cell::new(0);
     let mallocs = std::cell::Cell::new(0);
@@ -91,7 +97,7 @@ fn run_config(name: &str, config: Config, n_cases: u32) {
             capacity,
             streams,
         };
-        match testing::run_with(&setup, &ops, Options::tolerating_known_bugs()) {
+        match testing::run(&setup, &ops) {
             Ok(m) => {
                 ooms.set(ooms.get() + m.ooms);
                 mallocs.set(mallocs.get() + m.mallocs);
@@ -118,17 +124,6 @@ fn run_config(name: &str, config: Config, n_cases: u32) {
         "{name}: {mallocs} successful mallocs, {ooms} OOMs checked; {coverage:?}",
         coverage = coverage.borrow()
     );
-}
-
-/// Page-backed segments are not modelled yet (the device's segment list
-/// holds no virtual ranges); run with `--ignored` to see where it stands.
-/// Expandable segments are checked by `tests/faults.rs` instead: random
-/// sequences under injected device faults, with `check_invariants` after
-/// every step and everything given back once the faults stop.
-#[test]
-#[ignore = "the model does not know expandable segments yet"]
-fn model_expandable() {
-    run_config("expandable", Config::expandable(), 32);
 }
 
 fn config(name: &str) -> Config {
@@ -194,6 +189,36 @@ fn model_pytorch_slabs_16() {
     run_config("pytorch-slabs-16", config("pytorch-slabs-16"), 128);
 }
 
+/// Page-backed segments: the device's virtual ranges are the segments,
+/// reserved memory is its physical pages (mapped, or pooled for reuse),
+/// every allocation and every block awaiting events lies on mapped pages,
+/// and `empty_cache` leaves no idle page mapped and none pooled.
+#[test]
+fn model_expandable() {
+    run_config("expandable", config("expandable"), 256);
+}
+
+#[test]
+fn model_expandable_big_edges() {
+    run_config("expandable-big-edges", config("expandable-big-edges"), 128);
+}
+
+#[test]
+fn model_expandable_small_pages() {
+    run_config(
+        "expandable-small-pages",
+        config("expandable-small-pages"),
+        64,
+    );
+}
+
+/// Expandable segments with injected device failures (failing page
+/// creations) five times as often.
+#[test]
+fn model_expandable_faults() {
+    run_config_with("expandable (faults)", config("expandable"), 192, 10);
+}
+
 /// The fuzzers' entry point: arbitrary bytes decode to a valid sequence.
 #[test]
 fn model_from_bytes() {
@@ -205,7 +230,7 @@ fn model_from_bytes() {
     runner
         .run(&proptest::collection::vec(any::<u8>(), 0..1200), |data| {
             let (setup, ops) = testing::decode(&data);
-            testing::run_with(&setup, &ops, Options::tolerating_known_bugs())
+            testing::run(&setup, &ops)
                 .map(|_| ())
                 .map_err(|e| TestCaseError::fail(format!("config {}: {e}", setup.config.name)))
         })
@@ -339,7 +364,7 @@ fn cap_lowered_below_use() {
     assert_eq!(m.ooms, 2);
 }
 
-/// Regression (fixed in f7943d0; `KnownBugs::too_large_polls_events`): a
+/// Regression (fixed in f7943d0; once tolerated by a model flag): a
 /// too-large request is misuse, yet `malloc` polled events first and
 /// recycled the block whose event completed, so the failing call changed
 /// the stats.
@@ -361,7 +386,7 @@ fn strict_too_large_malloc_changes_nothing() {
     testing::run(&setup(Config::pytorch(), 1 << 30), &ops).unwrap();
 }
 
-/// Regression (fixed in f7943d0; `KnownBugs::empty_cache_uncounted_releases`):
+/// Regression (fixed in f7943d0; once tolerated by a model flag):
 /// without caching, the segment freed when `empty_cache` waited for its
 /// event was not counted in the `Released` it returned.
 #[test]
@@ -376,4 +401,39 @@ fn strict_no_caching_empty_cache_reports_all_it_released() {
         Op::EmptyCache,
     ];
     testing::run(&setup(Config::no_caching(), 1 << 30), &ops).unwrap();
+}
+
+/// Found by `model_expandable`: with expandable segments, once the cap was
+/// lowered below use and the blocks above it were freed, a request that
+/// needs a new page failed with out-of-memory although idle pages far above
+/// the cap could go back: the recycling round under the cap took only as
+/// many idle pages as the request needed, so reserved memory never came
+/// back under the cap. Plain segments release every free segment before an
+/// out-of-memory; expandable ones now recycle down to the cap.
+#[test]
+fn expandable_request_above_a_lowered_cap_releases_idle_pages() {
+    let m = |size, stream| Op::Malloc { size, stream };
+    let ops = [
+        m(1, 1),
+        m(1, 1),
+        m(1, 2),
+        m(1, 0),
+        Op::Free { slot: 2 },
+        // 96 MiB + 1 on stream 1: 13 pages of 8 MiB.
+        m(96 * MIB + 1, 1),
+        Op::SetCap(Some(MemoryCap::Bytes(52 * MIB))),
+        m(1, 0),
+        m(1, 0),
+        // Frees the 96 MiB block: its pages are idle, reserved stays above the cap.
+        Op::Free { slot: 3 },
+        m(1, 2),
+        // Needs one new 2 MiB page: fits once idle pages go back.
+        m(MIB + 1, 0),
+    ];
+    let setup = Setup {
+        config: Config::expandable(),
+        capacity: 512 * MIB,
+        streams: 3,
+    };
+    testing::run(&setup, &ops).unwrap();
 }

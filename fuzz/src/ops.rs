@@ -2,27 +2,13 @@
 //!
 //! The op type, the byte decoder and every property check are the shared
 //! model checker's (`cachealloc_core::testing`, the one the proptest model
-//! tests use); this module only picks the preset and dispatches:
-//!
-//! - configurations the model checker covers (those of `testing::configs()`,
-//!   and any without expandable segments) run under [`testing::run_with`]:
-//!   every property after every op, then the final free-everything /
-//!   `empty_cache` / nothing-left check. The model tolerates the core's
-//!   known bugs ([`testing::KnownBugs::CURRENT`]) so that the fuzzer looks
-//!   past them; `CACHEALLOC_FUZZ_STRICT=1` judges by the strict contract;
-//! - expandable segments, which the model does not know yet, run the same
-//!   ops under [`run_unmodelled`]: the core's own `check_invariants()` after
-//!   each op, misuse must be an error, no two live allocations may overlap,
-//!   and the same final leak check. When the model learns them,
-//!   [`model_covers`] sends them to it instead.
+//! tests use); this module only picks the preset. Every configuration,
+//! expandable segments included, runs under [`testing::run_with`]: every
+//! property after every op, then the final free-everything / `empty_cache`
+//! / nothing-left check, by the strict contract.
 
 use cachealloc_core::testing::{self, Op, Options, Setup};
-use cachealloc_core::{
-    round_size, AllocError, CachingAllocator, Config, DevicePtr, SimulatedDevice, StreamId,
-    MAX_REQUEST,
-};
-use std::collections::BTreeMap;
-use std::sync::OnceLock;
+use cachealloc_core::Config;
 
 /// The presets the `ops` target chooses from, by its first byte.
 pub fn presets() -> Vec<Config> {
@@ -32,27 +18,10 @@ pub fn presets() -> Vec<Config> {
         .collect()
 }
 
-/// Whether the shared model checker can check `config` (see the module docs).
-pub fn model_covers(config: &Config) -> bool {
-    testing::configs().iter().any(|(_, c)| c == config) || !config.expandable_segments
-}
-
-/// Whether to judge by the strict contract (`CACHEALLOC_FUZZ_STRICT=1`):
-/// no known bug tolerated by the model (nor by [`run_unmodelled`], should
-/// it ever need to tolerate one).
-pub fn strict() -> bool {
-    static STRICT: OnceLock<bool> = OnceLock::new();
-    *STRICT.get_or_init(|| std::env::var_os("CACHEALLOC_FUZZ_STRICT").is_some_and(|v| v == "1"))
-}
-
-/// How the model judges: tolerating its known bugs
-/// ([`testing::KnownBugs::CURRENT`]) unless [`strict`].
+/// How the model judges: by the strict contract, with the core's
+/// `check_invariants` too unless `MODEL_SKIP_INTERNAL` is set.
 pub fn options() -> Options {
-    if strict() {
-        Options::default()
-    } else {
-        Options::tolerating_known_bugs()
-    }
+    Options::default()
 }
 
 /// The whole body of the `ops` target: byte 0 picks how the preset is
@@ -60,9 +29,8 @@ pub fn options() -> Options {
 ///
 /// Byte 0 below 128: the model's own choice of configuration (what
 /// `testing::run_bytes` does: one of `testing::configs()`, i.e. pytorch,
-/// default, no-caching, lowmem and variants).
-/// 128 and above: one of the named presets ([`presets`]), under the model
-/// when it covers it, else [`run_unmodelled`].
+/// default, no-caching, lowmem, expandable and variants).
+/// 128 and above: one of the named presets ([`presets`]).
 pub fn run(data: &[u8]) -> Result<(), String> {
     let Some((&choice, rest)) = data.split_first() else {
         return Ok(());
@@ -75,212 +43,9 @@ pub fn run(data: &[u8]) -> Result<(), String> {
     run_setup(&setup, &ops)
 }
 
-/// Runs `ops` from `setup` under the model (with [`options`]) if it covers
-/// the configuration, else under [`run_unmodelled`].
+/// Runs `ops` from `setup` under the model (with [`options`]).
 pub fn run_setup(setup: &Setup, ops: &[Op]) -> Result<(), String> {
-    let name = &setup.config.name;
-    if model_covers(&setup.config) {
-        testing::run_with(setup, ops, options())
-            .map(|_| ())
-            .map_err(|e| format!("config {name} (model): {e}"))
-    } else {
-        run_unmodelled(setup, ops).map_err(|e| format!("config {name} (unmodelled): {e}"))
-    }
-}
-
-struct Live {
-    size: u64,
-    span: u64,
-}
-
-/// Runs `ops` (interpreted as the model interprets them) where the model has
-/// no rules for the configuration: the core's `check_invariants()` after each
-/// op, misuse must be an error, live allocations must not overlap, and at the
-/// end, after freeing everything, `empty_cache` must leave nothing reserved
-/// and nothing on the device.
-pub fn run_unmodelled(setup: &Setup, ops: &[Op]) -> Result<(), String> {
-    let dev = SimulatedDevice::new(setup.capacity);
-    let alloc = CachingAllocator::new(dev.clone(), setup.config.clone());
-    let streams = &testing::STREAMS[..setup.streams.clamp(1, testing::STREAMS.len())];
-    let divisions = setup.config.roundup_power2_divisions;
-    // Live allocations by address, and their order (slots index this).
-    let mut live: BTreeMap<u64, Live> = BTreeMap::new();
-    let mut order: Vec<u64> = Vec::new();
-    let mut freed: Vec<u64> = Vec::new();
-    let misuse = |what: &str, r: Result<(), AllocError>| match r {
-        Err(
-            AllocError::DoubleFree(_)
-            | AllocError::UnknownPointer(_)
-            | AllocError::InteriorPointer { .. },
-        ) => Ok(()),
-        other => Err(format!(
-            "{what} returned {other:?}, expected a misuse error"
-        )),
-    };
-    for (i, op) in ops.iter().enumerate() {
-        let step = |e: String| format!("step {i} {op:?}: {e}\nops: {ops:?}");
-        match *op {
-            Op::Malloc { size, stream } => {
-                let s = streams[stream % streams.len()];
-                match alloc.malloc(size, s) {
-                    Ok(p) => {
-                        if size == 0 || size > MAX_REQUEST {
-                            return Err(step(format!("malloc({size}) succeeded with {p}")));
-                        }
-                        let span = round_size(size, &divisions).unwrap_or(size);
-                        let before = live.range(..p.0).next_back();
-                        let after = live.range(p.0..).next();
-                        if before.is_some_and(|(&a, l)| a + l.span > p.0)
-                            || after.is_some_and(|(&a, _)| a < p.0 + span)
-                        {
-                            return Err(step(format!(
-                                "malloc({size}) returned {p}+{span}, overlapping a live allocation ({before:?}, {after:?})",
-                                before = before.map(|(a, l)| (a, l.span)),
-                                after = after.map(|(a, l)| (a, l.span)),
-                            )));
-                        }
-                        live.insert(p.0, Live { size, span });
-                        order.push(p.0);
-                    }
-                    Err(AllocError::ZeroSize) if size == 0 => {}
-                    Err(AllocError::SizeTooLarge(_)) if size > MAX_REQUEST => {}
-                    Err(AllocError::OutOfMemory(_)) if size > 0 && size <= MAX_REQUEST => {}
-                    Err(e) => return Err(step(format!("malloc({size}) returned Err({e:?})"))),
-                }
-            }
-            Op::Free { slot } => {
-                if !order.is_empty() {
-                    let a = order.remove(slot % order.len());
-                    live.remove(&a);
-                    alloc
-                        .free(DevicePtr(a))
-                        .map_err(|e| step(format!("free({a:#x}) of a live allocation: {e}")))?;
-                    freed.push(a);
-                    if freed.len() > 64 {
-                        freed.remove(0);
-                    }
-                }
-            }
-            Op::DoubleFree { slot } | Op::RecordStreamStale { slot } => {
-                if freed.is_empty() {
-                    continue;
-                }
-                let a = freed[slot % freed.len()];
-                if live.contains_key(&a) {
-                    continue;
-                }
-                let r = if matches!(op, Op::DoubleFree { .. }) {
-                    alloc.free(DevicePtr(a))
-                } else {
-                    alloc.record_stream(DevicePtr(a), streams[0])
-                };
-                misuse(&format!("{op:?} at {a:#x}"), r).map_err(step)?;
-            }
-            Op::ForeignFree { seed } => {
-                let snap = alloc.snapshot();
-                let ptr = if seed & 1 == 1 || snap.segments.is_empty() {
-                    seed
-                } else {
-                    let s = &snap.segments[(seed >> 1) as usize % snap.segments.len()];
-                    let off = (seed >> 17) % (s.total_size + 4096);
-                    s.address.0 + if seed & 2 == 0 { off & !511 } else { off }
-                };
-                if live.contains_key(&ptr) {
-                    continue;
-                }
-                misuse(&format!("free({ptr:#x})"), alloc.free(DevicePtr(ptr))).map_err(step)?;
-            }
-            Op::InteriorFree { slot, offset } => {
-                if order.is_empty() {
-                    continue;
-                }
-                let a = order[slot % order.len()];
-                let off = (offset % live[&a].span).max(1);
-                misuse(
-                    &format!("free({:#x}) inside {a:#x}", a + off),
-                    alloc.free(DevicePtr(a + off)),
-                )
-                .map_err(step)?;
-            }
-            Op::RecordStream { slot, stream } => {
-                if order.is_empty() {
-                    continue;
-                }
-                let a = order[slot % order.len()];
-                alloc
-                    .record_stream(DevicePtr(a), streams[stream % streams.len()])
-                    .map_err(|e| step(format!("record_stream({a:#x}) of a live block: {e}")))?;
-            }
-            Op::CompleteEvent { index } => {
-                let p = dev.pending_events();
-                if !p.is_empty() {
-                    dev.complete_event(p[index % p.len()]);
-                }
-            }
-            Op::CompleteAllEvents => dev.complete_all_events(),
-            Op::ProcessEvents => alloc
-                .process_events()
-                .map_err(|e| step(format!("process_events: {e}")))?,
-            Op::EmptyCache => {
-                alloc
-                    .empty_cache()
-                    .map_err(|e| step(format!("empty_cache: {e}")))?;
-            }
-            Op::SetCap(cap) => alloc
-                .set_memory_cap(cap)
-                .map_err(|e| step(format!("set_memory_cap: {e}")))?,
-            Op::FailNext(n) => dev.fail_next_allocations(n),
-            Op::FailAbove(limit) => dev.fail_allocations_above(limit),
-            Op::ResetPeak => alloc.reset_peak_stats(),
-        }
-        alloc
-            .check_invariants()
-            .map_err(|e| step(format!("check_invariants: {e}")))?;
-    }
-    // Leak check: free everything, empty the cache, nothing may be left.
-    for a in order {
-        let l = &live[&a];
-        alloc
-            .free(DevicePtr(a))
-            .map_err(|e| format!("final free({a:#x}) of {} bytes: {e}", l.size))?;
-    }
-    alloc
-        .check_invariants()
-        .map_err(|e| format!("check_invariants after freeing everything: {e}"))?;
-    alloc
-        .empty_cache()
-        .map_err(|e| format!("final empty_cache: {e}"))?;
-    alloc
-        .check_invariants()
-        .map_err(|e| format!("check_invariants after the final empty_cache: {e}"))?;
-    let st = alloc.stats();
-    for (name, a) in st.arrays() {
-        if a.stats().iter().any(|s| s.current != 0) {
-            return Err(format!(
-                "after freeing everything and empty_cache, {name} is {a:?}"
-            ));
-        }
-    }
-    if dev.outstanding() != 0 || dev.used() != 0 {
-        return Err(format!(
-            "after freeing everything and empty_cache, the device still holds {} segments/pages ({} bytes)",
-            dev.outstanding(),
-            dev.used()
-        ));
-    }
-    // The allocator still serves once the cap and the failures are lifted.
-    alloc.set_memory_cap(None).map_err(|e| e.to_string())?;
-    dev.fail_next_allocations(0);
-    dev.fail_allocations_above(None);
-    if setup.capacity >= 64 << 20 {
-        let p = alloc
-            .malloc(4096, StreamId(0))
-            .map_err(|e| format!("malloc(4096) on an emptied allocator: {e}"))?;
-        alloc.free(p).map_err(|e| e.to_string())?;
-        alloc.empty_cache().map_err(|e| e.to_string())?;
-        if dev.outstanding() != 0 {
-            return Err("a segment outlived the last empty_cache".into());
-        }
-    }
-    Ok(())
+    testing::run_with(setup, ops, options())
+        .map(|_| ())
+        .map_err(|e| format!("config {}: {e}", setup.config.name))
 }

@@ -131,8 +131,14 @@ fn gzip(text: &[u8]) -> Vec<u8> {
 
 /// The whole body of the `trace` target.
 pub fn check(data: &[u8]) {
+    check_counted(data);
+}
+
+/// [`check`], returning the number of trace events replayed on an
+/// allocator (0 unless the input asks for a replay and reads cleanly).
+pub fn check_counted(data: &[u8]) -> u64 {
     let Some((&mode, text)) = data.split_first() else {
-        return;
+        return 0;
     };
     let core = read_core(text);
 
@@ -199,5 +205,7 @@ pub fn check(data: &[u8]) {
         };
         let events = &core.events;
         let _ = replay(|| Ok(events.iter().cloned().map(Ok)), &config, opts);
+        return events.len() as u64;
     }
+    0
 }

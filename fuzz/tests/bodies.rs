@@ -117,3 +117,75 @@ fn config_every_key_full_range() {
     }
     cachealloc_fuzz::config::check(b"expandable,expandable_page_mb:17592186044415");
 }
+
+/// The config target's numeric values reach every numeric key's whole
+/// range: both edges accepted, one past each edge rejected, and accepted
+/// values of every bit length from the least to the greatest (for real
+/// numbers: within 1% of each bound).
+#[test]
+fn config_numeric_values_cover_every_key_range() {
+    use cachealloc_core::config::KEYS;
+    use cachealloc_fuzz::config::{bounds, numeric_conf, Bounds};
+    let inputs = random(20_000, 11, 7);
+    let mut checked = 0;
+    for (k, key) in KEYS.iter().enumerate() {
+        let Some(b) = bounds(&key.kind) else {
+            continue;
+        };
+        let (mut accepted, mut rejected_int, mut rejected_f) = (vec![], vec![], vec![]);
+        for (i, d) in inputs.iter().enumerate() {
+            let mut d = d.clone();
+            d.resize(11, 0);
+            // Every key, every way of writing the value.
+            d[0] = (i % 8 * 16) as u8;
+            d[1] = k as u8;
+            let text = numeric_conf(&d).unwrap();
+            let value = text.split_once(':').unwrap().1;
+            let ok = key.kind.parse(value).is_ok();
+            match (b, value.parse::<u64>(), value.parse::<f64>()) {
+                (Bounds::Int { .. }, Ok(v), _) if ok => accepted.push(v as f64),
+                (Bounds::Int { .. }, Ok(v), _) => rejected_int.push(v),
+                (Bounds::Float { .. }, _, Ok(f)) if ok => accepted.push(f),
+                (Bounds::Float { .. }, _, Ok(f)) => rejected_f.push(f),
+                _ => {}
+            }
+        }
+        let name = key.name;
+        match b {
+            Bounds::Int { min, max, .. } => {
+                let has = |v: u64| accepted.contains(&(v as f64));
+                assert!(has(min) && has(max), "{name}: {min} or {max} never tried");
+                assert!(
+                    min == 0 || rejected_int.contains(&(min - 1)),
+                    "{name}: below {min}"
+                );
+                assert!(
+                    max == u64::MAX || rejected_int.contains(&(max + 1)),
+                    "{name}: above {max}"
+                );
+                let bits = |v: u64| 64 - v.leading_zeros();
+                for l in bits(min)..=bits(max) {
+                    assert!(
+                        accepted.iter().any(|&v| bits(v as u64) == l),
+                        "{name}: no accepted value of {l} bits (range {min} to {max})"
+                    );
+                }
+            }
+            Bounds::Float { min, max } => {
+                let span = max - min;
+                let lo = accepted.iter().copied().fold(f64::INFINITY, f64::min);
+                let hi = accepted.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                assert!(
+                    lo <= min + span / 100.0 && hi >= max - span / 100.0,
+                    "{name}: {lo} to {hi}"
+                );
+                assert!(
+                    rejected_f.iter().any(|&f| f < min) && rejected_f.iter().any(|&f| f > max),
+                    "{name}"
+                );
+            }
+        }
+        checked += 1;
+    }
+    assert!(checked >= 10, "only {checked} numeric keys");
+}

@@ -546,8 +546,10 @@ impl<E> State<E> {
                 continue;
             }
             if stage < 2 && self.reserved() + grow > hard_limit.min(cap) {
-                // Only the excess must come from idle pages; the rest may be created.
-                let excess = (self.reserved() + grow - hard_limit.min(cap)).min(grow);
+                // Idle pages go back until reserved memory plus the growth
+                // fits under the limit: when reserved memory is already above
+                // a lowered cap, that is more than the growth itself.
+                let excess = self.reserved() + grow - hard_limit.min(cap);
                 self.recycle(dev, tail, excess, true)?;
                 stage = 2;
                 continue;
