@@ -935,7 +935,7 @@ pub static KEYS: &[Key] = &[
         aliases: &[],
         kind: BOOL,
         stability: Stability::Experimental,
-        doc: "on out of memory, release every free cached segment and retry (off: only empty_cache gives segments back; what CUDA graph pools need)",
+        doc: "plain segments: on out of memory, release cached segments and retry (off: only empty_cache gives segments back; what CUDA graph pools need)",
         group: None,
         get: |c| Some(Value::Bool(c.oom_flush)),
         set: |c, v| c.oom_flush = b(v),

@@ -1006,8 +1006,9 @@ impl Model {
                 if st.num_ooms != before.stats.num_ooms + 1 {
                     return Err("an OOM was not counted in num_ooms".into());
                 }
-                if !self.config.oom_flush {
-                    // A graph pool's allocator: nothing cached is given back.
+                if !self.config.oom_flush && !self.expandable {
+                    // A graph pool's allocator: nothing cached is given back
+                    // (the key concerns plain segments).
                     if st.num_alloc_retries != before.stats.num_alloc_retries
                         || self.dev.counters().frees != before.counters.frees
                     {
