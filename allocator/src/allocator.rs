@@ -2,26 +2,26 @@
 //! merging, stream events, `empty_cache` and the out-of-memory ladder.
 //!
 //! All state sits behind one `parking_lot` mutex per allocator (per device),
-//! as in PyTorch, with per-thread caches in front of it (`crate::front`): a
+//! as in PyTorch, with per-thread caches in front of it (`crate::thread_cache`): a
 //! thread's repeated request of one size takes back the block it freed
 //! without the allocator's lock. The state is split into plain records
 //! (blocks, segments, bins) so that page-backed growable segments can reuse
 //! the same block lists.
 
 use crate::addrmap::AddrMap;
+use crate::arena::Arena;
 use crate::bins::Bins;
-use crate::block::{
-    Block, BlockId, BlockState, Listed, PoolId, PoolKind, Segment, SegmentId, Slab,
-};
+use crate::block::{Block, BlockId, BlockState, Listed, PoolId, PoolKind, Segment, SegmentId};
 use crate::config::{Config, MemoryCap, ReleaseOrder, MEDIUM_SEGMENT, OVERSIZE_SLACK, SMALL_SIZE};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::{AllocError, OomReport};
 use crate::fasthash::FastMap;
-use crate::front::{self, FastFree, Slot, SlotId};
+use crate::ids::SlotId;
 use crate::pages::PageMap;
 use crate::report::{BlockSnapshot, FragmentationReport, SegmentSnapshot, SegmentUse, Snapshot};
 use crate::rounding::{round_size, Power2Divisions};
 use crate::stats::MemoryStats;
+use crate::thread_cache::{key_hash, with_slot, FastFree, Slot};
 use crate::trace::TraceEvent;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
@@ -71,9 +71,9 @@ pub struct CachingAllocator<D: Device> {
     /// Key of this allocator's thread caches.
     id: u64,
     /// Whether the thread caches serve requests now (off while recording).
-    front_on: AtomicBool,
+    thread_cache_on: AtomicBool,
     /// Whether the configuration has thread caches at all.
-    front_enabled: bool,
+    thread_cache_enabled: bool,
     /// The rounding rule, for the thread caches' keys; `None` for plain
     /// 512-byte rounding (the common case, rounded without a table lookup).
     divisions: Option<Power2Divisions>,
@@ -116,8 +116,8 @@ struct Recorder {
 struct State<E> {
     config: Config,
     cap: Option<u64>,
-    blocks: Slab<Block>,
-    segments: Slab<Segment>,
+    blocks: Arena<Block>,
+    segments: Arena<Segment>,
     segment_by_addr: BTreeMap<u64, SegmentId>,
     /// Per pool kind, segments that may be entirely free, as (free since,
     /// address, segment), oldest first: every entirely free segment is here
@@ -170,9 +170,9 @@ struct State<E> {
     /// Per thread cache: its recent misses.
     wanted: Vec<Wanted>,
     /// Blocks held by thread caches (parked or handed out from one).
-    front_blocks: usize,
-    /// Whether the thread caches pay for themselves (see `State::review_fronts`).
-    review: FrontReview,
+    cached_blocks: usize,
+    /// Whether the thread caches pay for themselves (see `State::review_thread_caches`).
+    review: ThreadCacheReview,
     /// Blocks parked per thread cache (0: thread caches off).
     thread_cache: usize,
     /// Small requests up to this size go to slabs (0: off; see `slabs`).
@@ -224,14 +224,14 @@ impl<D: Device> CachingAllocator<D> {
         CachingAllocator {
             device,
             id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
-            front_on: AtomicBool::new(thread_cache > 0),
-            front_enabled: thread_cache > 0,
+            thread_cache_on: AtomicBool::new(thread_cache > 0),
+            thread_cache_enabled: thread_cache > 0,
             divisions,
             state: Mutex::new(State {
                 config,
                 cap,
-                blocks: Slab::default(),
-                segments: Slab::default(),
+                blocks: Arena::default(),
+                segments: Arena::default(),
                 segment_by_addr: BTreeMap::new(),
                 free_candidates: Default::default(),
                 bins: Vec::new(),
@@ -257,8 +257,8 @@ impl<D: Device> CachingAllocator<D> {
                 notices,
                 slots: Vec::new(),
                 wanted: Vec::new(),
-                front_blocks: 0,
-                review: FrontReview::default(),
+                cached_blocks: 0,
+                review: ThreadCacheReview::default(),
                 thread_cache,
                 slab_max,
                 slab_lists: Vec::new(),
@@ -304,10 +304,10 @@ impl<D: Device> CachingAllocator<D> {
             Some(d) => round_size(size, d),
         }
         .ok_or(AllocError::SizeTooLarge(size))?;
-        if !self.front_on.load(Ordering::Relaxed) {
+        if !self.thread_cache_on.load(Ordering::Relaxed) {
             return self.locked_op(|st| st.malloc(&self.device, size, rounded, stream, None));
         }
-        front::with_slot(
+        with_slot(
             self.id,
             || self.register_slot(),
             |slot| {
@@ -328,9 +328,9 @@ impl<D: Device> CachingAllocator<D> {
     fn locked<R>(&self, op: impl FnOnce(&mut State<D::Event>) -> R) -> R {
         let mut st = self.state.lock();
         let r = op(&mut st);
-        if let Some(on) = st.review_fronts() {
+        if let Some(on) = st.review_thread_caches() {
             if st.recorder.is_none() {
-                self.front_on.store(on, Ordering::Relaxed);
+                self.thread_cache_on.store(on, Ordering::Relaxed);
             }
         }
         r
@@ -375,10 +375,10 @@ impl<D: Device> CachingAllocator<D> {
     /// for the allocation, for callers that check a size they are given back
     /// (the C ABI's `free`). Costs nothing more than `free`.
     pub fn free_sized(&self, ptr: DevicePtr) -> Result<u64, AllocError> {
-        if !self.front_on.load(Ordering::Relaxed) {
+        if !self.thread_cache_on.load(Ordering::Relaxed) {
             return self.locked_op(|st| st.free(&self.device, ptr, None));
         }
-        front::with_slot(
+        with_slot(
             self.id,
             || self.register_slot(),
             |slot| {
@@ -412,7 +412,7 @@ impl<D: Device> CachingAllocator<D> {
         if let Some(r) = st.recorder.as_mut() {
             (r.sink)(&TraceEvent::EmptyCache);
         }
-        st.flush_fronts();
+        st.flush_thread_caches();
         st.release_cached(&self.device)
     }
 
@@ -424,7 +424,7 @@ impl<D: Device> CachingAllocator<D> {
         st.config.memory_cap = cap;
         st.cap = cap.map(|c| c.bytes(total));
         if st.cap.is_some_and(|c| st.reserved() > c) {
-            st.flush_fronts();
+            st.flush_thread_caches();
             st.release_cached(&self.device)?;
         }
         Ok(())
@@ -443,14 +443,14 @@ impl<D: Device> CachingAllocator<D> {
     /// last read as if both were live at once (see `docs/POLICY.md`).
     pub fn stats(&self) -> MemoryStats {
         let mut st = self.state.lock();
-        st.sync_fronts();
+        st.sync_thread_caches();
         st.stats.clone()
     }
 
     /// Current allocated / reserved / requested bytes, cheaply.
     pub fn usage(&self) -> Usage {
         let mut st = self.state.lock();
-        st.sync_fronts();
+        st.sync_thread_caches();
         Usage {
             allocated: st.stats.allocated_bytes.all().current,
             reserved: st.reserved(),
@@ -462,7 +462,7 @@ impl<D: Device> CachingAllocator<D> {
     /// Resets every peak statistic to its current value.
     pub fn reset_peak_stats(&self) {
         let mut st = self.state.lock();
-        st.sync_fronts();
+        st.sync_thread_caches();
         st.stats.reset_peak();
     }
 
@@ -470,14 +470,14 @@ impl<D: Device> CachingAllocator<D> {
     /// Blocks parked in thread caches go back to the bins first.
     pub fn fragmentation(&self) -> FragmentationReport {
         let mut st = self.state.lock();
-        st.flush_fronts();
+        st.flush_thread_caches();
         st.fragmentation()
     }
 
     /// Every segment and block.
     pub fn snapshot(&self) -> Snapshot {
         let mut st = self.state.lock();
-        st.sync_fronts();
+        st.sync_thread_caches();
         st.snapshot()
     }
 
@@ -486,8 +486,8 @@ impl<D: Device> CachingAllocator<D> {
     /// Thread caches are off while recording, so that every call is seen.
     pub fn start_recording(&self, sink: TraceSink) {
         let mut st = self.state.lock();
-        self.front_on.store(false, Ordering::Relaxed);
-        st.flush_fronts();
+        self.thread_cache_on.store(false, Ordering::Relaxed);
+        st.flush_thread_caches();
         let mut ids = FastMap::default();
         let mut next_id = 0;
         // Allocations already live get ids too, so that their frees are valid
@@ -512,8 +512,10 @@ impl<D: Device> CachingAllocator<D> {
     /// Stops recording; returns whether a recording was running.
     pub fn stop_recording(&self) -> bool {
         let mut st = self.state.lock();
-        self.front_on
-            .store(self.front_enabled && st.review.paying, Ordering::Relaxed);
+        self.thread_cache_on.store(
+            self.thread_cache_enabled && st.review.paying,
+            Ordering::Relaxed,
+        );
         st.recorder.take().is_some()
     }
 
@@ -526,7 +528,7 @@ impl<D: Device> CachingAllocator<D> {
     /// the blocks recompute. Used by the property tests and the fuzzers.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut st = self.state.lock();
-        st.sync_fronts();
+        st.sync_thread_caches();
         st.check_invariants()?;
         for (&addr, &seg) in &st.segment_by_addr {
             let kind = st.segments.get(seg.0).pool.kind() as usize;
@@ -618,7 +620,7 @@ impl<E> State<E> {
     ) -> Result<DevicePtr, AllocError> {
         if let Some(slot) = own {
             let w = &mut self.wanted[slot.0 as usize];
-            w.keys[w.next] = front::key_hash(rounded, stream);
+            w.keys[w.next] = key_hash(rounded, stream);
             w.next = (w.next + 1) % w.keys.len();
         }
         self.shadow_malloc(rounded);
@@ -728,9 +730,9 @@ impl<E> State<E> {
         seg_size: u64,
         retry: impl Fn(&mut Self) -> Option<BlockId>,
     ) -> Result<BlockId, AllocError> {
-        if self.front_blocks > 0 {
+        if self.cached_blocks > 0 {
             // Blocks parked in thread caches go back before the device is asked.
-            self.flush_fronts();
+            self.flush_thread_caches();
             if let Some(id) = retry(self) {
                 return Ok(id);
             }
@@ -1007,7 +1009,7 @@ impl<E> State<E> {
         // or parking it changes neither its size, its pool nor its streams.
         let (size, pool, holder, shared) = {
             let b = self.blocks.get(id.0);
-            (b.size, b.pool, b.front, !b.stream_uses.is_empty())
+            (b.size, b.pool, b.holder, !b.stream_uses.is_empty())
         };
         if let Some(holder) = holder {
             if let Err(e) = self.take_back(holder, ptr.0) {
@@ -1293,7 +1295,7 @@ impl<E> State<E> {
         let Some(id) = self.live.get(ptr.0) else {
             return Err(self.classify_bad_pointer(ptr));
         };
-        if let Some(holder) = self.blocks.get(id.0).front {
+        if let Some(holder) = self.blocks.get(id.0).holder {
             // A block another stream uses must not be parked: the allocator keeps it.
             self.take_back(holder, ptr.0)?;
         }
@@ -1921,8 +1923,8 @@ impl<E> State<E> {
             while let Some(id) = cur {
                 let b = self.blocks.get(id.0);
                 seen_blocks += 1;
-                held += usize::from(b.front.is_some());
-                if b.front.is_some()
+                held += usize::from(b.holder.is_some());
+                if b.holder.is_some()
                     && !matches!(b.state, BlockState::Allocated | BlockState::Parked)
                 {
                     return Err(format!(
@@ -2000,7 +2002,7 @@ impl<E> State<E> {
                         expect.requested_bytes.increase(kind, b.requested);
                     }
                     BlockState::Parked => {
-                        if b.front.is_none() || self.live.get(b.addr) != Some(id) {
+                        if b.holder.is_none() || self.live.get(b.addr) != Some(id) {
                             return Err(format!(
                                 "parked block at {:#x} has no thread cache or is not in the live map",
                                 b.addr
@@ -2069,10 +2071,10 @@ impl<E> State<E> {
                 expect.allocation.all().current
             ));
         }
-        if held != self.front_blocks {
+        if held != self.cached_blocks {
             return Err(format!(
                 "{held} blocks held by thread caches but {} counted",
-                self.front_blocks
+                self.cached_blocks
             ));
         }
         if awaiting != self.pending_blocks {
@@ -2110,7 +2112,7 @@ mod layout;
 mod slabs;
 mod thread_cache;
 use slabs::SlabLists;
-use thread_cache::FrontReview;
+use thread_cache::ThreadCacheReview;
 
 #[cfg(test)]
 mod tests;

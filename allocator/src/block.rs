@@ -1,69 +1,13 @@
-//! Block and segment records, kept in slabs on the host (never in device memory).
+//! Block and segment records, kept in arenas on the host (never in device memory).
 //!
 //! A segment is one device allocation; it is cut into blocks that form an
 //! address-ordered doubly linked list, so a freed block finds its neighbours
-//! without any lookup. Ids are slab indices, distinct types from addresses.
+//! without any lookup. Ids ([`crate::ids`]) are arena indices, distinct types from addresses.
 
 use crate::device::StreamId;
-use crate::front::SlotId;
+pub use crate::ids::PoolKind;
+pub(crate) use crate::ids::{BlockId, PoolId, SegmentId, SlotId, POOLS_PER_STREAM};
 use crate::pages::PageMap;
-
-/// Index of a block record in the allocator's block slab.
-#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
-pub struct BlockId(pub(crate) u32);
-
-/// Index of a segment record in the allocator's segment slab.
-#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
-pub struct SegmentId(pub(crate) u32);
-
-/// Index of a pool: one small and one large pool per stream.
-#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
-pub struct PoolId(pub(crate) u32);
-
-impl PoolId {
-    pub(crate) fn new(stream_slot: u32, kind: PoolKind) -> Self {
-        PoolId(stream_slot * POOLS_PER_STREAM + kind as u32)
-    }
-    pub(crate) fn kind(self) -> PoolKind {
-        match self.0 % POOLS_PER_STREAM {
-            0 => PoolKind::Small,
-            1 => PoolKind::Large,
-            _ => PoolKind::Huge,
-        }
-    }
-    pub(crate) fn stream_slot(self) -> usize {
-        (self.0 / POOLS_PER_STREAM) as usize
-    }
-    pub(crate) fn index(self) -> usize {
-        self.0 as usize
-    }
-}
-
-/// Pools per stream: small, large and huge.
-pub(crate) const POOLS_PER_STREAM: u32 = 3;
-
-/// Which pool a block belongs to.
-#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
-pub enum PoolKind {
-    /// Requests up to the small-size limit (1 MiB), carved from small segments.
-    Small = 0,
-    /// Everything else (below the huge threshold, if one is set).
-    Large = 1,
-    /// Requests at or above `Config::huge_size`: their segments serve only
-    /// huge requests, so no small long-lived block strands their space.
-    /// Counted with the large pool in the statistics.
-    Huge = 2,
-}
-
-impl PoolKind {
-    /// Index of the statistics group (`small_pool` = 1, `large_pool` = 2).
-    pub(crate) fn stat_group(self) -> usize {
-        match self {
-            PoolKind::Small => 1,
-            PoolKind::Large | PoolKind::Huge => 2,
-        }
-    }
-}
 
 /// The life of a block.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
@@ -103,7 +47,7 @@ pub(crate) struct Block {
     /// The allocator's operation count when the block last became free.
     pub freed_at: u64,
     /// The thread cache that holds the block (parked, or handed out from it).
-    pub front: Option<SlotId>,
+    pub holder: Option<SlotId>,
 }
 
 impl Block {
@@ -123,7 +67,7 @@ impl Block {
             pending_events: 0,
             gc_base: 0,
             freed_at: now,
-            front: None,
+            holder: None,
         }
     }
 
@@ -220,96 +164,5 @@ impl Segment {
     /// Whether the segment is a virtual range backed page by page.
     pub fn is_expandable(&self) -> bool {
         self.pages.is_some()
-    }
-}
-
-/// A vector with reusable slots, indexed by `u32`.
-#[derive(Debug)]
-pub(crate) struct Slab<T> {
-    items: Vec<Option<T>>,
-    vacant: Vec<u32>,
-    len: usize,
-}
-
-impl<T> Default for Slab<T> {
-    fn default() -> Self {
-        Slab {
-            items: Vec::new(),
-            vacant: Vec::new(),
-            len: 0,
-        }
-    }
-}
-
-impl<T> Slab<T> {
-    pub fn insert(&mut self, item: T) -> u32 {
-        self.len += 1;
-        if let Some(i) = self.vacant.pop() {
-            self.items[i as usize] = Some(item);
-            i
-        } else {
-            self.items.push(Some(item));
-            u32::try_from(self.items.len() - 1).expect("more than 4 billion records")
-        }
-    }
-
-    /// Removes the item at `i` in place, without moving it out: for callers
-    /// that do not need it (a merged block record).
-    pub fn discard(&mut self, i: u32) {
-        let slot = &mut self.items[i as usize];
-        assert!(slot.is_some(), "slab slot vacant");
-        *slot = None;
-        self.vacant.push(i);
-        self.len -= 1;
-    }
-
-    pub fn remove(&mut self, i: u32) -> T {
-        let item = self.items[i as usize].take().expect("slab slot vacant");
-        self.vacant.push(i);
-        self.len -= 1;
-        item
-    }
-
-    #[inline]
-    pub fn get(&self, i: u32) -> &T {
-        self.items[i as usize].as_ref().expect("slab slot vacant")
-    }
-
-    #[inline]
-    pub fn get_mut(&mut self, i: u32) -> &mut T {
-        self.items[i as usize].as_mut().expect("slab slot vacant")
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn slab_reuses_slots() {
-        let mut s = Slab::default();
-        let a = s.insert("a");
-        let b = s.insert("b");
-        assert_eq!(s.remove(a), "a");
-        let c = s.insert("c");
-        assert_eq!(c, a);
-        assert_eq!(*s.get(b), "b");
-        assert_eq!(s.len(), 2);
-        s.discard(b);
-        assert_eq!(s.len(), 1);
-        assert_eq!(s.insert("d"), b);
-    }
-
-    #[test]
-    fn pool_ids() {
-        assert_eq!(PoolId::new(3, PoolKind::Large).kind(), PoolKind::Large);
-        assert_eq!(PoolId::new(3, PoolKind::Small).kind(), PoolKind::Small);
-        assert_eq!(PoolId::new(3, PoolKind::Huge).kind(), PoolKind::Huge);
-        assert_eq!(PoolId::new(3, PoolKind::Large).index(), 10);
-        assert_eq!(PoolId::new(3, PoolKind::Huge).stream_slot(), 3);
     }
 }

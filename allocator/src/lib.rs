@@ -33,13 +33,14 @@
 
 mod addrmap;
 mod allocator;
+mod arena;
 mod bins;
 mod block;
 pub mod config;
 pub mod device;
 pub mod error;
 mod fasthash;
-mod front;
+mod ids;
 mod pages;
 pub mod replay;
 pub mod report;
@@ -50,6 +51,7 @@ pub mod simulated;
 pub mod stats;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod thread_cache;
 pub mod trace;
 
 pub use allocator::{CachingAllocator, Released, TraceSink, Usage};

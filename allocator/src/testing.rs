@@ -1023,10 +1023,7 @@ impl Model {
                             before.stats.num_alloc_retries, st.num_alloc_retries
                         ));
                     }
-                    self.check_flushed_as(
-                        &format!("an OOM for malloc({size})"),
-                        !self.expandable,
-                    )?;
+                    self.check_flushed_as(&format!("an OOM for malloc({size})"), !self.expandable)?;
                 }
                 let info: MemInfo = self.dev.mem_info().map_err(|e| e.to_string())?;
                 let reserved = st.reserved_bytes.all().current;

@@ -25,7 +25,7 @@ impl<D: Device> CachingAllocator<D> {
     /// now allocated, which the caller frees like any allocation.
     pub fn restore_layout(&self, layout: &Snapshot) -> Result<Vec<DevicePtr>, AllocError> {
         let mut st = self.state.lock();
-        st.flush_fronts();
+        st.flush_thread_caches();
         st.check_restorable(layout).map_err(AllocError::BadLayout)?;
         let mut out = Vec::new();
         for seg in &layout.segments {
@@ -42,7 +42,7 @@ impl<E> State<E> {
             return Err("expandable segments cannot be restored to a layout".into());
         }
         let allocated = self.stats.allocated_bytes.all().current;
-        if allocated != 0 || self.pending_blocks != 0 || self.front_blocks != 0 {
+        if allocated != 0 || self.pending_blocks != 0 || self.cached_blocks != 0 {
             return Err(format!(
                 "{allocated} bytes are allocated and {} blocks await events: free them first",
                 self.pending_blocks

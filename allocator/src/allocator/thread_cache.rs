@@ -1,4 +1,4 @@
-//! The allocator's side of the per-thread caches (`crate::front`).
+//! The allocator's side of the per-thread caches (`crate::thread_cache`).
 //!
 //! Under the allocator's lock a freed block whose size its thread recently
 //! missed is *parked* in the thread's slot (counted as freed, kept out of the
@@ -11,11 +11,12 @@ use super::{State, Wanted};
 use crate::block::{BlockId, BlockState};
 use crate::device::DevicePtr;
 use crate::error::AllocError;
-use crate::front::{
-    key_hash, kind_index, Entry, Slot, SlotId, SlotInner, Track, BYTES, COUNT, KINDS, OVERSIZE,
-    REQUESTED, SPLIT, SPLIT_BYTES,
-};
+use crate::ids::SlotId;
 use crate::rounding::round_size;
+use crate::thread_cache::{
+    key_hash, kind_index, Entry, Slot, SlotInner, Track, BYTES, COUNT, KINDS, OVERSIZE, REQUESTED,
+    SPLIT, SPLIT_BYTES,
+};
 use std::sync::Arc;
 
 /// How to fold one tracked statistic: raise it by `.0` (the highest point
@@ -61,7 +62,7 @@ const SHADOW: usize = 8;
 /// counts the mallocs that repeat one of them, i.e. that a cache would have
 /// served; when those pay, the caches go back on at the end of the window.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct FrontReview {
+pub(super) struct ThreadCacheReview {
     /// Operations that took the allocator's lock so far.
     locked_ops: u64,
     /// The slots' summed hit counts at the start of the window.
@@ -77,9 +78,9 @@ pub(super) struct FrontReview {
     shadow_hits: u64,
 }
 
-impl Default for FrontReview {
+impl Default for ThreadCacheReview {
     fn default() -> Self {
-        FrontReview {
+        ThreadCacheReview {
             locked_ops: 0,
             hits_base: 0,
             paying: true,
@@ -96,7 +97,7 @@ impl<E> State<E> {
     /// whether the thread caches stay on (flushing them when they go off).
     /// Returns the new setting when it changes.
     #[inline]
-    pub(super) fn review_fronts(&mut self) -> Option<bool> {
+    pub(super) fn review_thread_caches(&mut self) -> Option<bool> {
         if self.thread_cache == 0 {
             return None;
         }
@@ -123,7 +124,7 @@ impl<E> State<E> {
             r.paying = false;
             r.off_windows = OFF_WINDOWS;
             r.shadow = [u64::MAX; SHADOW];
-            self.flush_fronts();
+            self.flush_thread_caches();
             Some(false)
         } else {
             r.off_windows -= 1;
@@ -263,8 +264,8 @@ impl<E> State<E> {
         b.state = BlockState::Parked;
         b.requested = 0;
         b.freed_at = clock;
-        b.front = Some(slot);
-        self.front_blocks += 1;
+        b.holder = Some(slot);
+        self.cached_blocks += 1;
         let entry = Entry {
             addr,
             key,
@@ -297,8 +298,8 @@ impl<E> State<E> {
         let Some(e) = slot.take_live_locked(&mut g, addr) else {
             return Err(AllocError::DoubleFree(DevicePtr(addr)));
         };
-        self.blocks.get_mut(e.block.0).front = None;
-        self.front_blocks -= 1;
+        self.blocks.get_mut(e.block.0).holder = None;
+        self.cached_blocks -= 1;
         Ok(())
     }
 
@@ -362,8 +363,8 @@ impl<E> State<E> {
         }
         let b = self.blocks.get_mut(id.0);
         b.state = BlockState::Free;
-        b.front = None;
-        self.front_blocks -= 1;
+        b.holder = None;
+        self.cached_blocks -= 1;
         self.live.remove(addr);
         if split {
             self.stats.inactive_split.decrease(kind, 1);
@@ -394,8 +395,8 @@ impl<E> State<E> {
     }
 
     /// Brings every slot's tallies and block states up to date.
-    pub(super) fn sync_fronts(&mut self) {
-        if self.front_blocks == 0 {
+    pub(super) fn sync_thread_caches(&mut self) {
+        if self.cached_blocks == 0 {
             return;
         }
         for slot in self.slots.clone().into_iter().flatten() {
@@ -406,7 +407,7 @@ impl<E> State<E> {
 
     /// Returns every parked block to the bins, and forgets the slots of
     /// threads that ended with nothing in them.
-    pub(super) fn flush_fronts(&mut self) {
+    pub(super) fn flush_thread_caches(&mut self) {
         if self.slots.is_empty() {
             return;
         }
@@ -440,12 +441,12 @@ impl<E> State<E> {
                 let b = self.blocks.get(e.block.0);
                 if b.addr != e.addr
                     || b.size != e.size
-                    || b.front != Some(slot.id)
+                    || b.holder != Some(slot.id)
                     || b.state != want
                 {
                     return Err(format!(
                         "thread cache {:?} holds {e:?} but the block is {:?} at {:#x}+{} held by {:?}",
-                        slot.id, b.state, b.addr, b.size, b.front
+                        slot.id, b.state, b.addr, b.size, b.holder
                     ));
                 }
             }
@@ -457,10 +458,10 @@ impl<E> State<E> {
                 ));
             }
         }
-        if n != self.front_blocks {
+        if n != self.cached_blocks {
             return Err(format!(
                 "thread caches list {n} blocks but {} are held",
-                self.front_blocks
+                self.cached_blocks
             ));
         }
         Ok(())
@@ -757,7 +758,7 @@ mod tests {
     fn caches_that_do_not_pay_are_turned_off_until_sizes_repeat() {
         let (_, a) = new("default", 1 << 30);
         let on = |a: &CachingAllocator<SimulatedDevice>| {
-            a.front_on.load(std::sync::atomic::Ordering::Relaxed)
+            a.thread_cache_on.load(std::sync::atomic::Ordering::Relaxed)
         };
         assert!(on(&a));
         // A random mix over 64 slots: sizes hardly repeat.
@@ -818,9 +819,13 @@ mod tests {
                 a.free(p).unwrap();
             }
             held.extend((0..8).map(|_| a.malloc(4096, S0).unwrap()));
-            assert!(live(&a) <= crate::front::MAX_LIVE);
+            assert!(live(&a) <= crate::thread_cache::MAX_LIVE);
         }
-        assert_eq!(live(&a), crate::front::MAX_LIVE, "the cap was reached");
+        assert_eq!(
+            live(&a),
+            crate::thread_cache::MAX_LIVE,
+            "the cap was reached"
+        );
         a.check_invariants().unwrap();
         for p in held {
             a.free(p).unwrap();

@@ -15,16 +15,12 @@
 //! allocation. What a slot does without the allocator's lock is tallied in
 //! [`Pending`] and folded into the statistics whenever they are read.
 
-use crate::block::{BlockId, PoolKind};
 use crate::device::StreamId;
+use crate::ids::{BlockId, PoolKind, SlotId};
 use parking_lot::Mutex;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-
-/// Index of a thread cache in its allocator.
-#[derive(Copy, Clone, PartialEq, Eq, Debug)]
-pub(crate) struct SlotId(pub u32);
 
 /// A block held by a thread cache: parked, or handed out from it.
 #[derive(Copy, Clone, Debug)]
