@@ -64,6 +64,17 @@ pub struct Usage {
 /// A sink for recorded trace events (see [`CachingAllocator::start_recording`]).
 pub type TraceSink = Box<dyn FnMut(&TraceEvent) + Send>;
 
+/// One allocation request on its way through the growth ladder (PyTorch's
+/// `AllocParams`): the pool it goes to, its stream, the size asked for and
+/// the size rounded for the bins.
+#[derive(Copy, Clone, Debug)]
+struct Request {
+    pool: PoolId,
+    stream: StreamId,
+    size: u64,
+    rounded: u64,
+}
+
 /// A caching device allocator over a [`Device`]. `Send + Sync`: share it by reference or `Arc`.
 pub struct CachingAllocator<D: Device> {
     device: D,
@@ -637,15 +648,21 @@ impl<E> State<E> {
             PoolKind::Large
         };
         let pool = PoolId::new(self.stream_slot(stream), kind);
+        let req = Request {
+            pool,
+            stream,
+            size,
+            rounded,
+        };
         if rounded <= self.slab_max {
             // (`slab_max` is at most the small-request limit.)
-            return self.slab_malloc(dev, pool, stream, size, rounded);
+            return self.slab_malloc(dev, req);
         }
         if let (Some(slot), false) = (own, kind == PoolKind::Small) {
             self.flush_own_large(slot);
         }
         let id = if self.granularity.is_some() {
-            self.malloc_expandable(dev, pool, stream, size, rounded)?
+            self.malloc_expandable(dev, req)?
         } else {
             let found = if self.config.caching {
                 self.get_free_block(pool, rounded)
@@ -654,7 +671,7 @@ impl<E> State<E> {
             };
             match found {
                 Some(id) => id,
-                None => self.grow(dev, pool, stream, size, rounded)?,
+                None => self.grow(dev, req)?,
             }
         };
         Ok(self.alloc_found_block(id, rounded, size))
@@ -690,14 +707,8 @@ impl<E> State<E> {
 
     /// The ladder after a cache miss: new segment → release what suffices →
     /// full flush → out of memory.
-    fn grow<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        pool: PoolId,
-        stream: StreamId,
-        size: u64,
-        rounded: u64,
-    ) -> Result<BlockId, AllocError> {
+    fn grow<D: Device<Event = E>>(&mut self, dev: &D, req: Request) -> Result<BlockId, AllocError> {
+        let Request { pool, rounded, .. } = req;
         if pool.kind() == PoolKind::Small && self.unslab_empty(pool) {
             if let Some(id) = self.get_free_block(pool, rounded) {
                 return Ok(id);
@@ -712,24 +723,26 @@ impl<E> State<E> {
                 None
             }
         };
-        self.grow_with(dev, pool, stream, size, rounded, seg_size, retry)
+        self.grow_with(dev, req, seg_size, retry)
     }
 
     /// [`State::grow`] for a segment of `seg_size`, where `retry` looks in
     /// the cache again after the thread caches and after the full flush
     /// gave blocks back. Returns what `retry` found, or the one free block
     /// of a new segment (not in the bins).
-    #[allow(clippy::too_many_arguments)]
     fn grow_with<D: Device<Event = E>>(
         &mut self,
         dev: &D,
-        pool: PoolId,
-        stream: StreamId,
-        size: u64,
-        rounded: u64,
+        req: Request,
         seg_size: u64,
         retry: impl Fn(&mut Self) -> Option<BlockId>,
     ) -> Result<BlockId, AllocError> {
+        let Request {
+            pool,
+            stream,
+            size,
+            rounded,
+        } = req;
         if self.cached_blocks > 0 {
             // Blocks parked in thread caches go back before the device is asked.
             self.flush_thread_caches();

@@ -17,7 +17,7 @@
 //! past the cap, or when the device is full; `empty_cache` unmaps every idle
 //! page and releases the pool.
 
-use super::State;
+use super::{Request, State};
 use crate::block::{BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId};
 use crate::config::EdgePages;
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
@@ -170,11 +170,14 @@ impl<E> State<E> {
     pub(super) fn malloc_expandable<D: Device<Event = E>>(
         &mut self,
         dev: &D,
-        pool: PoolId,
-        stream: StreamId,
-        size: u64,
-        rounded: u64,
+        req: Request,
     ) -> Result<BlockId, AllocError> {
+        let Request {
+            pool,
+            size,
+            rounded,
+            ..
+        } = req;
         for attempt in 0..2 {
             if attempt == 1 {
                 // Last rung: wait for every pending event, so that blocks other
@@ -187,7 +190,7 @@ impl<E> State<E> {
                 .and_then(|b| b.best_fit(rounded));
             let (bsize, addr, id) = match pick {
                 Some(p) => p,
-                None => self.new_range(dev, pool, stream, size, rounded)?,
+                None => self.new_range(dev, req)?,
             };
             // While its pages are gathered the block is out of the bins (so not
             // idle) and marked in use (so a block freed meanwhile does not merge it).
@@ -222,11 +225,14 @@ impl<E> State<E> {
     fn new_range<D: Device<Event = E>>(
         &mut self,
         dev: &D,
-        pool: PoolId,
-        stream: StreamId,
-        size: u64,
-        rounded: u64,
+        req: Request,
     ) -> Result<(u64, u64, BlockId), AllocError> {
+        let Request {
+            pool,
+            stream,
+            size,
+            rounded,
+        } = req;
         let seg = match self.reserve_range(dev, pool, stream, rounded) {
             Ok(seg) => seg,
             Err(AllocError::Device(DeviceError::OutOfMemory)) => {
@@ -546,10 +552,16 @@ impl<E> State<E> {
                 continue;
             }
             if stage < 2 && self.reserved() + grow > hard_limit.min(cap) {
-                // Idle pages go back until reserved memory plus the growth
-                // fits under the limit: when reserved memory is already above
-                // a lowered cap, that is more than the growth itself.
-                let excess = self.reserved() + grow - hard_limit.min(cap);
+                // Only the excess must come from idle pages; the rest may be
+                // created. Above the cap (lowered below use), idle pages go
+                // back until reserved memory plus the growth fits under it,
+                // which may be more than the growth itself.
+                let need = self.reserved() + grow;
+                let excess = if need > cap {
+                    need - cap
+                } else {
+                    (need - hard_limit).min(grow)
+                };
                 self.recycle(dev, tail, excess, true)?;
                 stage = 2;
                 continue;

@@ -17,9 +17,9 @@
 //! by the release-before-grow rule (idle since its last chunk came back) and
 //! by the out-of-memory ladder.
 
-use super::State;
+use super::{Request, State};
 use crate::block::{Block, BlockId, BlockState, Listed, PoolId, PoolKind, SegmentId, SlabSeg};
-use crate::device::{Device, DevicePtr, StreamId};
+use crate::device::{Device, DevicePtr};
 use crate::error::AllocError;
 use crate::rounding::{slab_class, SLAB_CLASSES};
 
@@ -57,19 +57,21 @@ impl<E> State<E> {
     pub(super) fn slab_malloc<D: Device<Event = E>>(
         &mut self,
         dev: &D,
-        pool: PoolId,
-        stream: StreamId,
-        size: u64,
-        rounded: u64,
+        req: Request,
     ) -> Result<DevicePtr, AllocError> {
+        let Request {
+            pool,
+            size,
+            rounded,
+            ..
+        } = req;
         let (class, chunk) = slab_class(rounded);
         let id = match self.take_chunk(pool, class, chunk) {
             Some(id) => id,
             None => {
                 let seg_size = self.config.small_segment;
-                let id = self.grow_with(dev, pool, stream, size, rounded, seg_size, |st| {
-                    st.take_chunk(pool, class, chunk)
-                })?;
+                let id =
+                    self.grow_with(dev, req, seg_size, |st| st.take_chunk(pool, class, chunk))?;
                 if self.blocks.get(id.0).slab {
                     // The ladder's flush freed a chunk of this class.
                     id
