@@ -1,0 +1,435 @@
+//! The free path: misuse told apart, blocks other streams used guarded by
+//! events, merging with free neighbours into the bins, and event processing.
+
+use super::*;
+
+impl<E> State<E> {
+    /// Tells apart a double free, an interior pointer and a foreign pointer.
+    pub(super) fn classify_bad_pointer(&self, ptr: DevicePtr) -> AllocError {
+        let Some((_, &seg)) = self.segment_by_addr.range(..=ptr.0).next_back() else {
+            return AllocError::UnknownPointer(ptr);
+        };
+        let s = self.segments.get(seg.0);
+        if ptr.0 >= s.addr + s.size {
+            return AllocError::UnknownPointer(ptr);
+        }
+        let mut cur = Some(s.head);
+        while let Some(id) = cur {
+            let b = self.blocks.get(id.0);
+            if ptr.0 >= b.addr && ptr.0 < b.addr + b.size {
+                return match (b.state, ptr.0 == b.addr) {
+                    (BlockState::Allocated, false) => AllocError::InteriorPointer {
+                        ptr,
+                        block: DevicePtr(b.addr),
+                    },
+                    (_, true) => AllocError::DoubleFree(ptr),
+                    _ => AllocError::UnknownPointer(ptr),
+                };
+            }
+            cur = b.next;
+        }
+        AllocError::UnknownPointer(ptr)
+    }
+
+    // Inlined into the locked wrapper, as `malloc`.
+    #[inline(always)]
+    pub(super) fn free<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        ptr: DevicePtr,
+        own: Option<SlotId>,
+    ) -> Result<u64, AllocError> {
+        self.clock += 1;
+        // One map operation on the common path; a parked block goes back in.
+        let Some(id) = self.live.remove(ptr.0) else {
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        // One read of the record: taking the block back from a thread cache
+        // or parking it changes neither its size, its pool nor its streams.
+        let (size, pool, holder, shared) = {
+            let b = self.blocks.get(id.0);
+            (b.size, b.pool, b.holder, !b.stream_uses.is_empty())
+        };
+        if let Some(holder) = holder {
+            if let Err(e) = self.take_back(holder, ptr.0) {
+                self.live.insert(ptr.0, id);
+                return Err(e);
+            }
+        }
+        // (Taking the block back synced its requested size from the thread cache.)
+        let requested = self.blocks.get(id.0).requested;
+        if let Some(slot) = own {
+            if self.should_park(slot, id) {
+                self.live.insert(ptr.0, id);
+                self.park(slot, id);
+                return Ok(requested);
+            }
+        }
+        // A block used on other streams is guarded by an event on each; the
+        // device calls come before any change, so that a failure leaves the
+        // block allocated and the free can be retried.
+        let events = if shared {
+            match self.guard_events(dev, id) {
+                Ok(events) => events,
+                Err(e) => {
+                    self.live.insert(ptr.0, id);
+                    return Err(e);
+                }
+            }
+        } else {
+            Vec::new()
+        };
+        self.shadow_free(size);
+        let kind = pool.kind();
+        self.count_allocated(kind, size, false);
+        if self.granularity.is_some() {
+            self.mark_free(dev, pool);
+        }
+        if let Some(r) = self.recorder.as_mut() {
+            if let Some(tid) = r.ids.remove(&ptr.0) {
+                (r.sink)(&TraceEvent::Free { id: tid });
+            }
+        }
+        // Almost no block was used on another stream: back to the pool at once.
+        if events.is_empty() {
+            if shared {
+                self.blocks.get_mut(id.0).stream_uses.take();
+            }
+            self.free_block(id);
+            if !self.config.caching {
+                let seg = self.blocks.get(id.0).segment;
+                self.release_or_keep(dev, seg);
+            }
+            return Ok(requested);
+        }
+        let b = self.blocks.get_mut(id.0);
+        b.stream_uses.take();
+        b.state = BlockState::AwaitingEvents;
+        b.pending_events = events.len() as u32;
+        for (s, ev) in events {
+            match self.pending.iter_mut().find(|(st, _)| *st == s) {
+                Some((_, q)) => q.push_back((ev, id)),
+                None => self.pending.push((s, VecDeque::from([(ev, id)]))),
+            }
+        }
+        self.pending_blocks += 1;
+        Ok(requested)
+    }
+
+    /// Records an event on every stream that used block `id` besides its
+    /// own. If one cannot be recorded, the device is synchronized instead
+    /// (the block is then safe to reuse at once: no events). If that fails
+    /// too, the events recorded are given back and the error returned:
+    /// nothing has changed.
+    #[cold]
+    pub(super) fn guard_events<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        id: BlockId,
+    ) -> Result<Vec<(StreamId, E)>, AllocError> {
+        let uses = self.blocks.get(id.0).stream_uses.to_vec();
+        let mut events = Vec::with_capacity(uses.len());
+        for s in uses {
+            match dev.record_event(s) {
+                Ok(ev) => events.push((s, ev)),
+                Err(_) => {
+                    // Cannot guard the block with an event: make it safe the slow way.
+                    let synced = dev.synchronize();
+                    for (_, ev) in events.drain(..) {
+                        dev.release_event(ev);
+                    }
+                    synced?;
+                    return Ok(Vec::new());
+                }
+            }
+        }
+        Ok(events)
+    }
+
+    /// Without caching, a freed block's segment goes back to the device at
+    /// once; if the device refuses, the segment stays cached (whole and
+    /// consistent) for a later `empty_cache`, and a notice says so.
+    #[cold]
+    pub(super) fn release_or_keep<D: Device<Event = E>>(&mut self, dev: &D, seg: SegmentId) {
+        if let Err(e) = self.release_segment(dev, seg) {
+            self.notice(format!(
+                "a segment stays cached: the device could not free it ({e})"
+            ));
+        }
+    }
+
+    /// Adds a notice (kept to a bounded number; see [`CachingAllocator::notices`]).
+    #[cold]
+    pub(super) fn notice(&mut self, text: String) {
+        if self.notices.len() < MAX_NOTICES {
+            self.notices.push(text);
+        }
+    }
+
+    /// Returns a block to its pool, merging it with free neighbours (a
+    /// slab's chunk goes back to its slab).
+    pub(super) fn free_block(&mut self, id: BlockId) {
+        let expandable = self.granularity.is_some();
+        let (orig_size, requested, pool, slab) = {
+            let b = self.blocks.get_mut(id.0);
+            b.state = BlockState::Free;
+            if expandable {
+                // Idle from now (merging keeps the latest of the parts).
+                b.freed_at = self.clock;
+            }
+            (b.size, std::mem::take(&mut b.requested), b.pool, b.slab)
+        };
+        let kind = pool.kind();
+        self.file_free(id, kind, slab);
+        self.count_active(kind, orig_size, requested, false);
+    }
+
+    /// Files the free block `id` where free blocks of its kind go: a slab's
+    /// chunk in its slab, any other block in the bins, merged.
+    #[inline]
+    pub(super) fn file_free(&mut self, id: BlockId, kind: PoolKind, slab: bool) {
+        if slab {
+            self.slab_free(id);
+        } else {
+            self.merge_counted(id, kind);
+        }
+    }
+
+    /// Counts a block of `size` bytes handed out (`up`) or given back by its caller.
+    pub(super) fn count_allocated(&mut self, kind: PoolKind, size: u64, up: bool) {
+        let oversize = size >= self.config.max_split_size;
+        let s = &mut self.stats;
+        if up {
+            s.allocation.increase(kind, 1);
+            s.allocated_bytes.increase(kind, size);
+            if oversize {
+                s.oversize_allocations.increase(1);
+            }
+        } else {
+            s.allocation.decrease(kind, 1);
+            s.allocated_bytes.decrease(kind, size);
+            if oversize {
+                s.oversize_allocations.decrease(1);
+            }
+        }
+    }
+
+    /// Counts a block becoming active (`up`: handed out) or inactive (no
+    /// event guards it any more), with the caller's requested bytes.
+    pub(super) fn count_active(&mut self, kind: PoolKind, size: u64, requested: u64, up: bool) {
+        let s = &mut self.stats;
+        if up {
+            s.active.increase(kind, 1);
+            s.active_bytes.increase(kind, size);
+            s.requested_bytes.increase(kind, requested);
+        } else {
+            s.active.decrease(kind, 1);
+            s.active_bytes.decrease(kind, size);
+            s.requested_bytes.decrease(kind, requested);
+        }
+    }
+
+    /// [`State::merge_into_bins`], with the change in inactive split blocks counted.
+    /// `kind` is the block's pool kind (the callers have it at hand).
+    pub(super) fn merge_counted(&mut self, id: BlockId, kind: PoolKind) {
+        let (net_blocks, net_bytes) = self.merge_into_bins(id);
+        // The sign depends on which neighbours were free: no branch on it.
+        self.stats.inactive_split.add(kind, net_blocks);
+        self.stats.inactive_split_bytes.add(kind, net_bytes);
+    }
+
+    /// Merges the free block `id` with its free neighbours and files the
+    /// result in the bins. Returns the change in inactive split blocks and
+    /// bytes (zero in expandable segments, where they are not counted).
+    pub(super) fn merge_into_bins(&mut self, id: BlockId) -> (i64, i64) {
+        // Disjoint borrows of the fields: one bins lookup, no repeated
+        // record lookups for the block itself.
+        let State {
+            blocks,
+            segments,
+            bins,
+            lookups,
+            clock,
+            granularity,
+            idle_index,
+            free_candidates,
+            ..
+        } = self;
+        let b = blocks.get(id.0);
+        let (pool, mut addr, mut size) = (b.pool, b.addr, b.size);
+        let (mut prev, mut next) = (b.prev, b.next);
+        let mut since = b.freed_at;
+        let bins = bins[pool.index()].get_or_insert_with(Box::default);
+        let mut net_blocks: i64 = 0;
+        let mut net_bytes: i64 = 0;
+        if let Some(p) = prev {
+            let pb = blocks.get(p.0);
+            if pb.state == BlockState::Free {
+                let (psize, paddr, pprev) = (pb.size, pb.addr, pb.prev);
+                bins.remove(psize, paddr, p);
+                if granularity.is_some() {
+                    idle_index.remove(&(pb.freed_at, p.0));
+                    since = since.max(pb.freed_at);
+                }
+                addr = paddr;
+                size += psize;
+                prev = pprev;
+                match pprev {
+                    Some(pp) => blocks.get_mut(pp.0).next = Some(id),
+                    None => segments.get_mut(blocks.get(id.0).segment.0).head = id,
+                }
+                blocks.discard(p.0);
+                net_blocks -= 1;
+                net_bytes -= psize as i64;
+            }
+        }
+        if let Some(n) = next {
+            let nb = blocks.get(n.0);
+            if nb.state == BlockState::Free {
+                let (nsize, naddr, nnext) = (nb.size, nb.addr, nb.next);
+                bins.remove(nsize, naddr, n);
+                if granularity.is_some() {
+                    idle_index.remove(&(nb.freed_at, n.0));
+                    since = since.max(nb.freed_at);
+                }
+                size += nsize;
+                next = nnext;
+                if let Some(nn) = nnext {
+                    blocks.get_mut(nn.0).prev = Some(id);
+                }
+                blocks.discard(n.0);
+                net_blocks -= 1;
+                net_bytes -= nsize as i64;
+            }
+        }
+        let b = blocks.get_mut(id.0);
+        b.addr = addr;
+        b.size = size;
+        b.prev = prev;
+        b.next = next;
+        b.gc_base = lookups[pool.index()];
+        bins.insert(size, addr, id);
+        if let Some(g) = *granularity {
+            // Idle since the latest of the merged parts froze (a split-off
+            // rest keeps its block's age); indexed if it holds a whole page.
+            b.freed_at = since;
+            let seg = segments.get(b.segment.0);
+            if expandable::holds_whole_page(seg, g, addr, addr + size) {
+                idle_index.insert((since, id.0));
+            }
+            return (0, 0);
+        }
+        b.freed_at = *clock;
+        // The merged block counts as inactive split if it shares its segment.
+        let split = prev.is_some() || next.is_some();
+        if !split {
+            free_candidates[pool.kind() as usize].insert((*clock, addr, b.segment.0));
+        }
+        net_blocks += i64::from(split);
+        net_bytes += if split { size as i64 } else { 0 };
+        (net_blocks, net_bytes)
+    }
+
+    pub(super) fn record_stream(
+        &mut self,
+        ptr: DevicePtr,
+        stream: StreamId,
+    ) -> Result<(), AllocError> {
+        let Some(id) = self.live.get(ptr.0) else {
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        if let Some(holder) = self.blocks.get(id.0).holder {
+            // A block another stream uses must not be parked: the allocator keeps it.
+            self.take_back(holder, ptr.0)?;
+        }
+        let owner = self.segments.get(self.blocks.get(id.0).segment.0).stream;
+        let b = self.blocks.get_mut(id.0);
+        if stream != owner && !b.stream_uses.contains(&stream) {
+            b.stream_uses.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Events of these blocks completed: recycle each block whose last event it was.
+    pub(super) fn events_done<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        done: Vec<BlockId>,
+    ) -> Result<(), AllocError> {
+        // Every block is recycled even if the device refuses to free a
+        // segment on the way (that segment stays cached).
+        for id in done {
+            let b = self.blocks.get_mut(id.0);
+            b.pending_events -= 1;
+            if b.pending_events == 0 {
+                self.pending_blocks -= 1;
+                self.free_block(id);
+                if !self.config.caching {
+                    let seg = self.blocks.get(id.0).segment;
+                    self.release_or_keep(dev, seg);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn process_events<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+    ) -> Result<(), AllocError> {
+        let mut done = Vec::new();
+        let mut result = Ok(());
+        'streams: for (_, queue) in &mut self.pending {
+            while let Some((ev, _)) = queue.front() {
+                match dev.event_completed(ev) {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) => {
+                        // The events already taken are recycled below all the same.
+                        result = Err(e.into());
+                        break 'streams;
+                    }
+                }
+                let (ev, id) = queue.pop_front().expect("front exists");
+                dev.release_event(ev);
+                done.push(id);
+            }
+        }
+        self.pending.retain(|(_, q)| !q.is_empty());
+        self.events_done(dev, done)?;
+        result
+    }
+
+    /// Waits for every pending event (PyTorch's `synchronize_and_free_events`).
+    pub(super) fn wait_all_events<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+    ) -> Result<(), AllocError> {
+        self.stats.num_sync_all_streams += 1;
+        let mut done = Vec::new();
+        let mut result = Ok(());
+        for (stream, mut queue) in std::mem::take(&mut self.pending) {
+            while result.is_ok() {
+                let Some((ev, id)) = queue.pop_front() else {
+                    break;
+                };
+                match dev.wait_event(&ev) {
+                    Ok(()) => {
+                        dev.release_event(ev);
+                        done.push(id);
+                    }
+                    Err(e) => {
+                        // Keep it pending, so that nothing is reused unsafely.
+                        queue.push_front((ev, id));
+                        result = Err(e.into());
+                    }
+                }
+            }
+            if !queue.is_empty() {
+                self.pending.push((stream, queue));
+            }
+        }
+        self.events_done(dev, done)?;
+        result
+    }
+}

@@ -1,0 +1,554 @@
+//! Growing after a cache miss: the ladder from a new segment through
+//! releasing free segments to the full flush and the out-of-memory report,
+//! and the rules that decide which free segments go back to the device.
+
+use super::*;
+
+impl<E> State<E> {
+    /// The ladder after a cache miss: new segment → release what suffices →
+    /// full flush → out of memory.
+    pub(super) fn grow<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        req: Request,
+    ) -> Result<BlockId, AllocError> {
+        let Request { pool, rounded, .. } = req;
+        if pool.kind() == PoolKind::Small && self.unslab_empty(pool) {
+            if let Some(id) = self.get_free_block(pool, rounded) {
+                return Ok(id);
+            }
+        }
+        let seg_size = self.segment_size(rounded);
+        let caching = self.config.caching;
+        let retry = |st: &mut Self| {
+            if caching {
+                st.get_free_block(pool, rounded)
+            } else {
+                None
+            }
+        };
+        self.grow_with(dev, req, seg_size, retry)
+    }
+
+    /// [`State::grow`] for a segment of `seg_size`, where `retry` looks in
+    /// the cache again after the thread caches and after the full flush
+    /// gave blocks back. Returns what `retry` found, or the one free block
+    /// of a new segment (not in the bins).
+    pub(super) fn grow_with<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        req: Request,
+        seg_size: u64,
+        retry: impl Fn(&mut Self) -> Option<BlockId>,
+    ) -> Result<BlockId, AllocError> {
+        let Request {
+            pool,
+            stream,
+            size,
+            rounded,
+        } = req;
+        if self.cached_blocks > 0 {
+            // Blocks parked in thread caches go back before the device is asked.
+            self.flush_thread_caches();
+            if let Some(id) = retry(self) {
+                return Ok(id);
+            }
+        }
+        if self.config.garbage_collection_threshold.is_some() && self.cap.is_some() {
+            self.garbage_collect(dev)?;
+        }
+        if self.config.release_before_grow && self.reserved() + seg_size > self.high_water {
+            let need = self.reserved() + seg_size - self.high_water;
+            let kind = self.config.release_same_kind.then_some(pool.kind());
+            // The idle age may keep young free segments only within the slack.
+            let bound = (1.0 + self.config.release_idle_slack)
+                * self
+                    .stats
+                    .allocated_bytes
+                    .all()
+                    .peak
+                    .max(self.stats.allocated_bytes.all().current + rounded)
+                    as f64;
+            let idle_rule = ((self.reserved() + seg_size) as f64) <= bound;
+            self.release_free_segments(dev, need, self.config.release_min_idle, idle_rule, kind)?;
+        }
+        if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
+            return Ok(id);
+        }
+        if self.release_available(dev, pool, rounded, seg_size)? {
+            if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
+                return Ok(id);
+            }
+        }
+        // Full flush: wait for every pending event, release every free segment, retry.
+        if self.config.oom_flush {
+            self.release_cached(dev)?;
+            self.stats.num_alloc_retries += 1;
+            if let Some(id) = retry(self) {
+                return Ok(id);
+            }
+            if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
+                return Ok(id);
+            }
+        }
+        self.stats.num_ooms += 1;
+        Err(AllocError::OutOfMemory(Box::new(
+            self.oom_report(dev, size, seg_size),
+        )))
+    }
+
+    pub(super) fn oom_report<D: Device<Event = E>>(
+        &self,
+        dev: &D,
+        size: u64,
+        seg_size: u64,
+    ) -> OomReport {
+        let info = dev.mem_info().unwrap_or_default();
+        let frag = self.fragmentation_totals();
+        OomReport {
+            requested: size,
+            segment_size: seg_size,
+            device_free: info.free,
+            device_total: info.total,
+            cap: self.cap,
+            allocated: self.stats.allocated_bytes.all().current,
+            reserved: self.reserved(),
+            largest_free_block: frag.1,
+            external_fragmentation: if frag.0 == 0 {
+                0.0
+            } else {
+                (frag.0 - frag.1) as f64 / frag.0 as f64
+            },
+        }
+    }
+
+    /// Asks the device for a segment; `Ok(None)` when the cap or the device says no.
+    pub(super) fn alloc_segment<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        pool: PoolId,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
+        if self
+            .cap
+            .is_some_and(|cap| self.reserved().saturating_add(size) > cap)
+        {
+            return Ok(None);
+        }
+        let ptr = match dev.allocate(size) {
+            Ok(p) => p,
+            Err(DeviceError::OutOfMemory) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let seg = self.add_segment(ptr, size, stream, pool, None);
+        let id = self.segments.get(seg.0).head;
+        let kind = pool.kind();
+        self.stats.reserved_bytes.increase(kind, size);
+        self.stats.num_device_alloc += 1;
+        if size >= self.config.max_split_size {
+            self.stats.oversize_segments.increase(1);
+        }
+        self.high_water = self.high_water.max(self.reserved());
+        Ok(Some(id))
+    }
+
+    /// Records a new segment (plain, or expandable with `page_size`) as one
+    /// free block; the block is in the bins only if the caller puts it there.
+    pub(super) fn add_segment(
+        &mut self,
+        ptr: DevicePtr,
+        size: u64,
+        stream: StreamId,
+        pool: PoolId,
+        page_size: Option<u64>,
+    ) -> SegmentId {
+        let seg = SegmentId(self.segments.insert(Segment {
+            addr: ptr.0,
+            size,
+            stream,
+            pool,
+            head: BlockId(u32::MAX),
+            pages: page_size.map(|_| PageMap::default()),
+            page_size: page_size.unwrap_or(0),
+            slab: None,
+        }));
+        let head = BlockId(
+            self.blocks
+                .insert(Block::free(ptr.0, size, seg, pool, self.clock)),
+        );
+        self.segments.get_mut(seg.0).head = head;
+        self.segment_by_addr.insert(ptr.0, seg);
+        self.free_candidates[pool.kind() as usize].insert((self.clock, ptr.0, seg.0));
+        self.stats.segment.increase(pool.kind(), 1);
+        seg
+    }
+
+    /// Whether a segment is a single free block, or a slab with no chunk in
+    /// use (releasable).
+    pub(super) fn segment_is_free(&self, seg: SegmentId) -> bool {
+        let s = self.segments.get(seg.0);
+        if let Some(slab) = &s.slab {
+            return slab.live == 0;
+        }
+        let b = self.blocks.get(s.head.0);
+        b.state == BlockState::Free && b.next.is_none() && !s.is_expandable()
+    }
+
+    /// The operation count since which an entirely free segment has been free.
+    pub(super) fn free_since(&self, seg: SegmentId) -> u64 {
+        let s = self.segments.get(seg.0);
+        match &s.slab {
+            Some(slab) => slab.idle_since,
+            None => self.blocks.get(s.head.0).freed_at,
+        }
+    }
+
+    /// Frees an entirely free segment to the device.
+    pub(super) fn release_segment<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        seg: SegmentId,
+    ) -> Result<u64, AllocError> {
+        debug_assert!(self.segment_is_free(seg));
+        let s = self.segments.get(seg.0);
+        let (addr, size, pool, head, slab) = (s.addr, s.size, s.pool, s.head, s.slab.is_some());
+        dev.free(DevicePtr(addr), size)?;
+        if slab {
+            self.drop_slab(seg);
+        } else {
+            self.bins_mut(pool).remove(size, addr, head);
+            self.blocks.discard(head.0);
+        }
+        self.segments.remove(seg.0);
+        self.segment_by_addr.remove(&addr);
+        let kind = pool.kind();
+        self.stats.segment.decrease(kind, 1);
+        self.stats.reserved_bytes.decrease(kind, size);
+        self.stats.num_device_free += 1;
+        if size >= self.config.max_split_size {
+            self.stats.oversize_segments.decrease(1);
+        }
+        Ok(size)
+    }
+
+    /// Lists `seg` among the free candidates if it is entirely free (under
+    /// its current idle age).
+    pub(super) fn note_maybe_free(&mut self, seg: SegmentId) {
+        if self.segment_is_free(seg) {
+            let s = self.segments.get(seg.0);
+            let (addr, kind) = (s.addr, s.pool.kind());
+            self.free_candidates[kind as usize].insert((self.free_since(seg), addr, seg.0));
+        }
+    }
+
+    /// Whether an entry of `free_candidates` is an entirely free segment
+    /// (free since then).
+    pub(super) fn free_candidate_holds(&self, (since, addr, id): (u64, u64, u32)) -> bool {
+        let seg = SegmentId(id);
+        self.segment_by_addr.get(&addr) == Some(&seg)
+            && self.segment_is_free(seg)
+            && self.free_since(seg) == since
+    }
+
+    /// Entirely free segments (any pool, any stream), lowest address first.
+    /// Drops the candidates that are not (or no longer exist).
+    pub(super) fn free_segments(&mut self) -> Vec<(u64, SegmentId)> {
+        let mut out = Vec::new();
+        let mut stale = Vec::new();
+        for (k, set) in self.free_candidates.iter().enumerate() {
+            for &e in set {
+                if self.free_candidate_holds(e) {
+                    out.push((e.1, self.segments.get(e.2).size, SegmentId(e.2)));
+                } else {
+                    stale.push((k, e));
+                }
+            }
+        }
+        for (k, e) in stale {
+            self.free_candidates[k].remove(&e);
+        }
+        out.sort_unstable_by_key(|e| e.0);
+        out.into_iter().map(|(_, size, seg)| (size, seg)).collect()
+    }
+
+    /// [`State::release_free_segments`] in `ReleaseOrder::Oldest`: walks the
+    /// candidates oldest first and stops once `need` bytes are released (or
+    /// at the first one idle for less than `min_idle`).
+    pub(super) fn release_oldest_segments<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        need: u64,
+        min_idle: u64,
+        kind: Option<PoolKind>,
+    ) -> Result<u64, AllocError> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let mut total = 0;
+        // Per kind: the last entry looked at; the walk merges the kinds asked for.
+        let mut cursor: [Option<(u64, u64, u32)>; 3] = [None; 3];
+        let mut stale = Vec::new();
+        let mut result = Ok(());
+        while total < need {
+            let mut next: Option<(usize, (u64, u64, u32))> = None;
+            for (k, set) in self.free_candidates.iter().enumerate() {
+                if kind.is_some_and(|want| want as usize != k) {
+                    continue;
+                }
+                let from = cursor[k].map_or(Unbounded, Excluded);
+                if let Some(&e) = set.range((from, Unbounded)).next() {
+                    if next.map_or(true, |(_, n)| e < n) {
+                        next = Some((k, e));
+                    }
+                }
+            }
+            let Some((k, e)) = next else {
+                break;
+            };
+            cursor[k] = Some(e);
+            if !self.free_candidate_holds(e) {
+                stale.push((k, e));
+                continue;
+            }
+            if self.clock - e.0 < min_idle {
+                break; // the rest are younger
+            }
+            match self.release_segment(dev, SegmentId(e.2)) {
+                Ok(size) => total += size,
+                Err(err) => {
+                    result = Err(err);
+                    break;
+                }
+            }
+            stale.push((k, e));
+        }
+        for (k, e) in stale {
+            self.free_candidates[k].remove(&e);
+        }
+        result.map(|()| total)
+    }
+
+    /// Waits for events and releases every entirely free segment.
+    pub(super) fn release_cached<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+    ) -> Result<Released, AllocError> {
+        // Counted from the stats, so that segments released on the way (a
+        // no-caching block whose event the wait completed) are included.
+        let before = (
+            self.stats.reserved_bytes.all().freed,
+            self.stats.segment.all().freed,
+        );
+        self.wait_all_events(dev)?;
+        for (_, seg) in self.free_segments() {
+            self.release_segment(dev, seg)?;
+        }
+        if self.granularity.is_some() {
+            self.release_expandable(dev)?;
+        }
+        Ok(Released {
+            bytes: self.stats.reserved_bytes.all().freed - before.0,
+            segments: self.stats.segment.all().freed - before.1,
+        })
+    }
+
+    /// Advances the byte clock; marks it against the operation clock now and then.
+    #[inline]
+    pub(super) fn tick_bytes(&mut self, rounded: u64) {
+        self.bytes_clock += rounded;
+        if self
+            .byte_marks
+            .back()
+            .map_or(true, |&(op, _)| self.clock >= op + BYTE_MARK_EVERY)
+        {
+            if self.byte_marks.len() >= BYTE_MARKS {
+                self.byte_marks.pop_front();
+            }
+            self.byte_marks.push_back((self.clock, self.bytes_clock));
+        }
+    }
+
+    /// Bytes allocated since operation `op` (to within [`BYTE_MARK_EVERY`]
+    /// operations; before the oldest mark: everything since the start).
+    pub(super) fn bytes_since(&self, op: u64) -> u64 {
+        let i = self.byte_marks.partition_point(|&(o, _)| o <= op);
+        let then = if i == 0 { 0 } else { self.byte_marks[i - 1].1 };
+        self.bytes_clock - then
+    }
+
+    /// Releases entirely free segments totalling at least `need` bytes, in
+    /// `release_order`; only segments idle for `min_idle` operations and
+    /// (`release_idle_frac`, when `idle_rule` is set) for that fraction of
+    /// the peak allocated bytes allocated since, and only of pool kind
+    /// `kind` when given.
+    /// Returns the bytes released (possibly less than `need`).
+    pub(super) fn release_free_segments<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        need: u64,
+        min_idle: u64,
+        idle_rule: bool,
+        kind: Option<PoolKind>,
+    ) -> Result<u64, AllocError> {
+        let frac = self.config.release_idle_frac;
+        if self.config.release_order == ReleaseOrder::Oldest && !(idle_rule && frac > 0.0) {
+            // The walk in idle order; with an idle age in bytes, the filter below.
+            return self.release_oldest_segments(dev, need, min_idle, kind);
+        }
+        let mut free = self.free_segments();
+        if idle_rule && frac > 0.0 {
+            let min_bytes = (frac * self.stats.allocated_bytes.all().peak as f64) as u64;
+            free.retain(|&(_, seg)| self.bytes_since(self.free_since(seg)) >= min_bytes);
+        }
+        if let Some(k) = kind {
+            free.retain(|&(_, seg)| self.segments.get(seg.0).pool.kind() == k);
+        }
+        if min_idle > 0 {
+            let now = self.clock;
+            free.retain(|&(_, seg)| now - self.free_since(seg) >= min_idle);
+        }
+        if free.is_empty() {
+            return Ok(0);
+        }
+        match self.config.release_order {
+            ReleaseOrder::SmallestFit => {
+                free.sort_unstable();
+                if let Some(&(_, seg)) = free.iter().find(|(size, _)| *size >= need) {
+                    return self.release_segment(dev, seg);
+                }
+                free.reverse();
+            }
+            ReleaseOrder::Largest => {
+                free.sort_unstable();
+                free.reverse();
+            }
+            ReleaseOrder::Oldest => {
+                free.sort_by_key(|&(_, seg)| self.free_since(seg));
+            }
+        }
+        let mut total = 0;
+        for &(_, seg) in &free {
+            if total >= need {
+                break;
+            }
+            total += self.release_segment(dev, seg)?;
+        }
+        Ok(total)
+    }
+
+    /// The ladder's middle step: release cached segments that make room.
+    pub(super) fn release_available<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        pool: PoolId,
+        rounded: u64,
+        seg_size: u64,
+    ) -> Result<bool, AllocError> {
+        if !self.config.oom_flush {
+            return Ok(false);
+        }
+        let max_split = self.config.max_split_size;
+        if max_split != u64::MAX {
+            return self.release_oversize(dev, pool, rounded);
+        }
+        if !self.config.release_before_grow {
+            return Ok(false);
+        }
+        let headroom = match self.cap {
+            Some(cap) => cap.saturating_sub(self.reserved()),
+            None => dev.mem_info()?.free,
+        };
+        let need = seg_size.saturating_sub(headroom).max(1);
+        Ok(self.release_free_segments(dev, need, 0, false, None)? > 0)
+    }
+
+    /// PyTorch's `release_available_cached_blocks` (only with `max_split_size`):
+    /// free one oversize block of the pool that fits, else the largest ones.
+    pub(super) fn release_oversize<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        pool: PoolId,
+        rounded: u64,
+    ) -> Result<bool, AllocError> {
+        let max_split = self.config.max_split_size;
+        let key = rounded.max(max_split);
+        let Some(bins) = self.bins[pool.index()].as_ref() else {
+            return Ok(false);
+        };
+        let candidates: Vec<BlockId> = match bins.best_fit(key) {
+            Some((_, _, id)) => vec![id],
+            None => {
+                let mut total = 0;
+                let mut v = Vec::new();
+                for (size, _, id) in bins.iter().rev() {
+                    if total >= key || size < max_split {
+                        break;
+                    }
+                    total += size;
+                    v.push(id);
+                }
+                if total < key {
+                    return Ok(false);
+                }
+                v
+            }
+        };
+        let mut any = false;
+        for id in candidates {
+            let b = self.blocks.get(id.0);
+            if !b.is_split() {
+                let seg = b.segment;
+                self.release_segment(dev, seg)?;
+                any = true;
+            }
+        }
+        Ok(any)
+    }
+
+    /// PyTorch's `garbage_collect_cached_blocks`: with a cap and a threshold,
+    /// release unsplit large cached blocks that have gone unused longest.
+    pub(super) fn garbage_collect<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+    ) -> Result<(), AllocError> {
+        let (Some(t), Some(cap)) = (self.config.garbage_collection_threshold, self.cap) else {
+            return Ok(());
+        };
+        let threshold = (t * cap as f64) as u64;
+        if self.reserved() <= threshold {
+            return Ok(());
+        }
+        let target = self.reserved() - threshold;
+        let age = |st: &Self, id: BlockId| {
+            let b = st.blocks.get(id.0);
+            st.lookups[b.pool.index()] - b.gc_base
+        };
+        let mut candidates: Vec<BlockId> = Vec::new();
+        for (i, bins) in self.bins.iter().enumerate() {
+            if let (Some(bins), PoolKind::Large | PoolKind::Huge) = (bins, PoolId(i as u32).kind())
+            {
+                candidates.extend(bins.iter().map(|e| e.2).filter(|id| {
+                    let b = self.blocks.get(id.0);
+                    !b.is_split() && !self.segments.get(b.segment.0).is_expandable()
+                }));
+            }
+        }
+        let mut total_age: u64 = candidates.iter().map(|&id| age(self, id)).sum();
+        let mut reclaimed = 0;
+        while reclaimed < target && !candidates.is_empty() {
+            let threshold_age = total_age as f64 / candidates.len() as f64;
+            let (old, keep): (Vec<BlockId>, Vec<BlockId>) = candidates
+                .iter()
+                .partition(|&&id| age(self, id) as f64 >= threshold_age);
+            if old.is_empty() {
+                break;
+            }
+            for id in old {
+                total_age -= age(self, id);
+                let seg = self.blocks.get(id.0).segment;
+                reclaimed += self.release_segment(dev, seg)?;
+            }
+            candidates = keep;
+        }
+        Ok(())
+    }
+}

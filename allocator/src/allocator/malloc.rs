@@ -1,0 +1,201 @@
+//! The allocation path: a request's pool, the best fit in the bins, and
+//! handing a block out (split when worth it, counted, recorded).
+
+use super::*;
+
+impl<E> State<E> {
+    // Inlined into the locked wrapper: returned through memory, its result
+    // was reloaded there with a store-forwarding stall (perf, random mix).
+    #[inline(always)]
+    pub(super) fn malloc<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        size: u64,
+        rounded: u64,
+        stream: StreamId,
+        own: Option<SlotId>,
+    ) -> Result<DevicePtr, AllocError> {
+        if let Some(slot) = own {
+            let w = &mut self.wanted[slot.0 as usize];
+            w.keys[w.next] = key_hash(rounded, stream);
+            w.next = (w.next + 1) % w.keys.len();
+        }
+        self.shadow_malloc(rounded);
+        if self.pending_blocks > 0 {
+            self.process_events(dev)?;
+        }
+        self.clock += 1;
+        self.tick_bytes(rounded);
+        let kind = if rounded <= SMALL_SIZE {
+            PoolKind::Small
+        } else if rounded >= self.config.huge_size {
+            PoolKind::Huge
+        } else {
+            PoolKind::Large
+        };
+        let pool = PoolId::new(self.stream_slot(stream), kind);
+        let req = Request {
+            pool,
+            stream,
+            size,
+            rounded,
+        };
+        if rounded <= self.slab_max {
+            // (`slab_max` is at most the small-request limit.)
+            return self.slab_malloc(dev, req);
+        }
+        if let (Some(slot), false) = (own, kind == PoolKind::Small) {
+            self.flush_own_large(slot);
+        }
+        let id = if self.granularity.is_some() {
+            self.malloc_expandable(dev, req)?
+        } else {
+            let found = if self.config.caching {
+                self.get_free_block(pool, rounded)
+            } else {
+                None
+            };
+            match found {
+                Some(id) => id,
+                None => self.grow(dev, req)?,
+            }
+        };
+        Ok(self.alloc_found_block(id, rounded, size))
+    }
+
+    /// PyTorch's `get_free_block`: the best fit of the pool, unless it is oversize.
+    #[inline(always)]
+    pub(super) fn get_free_block(&mut self, pool: PoolId, size: u64) -> Option<BlockId> {
+        if self.config.garbage_collection_threshold.is_some() && self.cap.is_some() {
+            self.lookups[pool.index()] += 1;
+        }
+        let max_split = self.config.max_split_size;
+        let slack = OVERSIZE_SLACK;
+        let found = self.bins[pool.index()].as_ref()?.find(size)?;
+        let (bsize, _, id) = found.entry;
+        if size < max_split && bsize >= max_split {
+            return None;
+        }
+        if size >= max_split && bsize >= size.saturating_add(slack) {
+            return None;
+        }
+        let ratio = self.config.oversize_ratio;
+        if pool.kind() == PoolKind::Huge
+            && ratio > 0
+            && bsize / ratio > size
+            && !self.blocks.get(id.0).is_split()
+        {
+            return None;
+        }
+        self.bins[pool.index()].as_mut()?.take(found);
+        Some(id)
+    }
+
+    pub(super) fn should_split(&self, kind: PoolKind, rounded: u64, remaining: u64) -> bool {
+        if self.granularity.is_some() {
+            return remaining >= crate::rounding::MIN_BLOCK;
+        }
+        match kind {
+            PoolKind::Small => remaining >= crate::rounding::MIN_BLOCK,
+            PoolKind::Large | PoolKind::Huge => {
+                rounded < self.config.max_split_size
+                    && remaining > self.config.large_split_remainder
+            }
+        }
+    }
+
+    /// Hands out block `id` (already out of the bins), splitting off the remainder if worth it.
+    #[inline(always)]
+    pub(super) fn alloc_found_block(
+        &mut self,
+        id: BlockId,
+        rounded: u64,
+        requested: u64,
+    ) -> DevicePtr {
+        // Free space of an expandable segment is not "inactive split" memory:
+        // not counted. (Every segment is expandable in expandable mode, none otherwise.)
+        let expandable = self.granularity.is_some();
+        let b = self.blocks.get_mut(id.0);
+        // Allocated before any merge below could look at it.
+        b.state = BlockState::Allocated;
+        b.requested = requested;
+        let (addr, size, pool, already_split, next, segment, since) = (
+            b.addr,
+            b.size,
+            b.pool,
+            b.is_split(),
+            b.next,
+            b.segment,
+            b.freed_at,
+        );
+        let kind = pool.kind();
+        if !already_split {
+            // A whole segment handed out is no longer a free-segment candidate.
+            self.free_candidates[kind as usize].remove(&(since, addr, segment.0));
+        }
+        let remaining = size - rounded;
+        let final_size = if self.should_split(kind, rounded, remaining) {
+            let gc_base = self.lookups[pool.index()];
+            let rest = BlockId(self.blocks.insert(Block {
+                prev: Some(id),
+                next,
+                gc_base,
+                ..Block::free(
+                    addr + rounded,
+                    remaining,
+                    segment,
+                    pool,
+                    if expandable { since } else { self.clock },
+                )
+            }));
+            if let Some(n) = next {
+                self.blocks.get_mut(n.0).prev = Some(rest);
+            }
+            let b = self.blocks.get_mut(id.0);
+            b.next = Some(rest);
+            b.size = rounded;
+            if expandable {
+                // A recycling round may have freed the next block while this
+                // one was being mapped: merge with it.
+                self.merge_into_bins(rest);
+            } else {
+                // The next block is not free (free neighbours are always merged).
+                self.bins_mut(pool).insert(remaining, addr + rounded, rest);
+                let s = &mut self.stats;
+                if already_split {
+                    s.inactive_split_bytes.decrease(kind, rounded);
+                } else {
+                    s.inactive_split_bytes.increase(kind, remaining);
+                    s.inactive_split.increase(kind, 1);
+                }
+            }
+            rounded
+        } else {
+            if already_split && !expandable {
+                self.stats.inactive_split_bytes.decrease(kind, size);
+                self.stats.inactive_split.decrease(kind, 1);
+            }
+            size
+        };
+        self.live.insert(addr, id);
+        self.count_allocated(kind, final_size, true);
+        self.count_active(kind, final_size, requested, true);
+        self.record_alloc(addr, requested, pool);
+        DevicePtr(addr)
+    }
+
+    /// Writes an allocation to the trace being recorded, if any.
+    #[inline]
+    pub(super) fn record_alloc(&mut self, addr: u64, requested: u64, pool: PoolId) {
+        if let Some(r) = self.recorder.as_mut() {
+            let stream = self.stream_list[pool.stream_slot()];
+            r.ids.insert(addr, r.next_id);
+            (r.sink)(&TraceEvent::Alloc {
+                id: r.next_id,
+                bytes: requested,
+                stream: stream.0,
+            });
+            r.next_id += 1;
+        }
+    }
+}
