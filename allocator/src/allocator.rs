@@ -162,37 +162,14 @@ struct State<E> {
     /// allocated since (`release_idle_frac`).
     byte_marks: VecDeque<(u64, u64)>,
     recorder: Option<Recorder>,
-    /// Page granularity when expandable segments are in use.
-    granularity: Option<u64>,
-    /// Per pool: its expandable segments (virtual ranges), oldest first.
-    ranges: Vec<Vec<SegmentId>>,
-    /// Device memory in bytes (sizes the expandable ranges and the pressure limit).
-    range_size: u64,
-    /// Expandable, per stream slot: events recorded as blocks were freed there.
-    marks: Vec<expandable::Marks<E>>,
-    /// Expandable: free blocks in the bins that hold a whole mapped page, as
-    /// (idle since, block), longest idle first.
-    idle_index: std::collections::BTreeSet<(u64, u32)>,
-    /// Physical pages unmapped but kept (reserved), with the pool kind their bytes are counted under.
-    page_pool: Vec<(u64, PoolKind, u64)>,
-    /// Expandable: reserved bytes when the device last had no room for a new page.
-    device_full_at: Option<u64>,
     /// Things the user should know about the configuration (e.g. a fallback).
     notices: Vec<String>,
-    /// Thread caches by [`SlotId`] (`None`: index free for reuse).
-    slots: Vec<Option<Arc<Slot>>>,
-    /// Per thread cache: its recent misses.
-    wanted: Vec<Wanted>,
-    /// Blocks held by thread caches (parked or handed out from one).
-    cached_blocks: usize,
-    /// Whether the thread caches pay for themselves (see `State::review_thread_caches`).
-    review: ThreadCacheReview,
-    /// Blocks parked per thread cache (0: thread caches off).
-    thread_cache: usize,
-    /// Small requests up to this size go to slabs (0: off; see `slabs`).
-    slab_max: u64,
-    /// Per pool: its slabs, indexed by [`PoolId::index`]; created on first use.
-    slab_lists: Vec<Option<Box<SlabLists>>>,
+    /// Expandable segments' own state (virtual ranges, pages, markers).
+    vmm: expandable::Expandable<E>,
+    /// The per-thread caches' state on the allocator's side.
+    caches: thread_cache::ThreadCaches,
+    /// Slab segments' lists and size limit.
+    slabs: slabs::SlabPools,
 }
 
 impl<D: Device> CachingAllocator<D> {
@@ -261,21 +238,10 @@ impl<D: Device> CachingAllocator<D> {
                 bytes_clock: 0,
                 byte_marks: VecDeque::new(),
                 recorder: None,
-                granularity,
-                ranges: Vec::new(),
-                range_size,
-                marks: Vec::new(),
-                idle_index: std::collections::BTreeSet::new(),
-                page_pool: Vec::new(),
-                device_full_at: None,
                 notices,
-                slots: Vec::new(),
-                wanted: Vec::new(),
-                cached_blocks: 0,
-                review: ThreadCacheReview::default(),
-                thread_cache,
-                slab_max,
-                slab_lists: Vec::new(),
+                vmm: expandable::Expandable::<D::Event>::new(granularity, range_size),
+                caches: thread_cache::ThreadCaches::new(thread_cache),
+                slabs: slabs::SlabPools::new(slab_max),
             }),
         }
     }
@@ -293,7 +259,7 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Whether expandable (page-backed) segments are in use.
     pub fn is_expandable(&self) -> bool {
-        self.state.lock().granularity.is_some()
+        self.state.lock().vmm.granularity.is_some()
     }
 
     /// The configuration in force.
@@ -527,7 +493,7 @@ impl<D: Device> CachingAllocator<D> {
     pub fn stop_recording(&self) -> bool {
         let mut st = self.state.lock();
         self.thread_cache_on.store(
-            self.thread_cache_enabled && st.review.paying,
+            self.thread_cache_enabled && st.caches.review.paying,
             Ordering::Relaxed,
         );
         st.recorder.take().is_some()
@@ -587,10 +553,11 @@ impl<E> State<E> {
         self.streams.insert(stream, slot);
         let pools = crate::block::POOLS_PER_STREAM as usize * self.stream_list.len();
         self.bins.resize_with(pools, || None);
-        self.slab_lists.resize_with(pools, || None);
+        self.slabs.slab_lists.resize_with(pools, || None);
         self.lookups.resize(pools, 0);
-        self.ranges.resize_with(pools, Vec::new);
-        self.marks
+        self.vmm.ranges.resize_with(pools, Vec::new);
+        self.vmm
+            .marks
             .resize_with(self.stream_list.len(), expandable::Marks::default);
         slot
     }
@@ -631,8 +598,6 @@ mod layout;
 mod malloc;
 mod slabs;
 mod thread_cache;
-use slabs::SlabLists;
-use thread_cache::ThreadCacheReview;
 
 #[cfg(test)]
 mod tests;

@@ -114,6 +114,43 @@ pub(super) struct Marks<E> {
     last: u64,
 }
 
+/// The expandable-segment feature's own data: page granularity (its
+/// presence turns the feature on), the virtual ranges per pool, markers per
+/// stream, the idle-page index and the pool of unmapped physical pages.
+pub(super) struct Expandable<E> {
+    /// Page granularity when expandable segments are in use.
+    pub(super) granularity: Option<u64>,
+    /// Per pool: its expandable segments (virtual ranges), oldest first.
+    pub(super) ranges: Vec<Vec<SegmentId>>,
+    /// Device memory in bytes (sizes the expandable ranges and the pressure limit).
+    pub(super) range_size: u64,
+    /// Expandable, per stream slot: events recorded as blocks were freed there.
+    pub(super) marks: Vec<Marks<E>>,
+    /// Expandable: free blocks in the bins that hold a whole mapped page, as
+    /// (idle since, block), longest idle first.
+    pub(super) idle_index: std::collections::BTreeSet<(u64, u32)>,
+    /// Physical pages unmapped but kept (reserved), with the pool kind their bytes are counted under.
+    pub(super) page_pool: Vec<(u64, PoolKind, u64)>,
+    /// Expandable: reserved bytes when the device last had no room for a new page.
+    pub(super) device_full_at: Option<u64>,
+}
+
+impl<E> Expandable<E> {
+    /// The feature's state: on with a page `granularity`, ranges sized for
+    /// a device of `range_size` bytes.
+    pub(super) fn new(granularity: Option<u64>, range_size: u64) -> Self {
+        Expandable {
+            granularity,
+            ranges: Vec::new(),
+            range_size,
+            marks: Vec::new(),
+            idle_index: std::collections::BTreeSet::new(),
+            page_pool: Vec::new(),
+            device_full_at: None,
+        }
+    }
+}
+
 impl<E> Default for Marks<E> {
     fn default() -> Self {
         Marks {
@@ -158,7 +195,10 @@ type IdlePage = (u64, SegmentId, u32, Option<u32>);
 impl<E> State<E> {
     /// Page size of the expandable segments of a pool kind.
     pub(super) fn page_size(&self, kind: PoolKind) -> u64 {
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self
+            .vmm
+            .granularity
+            .expect("expandable mode has a granularity");
         match kind {
             PoolKind::Small => g,
             PoolKind::Large | PoolKind::Huge => self.config.expandable_page.div_ceil(g).max(1) * g,
@@ -198,7 +238,7 @@ impl<E> State<E> {
             let b = self.blocks.get_mut(id.0);
             b.state = BlockState::Allocated;
             let (since, seg) = (b.freed_at, b.segment);
-            self.idle_index.remove(&(since, id.0));
+            self.vmm.idle_index.remove(&(since, id.0));
             let mapped = self.map_range(dev, seg, addr, addr + rounded, (addr + bsize, since));
             if mapped.is_ok() {
                 return Ok(id);
@@ -267,19 +307,19 @@ impl<E> State<E> {
         rounded: u64,
     ) -> Result<SegmentId, AllocError> {
         let page_size = self.page_size(pool.kind());
-        let largest = self.ranges[pool.index()]
+        let largest = self.vmm.ranges[pool.index()]
             .iter()
             .map(|s| self.segments.get(s.0).size)
             .max()
             .unwrap_or(0);
         let ranges = self.stats.segment.all().current;
-        let size = next_range_size(self.range_size, page_size, ranges, largest, rounded);
+        let size = next_range_size(self.vmm.range_size, page_size, ranges, largest, rounded);
         let ptr = dev.vmm_reserve(size)?;
         self.stats.num_vmm_reserve += 1;
         let seg = self.add_segment(ptr, size, stream, pool, Some(page_size));
         let head = self.segments.get(seg.0).head;
         self.bins_mut(pool).insert(size, ptr.0, head);
-        self.ranges[pool.index()].push(seg);
+        self.vmm.ranges[pool.index()].push(seg);
         Ok(seg)
     }
 
@@ -320,7 +360,10 @@ impl<E> State<E> {
         end: u64,
         (block_end, since): (u64, u64),
     ) -> Result<(), AllocError> {
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self
+            .vmm
+            .granularity
+            .expect("expandable mode has a granularity");
         let tail = (seg, end, block_end, since);
         let mut style = match self.config.expandable_edges {
             EdgePages::Small => Style::SmallEdges,
@@ -363,8 +406,8 @@ impl<E> State<E> {
     fn under_pressure(&self, bytes: u64) -> bool {
         let (_, _, cap) = self.limits();
         let limit = cap
-            .min(self.device_full_at.unwrap_or(u64::MAX))
-            .min(self.range_size);
+            .min(self.vmm.device_full_at.unwrap_or(u64::MAX))
+            .min(self.vmm.range_size);
         let limit = (limit as f64 * (1.0 - self.config.idle_slack_hard).max(0.0)) as u64;
         self.reserved() + bytes > limit
     }
@@ -381,7 +424,10 @@ impl<E> State<E> {
         end: u64,
         (block_end, since): (u64, u64),
     ) -> Result<(), AllocError> {
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self
+            .vmm
+            .granularity
+            .expect("expandable mode has a granularity");
         let s = self.segments.get(seg.0);
         let base = s.addr;
         let last = (end - base).div_ceil(g) as u32;
@@ -404,7 +450,7 @@ impl<E> State<E> {
             pages.insert(at, n, h);
             return Err(e.into());
         }
-        self.page_pool.push((h, s.pool.kind(), hi - lo));
+        self.vmm.page_pool.push((h, s.pool.kind(), hi - lo));
         self.stats.num_unmap += 1;
         Ok(())
     }
@@ -415,7 +461,10 @@ impl<E> State<E> {
     /// unmapped big page only partly under the block is mapped whole; with
     /// `Style::Granules`, granules only.
     fn plan(&self, seg: SegmentId, start: u64, end: u64, style: Style) -> Vec<(u32, u32)> {
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self
+            .vmm
+            .granularity
+            .expect("expandable mode has a granularity");
         let s = self.segments.get(seg.0);
         let pages = s.pages.as_ref().expect("expandable");
         let big = match style {
@@ -459,7 +508,10 @@ impl<E> State<E> {
         plan: &[(u32, u32)],
         tail: Tail,
     ) -> Result<(), AllocError> {
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self
+            .vmm
+            .granularity
+            .expect("expandable mode has a granularity");
         let s = self.segments.get(seg.0);
         let (base, kind) = (s.addr, s.pool.kind());
         let mut need: Vec<(u64, usize)> = Vec::with_capacity(2);
@@ -525,10 +577,10 @@ impl<E> State<E> {
             for &(size, count) in need {
                 let mut have = out.iter().filter(|p| p.size == size).count();
                 while have < count {
-                    let Some(i) = self.page_pool.iter().rposition(|p| p.2 == size) else {
+                    let Some(i) = self.vmm.page_pool.iter().rposition(|p| p.2 == size) else {
                         break;
                     };
-                    let (handle, kind, _) = self.page_pool.swap_remove(i);
+                    let (handle, kind, _) = self.vmm.page_pool.swap_remove(i);
                     out.push(Page {
                         handle,
                         size,
@@ -572,7 +624,7 @@ impl<E> State<E> {
             // held when it was last full.
             let room = soft_limit
                 .min(cap)
-                .min(self.device_full_at.unwrap_or(u64::MAX));
+                .min(self.vmm.device_full_at.unwrap_or(u64::MAX));
             let over = (self.reserved() + grow).saturating_sub(room);
             if over > 0 {
                 self.release_pooled(dev, over)?;
@@ -590,12 +642,12 @@ impl<E> State<E> {
                     self.stats.num_page_create += 1;
                     // The device had room for this much after all.
                     let now = self.reserved() + out_new_bytes(out);
-                    if let Some(full) = self.device_full_at.as_mut() {
+                    if let Some(full) = self.vmm.device_full_at.as_mut() {
                         *full = (*full).max(now);
                     }
                 }
                 Err(DeviceError::OutOfMemory) if stage < 3 => {
-                    self.device_full_at = Some(self.reserved() + out_new_bytes(out));
+                    self.vmm.device_full_at = Some(self.reserved() + out_new_bytes(out));
                     if stage < 2 {
                         self.recycle(dev, tail, grow, true)?;
                     }
@@ -604,7 +656,7 @@ impl<E> State<E> {
                     stage = 3;
                 }
                 Err(DeviceError::OutOfMemory) => {
-                    self.device_full_at = Some(self.reserved() + out_new_bytes(out));
+                    self.vmm.device_full_at = Some(self.reserved() + out_new_bytes(out));
                     return Err(AllocError::OutOfMemory(Box::default()));
                 }
                 Err(e) => return Err(e.into()),
@@ -622,11 +674,11 @@ impl<E> State<E> {
     ) -> Result<(), AllocError> {
         let mut freed = 0;
         while freed < bytes {
-            let Some(&(h, kind, size)) = self.page_pool.last() else {
+            let Some(&(h, kind, size)) = self.vmm.page_pool.last() else {
                 break;
             };
             dev.vmm_release_page(h)?;
-            self.page_pool.pop(); // only once released: a failure keeps it pooled
+            self.vmm.page_pool.pop(); // only once released: a failure keeps it pooled
             self.stats.num_page_release += 1;
             self.stats.reserved_bytes.decrease(kind, size);
             freed += size;
@@ -671,7 +723,7 @@ impl<E> State<E> {
     pub(super) fn mark_free<D: Device<Event = E>>(&mut self, dev: &D, pool: PoolId) {
         let slot = pool.stream_slot();
         let clock = self.clock;
-        let m = &mut self.marks[slot];
+        let m = &mut self.vmm.marks[slot];
         if !m.queue.is_empty() && clock < m.last + MARKER_INTERVAL {
             return;
         }
@@ -702,7 +754,7 @@ impl<E> State<E> {
         slot: usize,
         since: u64,
     ) -> Result<bool, AllocError> {
-        let m = &mut self.marks[slot];
+        let m = &mut self.vmm.marks[slot];
         while since >= m.quiescent_before {
             let Some((_, e)) = m.queue.front() else {
                 return Ok(false);
@@ -728,7 +780,7 @@ impl<E> State<E> {
     ) -> Result<(), AllocError> {
         let clock = self.clock;
         let stream = self.stream_list[slot];
-        let m = &mut self.marks[slot];
+        let m = &mut self.vmm.marks[slot];
         while since >= m.quiescent_before {
             let (c, e) = match m.queue.pop_front() {
                 Some(front) => front,
@@ -766,7 +818,7 @@ impl<E> State<E> {
     /// After a device synchronize every marker has completed.
     fn drop_markers<D: Device<Event = E>>(&mut self, dev: &D) {
         let clock = self.clock;
-        for m in &mut self.marks {
+        for m in &mut self.vmm.marks {
             for (_, e) in m.queue.drain(..) {
                 dev.release_event(e);
             }
@@ -783,11 +835,12 @@ impl<E> State<E> {
         let mut result = Ok(());
         for page in pages {
             match page.counted_as {
-                Some(kind) => self.page_pool.push((page.handle, kind, page.size)),
+                Some(kind) => self.vmm.page_pool.push((page.handle, kind, page.size)),
                 None => {
                     if let Err(e) = dev.vmm_release_page(page.handle) {
                         // Kept (pooled and counted) rather than lost.
-                        self.page_pool
+                        self.vmm
+                            .page_pool
                             .push((page.handle, PoolKind::Large, page.size));
                         self.stats
                             .reserved_bytes
@@ -812,7 +865,10 @@ impl<E> State<E> {
         block: Option<u32>,
         out: &mut Vec<IdlePage>,
     ) -> u64 {
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self
+            .vmm
+            .granularity
+            .expect("expandable mode has a granularity");
         let s = self.segments.get(seg.0);
         let lo = (start - s.addr).div_ceil(g) as u32;
         let hi = ((end - s.addr) / g) as u32;
@@ -832,7 +888,7 @@ impl<E> State<E> {
     fn next_idle(&self, cursor: Option<(u64, u32)>) -> Option<(u64, u32)> {
         use std::ops::Bound::{Excluded, Unbounded};
         let from = cursor.map_or(Unbounded, Excluded);
-        self.idle_index.range((from, Unbounded)).next().copied()
+        self.vmm.idle_index.range((from, Unbounded)).next().copied()
     }
 
     /// The free block `id` of the idle index as a [`Tail`]-like range.
@@ -848,7 +904,10 @@ impl<E> State<E> {
         dev: &D,
         tail: Tail,
     ) -> Result<Option<(u64, usize)>, AllocError> {
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self
+            .vmm
+            .granularity
+            .expect("expandable mode has a granularity");
         let (seg, start, end, since) = tail;
         let mut best: Option<(u64, usize)> = None;
         let s = self.segments.get(seg.0);
@@ -885,7 +944,10 @@ impl<E> State<E> {
         max_bytes: u64,
         all: bool,
     ) -> Result<u64, AllocError> {
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self
+            .vmm
+            .granularity
+            .expect("expandable mode has a granularity");
         let mut idle = Vec::new();
         if let Some(tail) = extra {
             let slot = self.segments.get(tail.0 .0).pool.stream_slot();
@@ -930,7 +992,7 @@ impl<E> State<E> {
                 failed = Some(e);
                 break;
             }
-            self.page_pool.push((h, s.pool.kind(), size));
+            self.vmm.page_pool.push((h, s.pool.kind(), size));
             self.stats.num_unmap += 1;
             bytes += size;
             if let Some(id) = block {
@@ -943,7 +1005,7 @@ impl<E> State<E> {
         for (since, id) in emptied {
             let (seg, start, end, _) = self.idle_block(since, id);
             if !holds_whole_page(self.segments.get(seg.0), g, start, end) {
-                self.idle_index.remove(&(since, id));
+                self.vmm.idle_index.remove(&(since, id));
             }
         }
         match failed {
@@ -961,17 +1023,17 @@ impl<E> State<E> {
     ) -> Result<(), AllocError> {
         dev.synchronize()?;
         self.drop_markers(dev);
-        self.device_full_at = None;
+        self.vmm.device_full_at = None;
         self.unmap_idle_pages(dev, None, u64::MAX, true)?;
-        while let Some(&(h, kind, size)) = self.page_pool.last() {
+        while let Some(&(h, kind, size)) = self.vmm.page_pool.last() {
             dev.vmm_release_page(h)?;
-            self.page_pool.pop(); // only once released: a failure keeps it pooled
+            self.vmm.page_pool.pop(); // only once released: a failure keeps it pooled
             self.stats.num_page_release += 1;
             self.stats.reserved_bytes.decrease(kind, size);
         }
-        for i in 0..self.ranges.len() {
-            let mut kept = Vec::with_capacity(self.ranges[i].len());
-            for seg in std::mem::take(&mut self.ranges[i]) {
+        for i in 0..self.vmm.ranges.len() {
+            let mut kept = Vec::with_capacity(self.vmm.ranges[i].len());
+            for seg in std::mem::take(&mut self.vmm.ranges[i]) {
                 let s = self.segments.get(seg.0);
                 let head = self.blocks.get(s.head.0);
                 if head.state != BlockState::Free
@@ -985,17 +1047,17 @@ impl<E> State<E> {
                     (s.addr, s.size, s.pool, s.head, head.freed_at);
                 if let Err(e) = dev.vmm_free_range(DevicePtr(addr), size) {
                     kept.push(seg);
-                    self.ranges[i] = kept;
+                    self.vmm.ranges[i] = kept;
                     return Err(e.into());
                 }
                 self.bins_mut(pool).remove(size, addr, head_id);
-                self.idle_index.remove(&(since, head_id.0));
+                self.vmm.idle_index.remove(&(since, head_id.0));
                 self.blocks.discard(head_id.0);
                 self.segments.remove(seg.0);
                 self.segment_by_addr.remove(&addr);
                 self.stats.segment.decrease(pool.kind(), 1);
             }
-            self.ranges[i] = kept;
+            self.vmm.ranges[i] = kept;
         }
         Ok(())
     }
@@ -1005,7 +1067,10 @@ impl<E> State<E> {
         let Some(pages) = seg.pages.as_ref() else {
             return 0;
         };
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self
+            .vmm
+            .granularity
+            .expect("expandable mode has a granularity");
         let lo = (start - seg.addr).div_ceil(g) as u32;
         let hi = ((end - seg.addr) / g) as u32;
         if hi <= lo {
@@ -1023,7 +1088,10 @@ impl<E> State<E> {
         let Some(pages) = seg.pages.as_ref() else {
             return end - start;
         };
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self
+            .vmm
+            .granularity
+            .expect("expandable mode has a granularity");
         let first = ((start - seg.addr) / g) as u32;
         let last = (end - seg.addr).div_ceil(g) as u32;
         pages
@@ -1040,18 +1108,18 @@ impl<E> State<E> {
     /// granularity or of the segment's page size, inside the range, runs in
     /// step) and that no physical page is mapped twice or both mapped and pooled.
     pub(super) fn check_pages(&self) -> Result<(), String> {
-        let Some(g) = self.granularity else {
+        let Some(g) = self.vmm.granularity else {
             return Ok(());
         };
         let mut handles = std::collections::HashSet::new();
-        for &(h, _, size) in &self.page_pool {
+        for &(h, _, size) in &self.vmm.page_pool {
             if size == 0 || size % g != 0 || !handles.insert(h) {
                 return Err(format!(
                     "pooled page {h} of {size} bytes is bad or listed twice"
                 ));
             }
         }
-        for &seg in self.ranges.iter().flatten() {
+        for &seg in self.vmm.ranges.iter().flatten() {
             let s = self.segments.get(seg.0);
             let pages = s.pages.as_ref().ok_or("a range without a page map")?;
             let sizes = [1, (s.page_size / g) as u32];
@@ -1072,7 +1140,7 @@ impl<E> State<E> {
                 let b = self.blocks.get(id.0);
                 let idle =
                     b.state == BlockState::Free && holds_whole_page(s, g, b.addr, b.addr + b.size);
-                if idle != self.idle_index.contains(&(b.freed_at, id.0)) {
+                if idle != self.vmm.idle_index.contains(&(b.freed_at, id.0)) {
                     return Err(format!(
                         "block at {:#x} (free: {}) is {}in the idle index",
                         b.addr,
@@ -1084,6 +1152,7 @@ impl<E> State<E> {
             }
         }
         let blocks: usize = self
+            .vmm
             .ranges
             .iter()
             .flatten()
@@ -1092,16 +1161,16 @@ impl<E> State<E> {
                 let mut cur = Some(self.segments.get(seg.0).head);
                 while let Some(id) = cur {
                     let b = self.blocks.get(id.0);
-                    n += usize::from(self.idle_index.contains(&(b.freed_at, id.0)));
+                    n += usize::from(self.vmm.idle_index.contains(&(b.freed_at, id.0)));
                     cur = b.next;
                 }
                 n
             })
             .sum();
-        if blocks != self.idle_index.len() {
+        if blocks != self.vmm.idle_index.len() {
             return Err(format!(
                 "the idle index lists {} entries, {blocks} of them blocks",
-                self.idle_index.len()
+                self.vmm.idle_index.len()
             ));
         }
         Ok(())
@@ -1109,7 +1178,7 @@ impl<E> State<E> {
 
     /// Bytes held in the pool of unmapped pages.
     pub(super) fn pooled_bytes(&self) -> u64 {
-        self.page_pool.iter().map(|p| p.2).sum()
+        self.vmm.page_pool.iter().map(|p| p.2).sum()
     }
 }
 

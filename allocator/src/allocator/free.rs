@@ -82,7 +82,7 @@ impl<E> State<E> {
         self.shadow_free(size);
         let kind = pool.kind();
         self.count_allocated(kind, size, false);
-        if self.granularity.is_some() {
+        if self.vmm.granularity.is_some() {
             self.mark_free(dev, pool);
         }
         if let Some(r) = self.recorder.as_mut() {
@@ -169,7 +169,7 @@ impl<E> State<E> {
     /// Returns a block to its pool, merging it with free neighbours (a
     /// slab's chunk goes back to its slab).
     pub(super) fn free_block(&mut self, id: BlockId) {
-        let expandable = self.granularity.is_some();
+        let expandable = self.vmm.granularity.is_some();
         let (orig_size, requested, pool, slab) = {
             let b = self.blocks.get_mut(id.0);
             b.state = BlockState::Free;
@@ -250,11 +250,11 @@ impl<E> State<E> {
             bins,
             lookups,
             clock,
-            granularity,
-            idle_index,
+            vmm,
             free_candidates,
             ..
         } = self;
+        let (granularity, idle_index) = (&vmm.granularity, &mut vmm.idle_index);
         let b = blocks.get(id.0);
         let (pool, mut addr, mut size) = (b.pool, b.addr, b.size);
         let (mut prev, mut next) = (b.prev, b.next);

@@ -47,7 +47,7 @@ impl<E> State<E> {
             size,
             rounded,
         } = req;
-        if self.cached_blocks > 0 {
+        if self.caches.cached_blocks > 0 {
             // Blocks parked in thread caches go back before the device is asked.
             self.flush_thread_caches();
             if let Some(id) = retry(self) {
@@ -342,7 +342,7 @@ impl<E> State<E> {
         for (_, seg) in self.free_segments() {
             self.release_segment(dev, seg)?;
         }
-        if self.granularity.is_some() {
+        if self.vmm.granularity.is_some() {
             self.release_expandable(dev)?;
         }
         Ok(Released {

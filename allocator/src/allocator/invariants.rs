@@ -168,7 +168,7 @@ impl<E> State<E> {
                 ));
             }
         }
-        for &(_, kind, size) in &self.page_pool {
+        for &(_, kind, size) in &self.vmm.page_pool {
             expect.reserved_bytes.increase(kind, size);
         }
         // Each slab is listed where its state says (`check_slab`); nothing else is.
@@ -201,10 +201,10 @@ impl<E> State<E> {
                 expect.allocation.all().current
             ));
         }
-        if held != self.cached_blocks {
+        if held != self.caches.cached_blocks {
             return Err(format!(
                 "{held} blocks held by thread caches but {} counted",
-                self.cached_blocks
+                self.caches.cached_blocks
             ));
         }
         if awaiting != self.pending_blocks {

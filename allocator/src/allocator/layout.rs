@@ -38,11 +38,11 @@ impl<D: Device> CachingAllocator<D> {
 impl<E> State<E> {
     /// Why `layout` cannot be restored now, if it cannot.
     fn check_restorable(&self, layout: &Snapshot) -> Result<(), String> {
-        if self.granularity.is_some() {
+        if self.vmm.granularity.is_some() {
             return Err("expandable segments cannot be restored to a layout".into());
         }
         let allocated = self.stats.allocated_bytes.all().current;
-        if allocated != 0 || self.pending_blocks != 0 || self.cached_blocks != 0 {
+        if allocated != 0 || self.pending_blocks != 0 || self.caches.cached_blocks != 0 {
             return Err(format!(
                 "{allocated} bytes are allocated and {} blocks await events: free them first",
                 self.pending_blocks

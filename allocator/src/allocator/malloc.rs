@@ -16,7 +16,7 @@ impl<E> State<E> {
         own: Option<SlotId>,
     ) -> Result<DevicePtr, AllocError> {
         if let Some(slot) = own {
-            let w = &mut self.wanted[slot.0 as usize];
+            let w = &mut self.caches.wanted[slot.0 as usize];
             w.keys[w.next] = key_hash(rounded, stream);
             w.next = (w.next + 1) % w.keys.len();
         }
@@ -40,14 +40,14 @@ impl<E> State<E> {
             size,
             rounded,
         };
-        if rounded <= self.slab_max {
+        if rounded <= self.slabs.slab_max {
             // (`slab_max` is at most the small-request limit.)
             return self.slab_malloc(dev, req);
         }
         if let (Some(slot), false) = (own, kind == PoolKind::Small) {
             self.flush_own_large(slot);
         }
-        let id = if self.granularity.is_some() {
+        let id = if self.vmm.granularity.is_some() {
             self.malloc_expandable(dev, req)?
         } else {
             let found = if self.config.caching {
@@ -92,7 +92,7 @@ impl<E> State<E> {
     }
 
     pub(super) fn should_split(&self, kind: PoolKind, rounded: u64, remaining: u64) -> bool {
-        if self.granularity.is_some() {
+        if self.vmm.granularity.is_some() {
             return remaining >= crate::rounding::MIN_BLOCK;
         }
         match kind {
@@ -114,7 +114,7 @@ impl<E> State<E> {
     ) -> DevicePtr {
         // Free space of an expandable segment is not "inactive split" memory:
         // not counted. (Every segment is expandable in expandable mode, none otherwise.)
-        let expandable = self.granularity.is_some();
+        let expandable = self.vmm.granularity.is_some();
         let b = self.blocks.get_mut(id.0);
         // Allocated before any merge below could look at it.
         b.state = BlockState::Allocated;

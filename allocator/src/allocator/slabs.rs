@@ -33,6 +33,25 @@ pub(super) struct SlabLists {
     empty: Vec<(SegmentId, usize)>,
 }
 
+/// The slab feature's data: the size limit of requests that take a chunk
+/// and each pool's lists of slabs.
+pub(super) struct SlabPools {
+    /// Small requests up to this size go to slabs (0: off; see `slabs`).
+    pub(super) slab_max: u64,
+    /// Per pool: its slabs, indexed by [`PoolId::index`]; created on first use.
+    pub(super) slab_lists: Vec<Option<Box<SlabLists>>>,
+}
+
+impl SlabPools {
+    /// No slabs yet; requests up to `slab_max` bytes go to slabs (0: off).
+    pub(super) fn new(slab_max: u64) -> Self {
+        SlabPools {
+            slab_max,
+            slab_lists: Vec::new(),
+        }
+    }
+}
+
 impl Default for SlabLists {
     fn default() -> Self {
         SlabLists {
@@ -99,7 +118,7 @@ impl<E> State<E> {
     /// empty slab re-cut for the class, else an entirely free segment of the
     /// pool's bins made a slab), still marked free; None if there is none.
     fn take_chunk(&mut self, pool: PoolId, class: usize, chunk: u64) -> Option<BlockId> {
-        let lists = self.slab_lists[pool.index()].get_or_insert_with(Box::default);
+        let lists = self.slabs.slab_lists[pool.index()].get_or_insert_with(Box::default);
         let seg = match lists.partial[class].last() {
             Some(&seg) => seg,
             // An empty slab of this class needs no re-cut: it goes first.
@@ -146,6 +165,7 @@ impl<E> State<E> {
     /// whether there was one.
     pub(super) fn unslab_empty(&mut self, pool: PoolId) -> bool {
         let Some(seg) = self
+            .slabs
             .slab_lists
             .get_mut(pool.index())
             .and_then(Option::as_mut)
@@ -216,7 +236,7 @@ impl<E> State<E> {
                 .map_or(true, |t| self.blocks.get(t.0).size < slab.chunk);
         if full {
             slab.listed = Listed::Nowhere;
-            let lists = self.slab_lists[pool.index()]
+            let lists = self.slabs.slab_lists[pool.index()]
                 .as_mut()
                 .expect("a slab's pool has lists");
             unlist(&mut lists.partial[slab.class], seg);
@@ -290,7 +310,7 @@ impl<E> State<E> {
             idle_since: self.clock,
         });
         self.blocks.get_mut(head.0).slab = true;
-        self.slab_lists[pool.index()]
+        self.slabs.slab_lists[pool.index()]
             .get_or_insert_with(Box::default)
             .partial[class]
             .push(seg);
@@ -330,7 +350,7 @@ impl<E> State<E> {
         self.stats
             .inactive_split_bytes
             .increase(PoolKind::Small, slab.chunk);
-        let lists = self.slab_lists[pool.index()]
+        let lists = self.slabs.slab_lists[pool.index()]
             .as_mut()
             .expect("a slab's pool has lists");
         if slab.live == 0 {
@@ -354,7 +374,7 @@ impl<E> State<E> {
         let (pool, head, addr, size) = (s.pool, s.head, s.addr, s.size);
         let slab = s.slab.take().expect("a slab");
         debug_assert!(slab.live == 0 && slab.listed == Listed::Empty);
-        let lists = self.slab_lists[pool.index()]
+        let lists = self.slabs.slab_lists[pool.index()]
             .as_mut()
             .expect("a slab's pool has lists");
         let i = lists
@@ -429,7 +449,11 @@ impl<E> State<E> {
         } else {
             Listed::Nowhere
         };
-        let lists = self.slab_lists.get(s.pool.index()).and_then(Option::as_ref);
+        let lists = self
+            .slabs
+            .slab_lists
+            .get(s.pool.index())
+            .and_then(Option::as_ref);
         let count = |list: Option<&Vec<SegmentId>>| {
             list.map_or(0, |l| l.iter().filter(|&&x| x == seg).count())
         };
@@ -459,7 +483,8 @@ impl<E> State<E> {
     /// Entries in the pools' slab lists (each slab is checked against its
     /// entries by [`State::check_slab`]).
     pub(super) fn listed_slabs(&self) -> usize {
-        self.slab_lists
+        self.slabs
+            .slab_lists
             .iter()
             .flatten()
             .map(|l| l.empty.len() + l.partial.iter().map(Vec::len).sum::<usize>())

@@ -78,6 +78,34 @@ pub(super) struct ThreadCacheReview {
     shadow_hits: u64,
 }
 
+/// The per-thread caches' data on the allocator's side: the slots, their
+/// recent misses, how many blocks they hold and whether they pay.
+pub(super) struct ThreadCaches {
+    /// Thread caches by [`SlotId`] (`None`: index free for reuse).
+    pub(super) slots: Vec<Option<Arc<Slot>>>,
+    /// Per thread cache: its recent misses.
+    pub(super) wanted: Vec<Wanted>,
+    /// Blocks held by thread caches (parked or handed out from one).
+    pub(super) cached_blocks: usize,
+    /// Whether the thread caches pay for themselves (see `State::review_thread_caches`).
+    pub(super) review: ThreadCacheReview,
+    /// Blocks parked per thread cache (0: thread caches off).
+    pub(super) thread_cache: usize,
+}
+
+impl ThreadCaches {
+    /// No slots yet; `thread_cache` blocks parked per slot (0: off).
+    pub(super) fn new(thread_cache: usize) -> Self {
+        ThreadCaches {
+            slots: Vec::new(),
+            wanted: Vec::new(),
+            cached_blocks: 0,
+            review: ThreadCacheReview::default(),
+            thread_cache,
+        }
+    }
+}
+
 impl Default for ThreadCacheReview {
     fn default() -> Self {
         ThreadCacheReview {
@@ -98,10 +126,10 @@ impl<E> State<E> {
     /// Returns the new setting when it changes.
     #[inline]
     pub(super) fn review_thread_caches(&mut self) -> Option<bool> {
-        if self.thread_cache == 0 {
+        if self.caches.thread_cache == 0 {
             return None;
         }
-        let r = &mut self.review;
+        let r = &mut self.caches.review;
         r.locked_ops += 1;
         if r.locked_ops % REVIEW_WINDOW != 0 {
             return None;
@@ -112,8 +140,8 @@ impl<E> State<E> {
     /// The decision at the end of a review window.
     #[cold]
     fn end_review_window(&mut self) -> Option<bool> {
-        let hits: u64 = self.slots.iter().flatten().map(|s| s.hits()).sum();
-        let r = &mut self.review;
+        let hits: u64 = self.caches.slots.iter().flatten().map(|s| s.hits()).sum();
+        let r = &mut self.caches.review;
         let new_hits = hits.saturating_sub(r.hits_base);
         r.hits_base = hits;
         let shadow_hits = std::mem::take(&mut r.shadow_hits);
@@ -144,10 +172,10 @@ impl<E> State<E> {
     /// `rounded` bytes? (Sizes only: the shadow is an estimate, kept cheap.)
     #[inline]
     pub(super) fn shadow_malloc(&mut self, rounded: u64) {
-        if self.thread_cache == 0 || self.review.paying {
+        if self.caches.thread_cache == 0 || self.caches.review.paying {
             return;
         }
-        let r = &mut self.review;
+        let r = &mut self.caches.review;
         if let Some(i) = r.shadow.iter().position(|&k| k == rounded) {
             r.shadow[i] = u64::MAX;
             r.shadow_hits += 1;
@@ -157,35 +185,35 @@ impl<E> State<E> {
     /// While the caches are off: remembers a freed block's size.
     #[inline]
     pub(super) fn shadow_free(&mut self, size: u64) {
-        if self.thread_cache == 0 || self.review.paying {
+        if self.caches.thread_cache == 0 || self.caches.review.paying {
             return;
         }
-        let r = &mut self.review;
+        let r = &mut self.caches.review;
         r.shadow[r.shadow_next] = size;
         r.shadow_next = (r.shadow_next + 1) % SHADOW;
     }
 
     /// A new slot for a thread, or `None` when thread caches are off.
     pub(super) fn register_slot(&mut self) -> Option<Arc<Slot>> {
-        if self.thread_cache == 0 {
+        if self.caches.thread_cache == 0 {
             return None;
         }
-        let index = match self.slots.iter().position(Option::is_none) {
+        let index = match self.caches.slots.iter().position(Option::is_none) {
             Some(i) => i,
             None => {
-                self.slots.push(None);
-                self.wanted.push(Wanted::default());
-                self.slots.len() - 1
+                self.caches.slots.push(None);
+                self.caches.wanted.push(Wanted::default());
+                self.caches.slots.len() - 1
             }
         };
-        let slot = Arc::new(Slot::new(SlotId(index as u32), self.thread_cache));
-        self.slots[index] = Some(slot.clone());
-        self.wanted[index] = Wanted::default();
+        let slot = Arc::new(Slot::new(SlotId(index as u32), self.caches.thread_cache));
+        self.caches.slots[index] = Some(slot.clone());
+        self.caches.wanted[index] = Wanted::default();
         Some(slot)
     }
 
     fn slot(&self, id: SlotId) -> Arc<Slot> {
-        self.slots[id.0 as usize]
+        self.caches.slots[id.0 as usize]
             .clone()
             .expect("a block's thread cache stays registered while it holds blocks")
     }
@@ -198,7 +226,7 @@ impl<E> State<E> {
     /// sizes do not repeat, as in a random mix) considers only one free in
     /// [`PROBE_EVERY`], so that a hit can restore it.
     pub(super) fn should_park(&mut self, slot: SlotId, id: BlockId) -> bool {
-        if self.thread_cache == 0 || self.recorder.is_some() {
+        if self.caches.thread_cache == 0 || self.recorder.is_some() {
             return false;
         }
         // (Expandable allocators have no thread caches: `thread_cache` is 0 there.)
@@ -208,8 +236,8 @@ impl<E> State<E> {
         }
         let i = slot.0 as usize;
         let (Some(holder), Some(w)) = (
-            self.slots.get(i).and_then(Option::as_ref),
-            self.wanted.get_mut(i),
+            self.caches.slots.get(i).and_then(Option::as_ref),
+            self.caches.wanted.get_mut(i),
         ) else {
             return false;
         };
@@ -265,7 +293,7 @@ impl<E> State<E> {
         b.requested = 0;
         b.freed_at = clock;
         b.holder = Some(slot);
-        self.cached_blocks += 1;
+        self.caches.cached_blocks += 1;
         let entry = Entry {
             addr,
             key,
@@ -299,7 +327,7 @@ impl<E> State<E> {
             return Err(AllocError::DoubleFree(DevicePtr(addr)));
         };
         self.blocks.get_mut(e.block.0).holder = None;
-        self.cached_blocks -= 1;
+        self.caches.cached_blocks -= 1;
         Ok(())
     }
 
@@ -364,7 +392,7 @@ impl<E> State<E> {
         let b = self.blocks.get_mut(id.0);
         b.state = BlockState::Free;
         b.holder = None;
-        self.cached_blocks -= 1;
+        self.caches.cached_blocks -= 1;
         self.live.remove(addr);
         if split {
             self.stats.inactive_split.decrease(kind, 1);
@@ -380,7 +408,7 @@ impl<E> State<E> {
     /// large block (a parked block serves only a repeat of its own size
     /// before any other large request).
     pub(super) fn flush_own_large(&mut self, own: SlotId) {
-        let holds = self.slots[own.0 as usize]
+        let holds = self.caches.slots[own.0 as usize]
             .as_ref()
             .is_some_and(|s| s.holds_large());
         if !holds {
@@ -396,10 +424,10 @@ impl<E> State<E> {
 
     /// Brings every slot's tallies and block states up to date.
     pub(super) fn sync_thread_caches(&mut self) {
-        if self.cached_blocks == 0 {
+        if self.caches.cached_blocks == 0 {
             return;
         }
-        for slot in self.slots.clone().into_iter().flatten() {
+        for slot in self.caches.slots.clone().into_iter().flatten() {
             let mut g = slot.inner.lock();
             self.sync_slot(&mut g);
         }
@@ -408,10 +436,10 @@ impl<E> State<E> {
     /// Returns every parked block to the bins, and forgets the slots of
     /// threads that ended with nothing in them.
     pub(super) fn flush_thread_caches(&mut self) {
-        if self.slots.is_empty() {
+        if self.caches.slots.is_empty() {
             return;
         }
-        for (i, slot) in self.slots.clone().into_iter().enumerate() {
+        for (i, slot) in self.caches.slots.clone().into_iter().enumerate() {
             let Some(slot) = slot else { continue };
             let mut g = slot.inner.lock();
             self.sync_slot(&mut g);
@@ -422,7 +450,7 @@ impl<E> State<E> {
             drop(g);
             // Two owners left (the list and the clone above): the thread is gone.
             if idle && Arc::strong_count(&slot) == 2 {
-                self.slots[i] = None;
+                self.caches.slots[i] = None;
             }
         }
     }
@@ -432,7 +460,7 @@ impl<E> State<E> {
     /// blocks since the allocator last looked.)
     pub(super) fn check_slots(&mut self) -> Result<(), String> {
         let mut n = 0;
-        for slot in self.slots.clone().into_iter().flatten() {
+        for slot in self.caches.slots.clone().into_iter().flatten() {
             let mut g = slot.inner.lock();
             self.sync_slot(&mut g);
             let entries = g.cached.iter().map(|e| (e, BlockState::Parked));
@@ -458,10 +486,10 @@ impl<E> State<E> {
                 ));
             }
         }
-        if n != self.cached_blocks {
+        if n != self.caches.cached_blocks {
             return Err(format!(
                 "thread caches list {n} blocks but {} are held",
-                self.cached_blocks
+                self.caches.cached_blocks
             ));
         }
         Ok(())
@@ -804,7 +832,8 @@ mod tests {
         let (_, a) = new("default", 1 << 30);
         let live = |a: &CachingAllocator<SimulatedDevice>| {
             let st = a.state.lock();
-            st.slots
+            st.caches
+                .slots
                 .iter()
                 .flatten()
                 .map(|s| s.inner.lock().live.len())
@@ -907,6 +936,6 @@ mod tests {
         a.check_invariants().unwrap();
         // The threads are gone: a flush forgets their slots.
         a.empty_cache().unwrap();
-        assert!(a.state.lock().slots.iter().all(Option::is_none));
+        assert!(a.state.lock().caches.slots.iter().all(Option::is_none));
     }
 }
