@@ -14,7 +14,9 @@
 use crate::addrmap::AddrMap;
 use crate::arena::Arena;
 use crate::bins::Bins;
-use crate::block::{Block, BlockId, BlockState, Listed, PoolId, PoolKind, Segment, SegmentId};
+use crate::block::{
+    Block, BlockId, BlockState, Listed, PoolId, PoolKind, Segment, SegmentId, SegmentKind,
+};
 use crate::config::{Config, MemoryCap, ReleaseOrder, MEDIUM_SEGMENT, OVERSIZE_SLACK, SMALL_SIZE};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::{AllocError, OomReport};

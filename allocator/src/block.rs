@@ -122,13 +122,24 @@ pub(crate) struct Segment {
     pub pool: PoolId,
     /// The lowest block of the segment.
     pub head: BlockId,
-    /// For an expandable segment: its mapped pages, page index → physical page handle.
-    pub pages: Option<PageMap>,
-    /// For an expandable segment: the bytes of each page (0 for a plain segment).
-    pub page_size: u64,
-    /// For a slab (a small-pool segment cut into chunks of one size class):
-    /// its chunks' bookkeeping.
-    pub slab: Option<SlabSeg>,
+    /// Plain, expandable (page-backed) or a slab.
+    pub kind: SegmentKind,
+}
+
+/// What a segment is, with the data only that kind has.
+#[derive(Clone, Debug)]
+pub(crate) enum SegmentKind {
+    /// One device allocation, cut into blocks.
+    Plain,
+    /// A virtual range backed page by page.
+    Expandable {
+        /// Its mapped pages, page index → physical page handle.
+        pages: PageMap,
+        /// The bytes of each page.
+        page_size: u64,
+    },
+    /// A small-pool segment cut into chunks of one size class.
+    Slab(SlabSeg),
 }
 
 /// Where a slab is listed in its pool (see `allocator::slabs`).
@@ -163,6 +174,51 @@ pub(crate) struct SlabSeg {
 impl Segment {
     /// Whether the segment is a virtual range backed page by page.
     pub fn is_expandable(&self) -> bool {
-        self.pages.is_some()
+        matches!(self.kind, SegmentKind::Expandable { .. })
+    }
+
+    /// An expandable segment's mapped pages.
+    pub fn pages(&self) -> Option<&PageMap> {
+        match &self.kind {
+            SegmentKind::Expandable { pages, .. } => Some(pages),
+            _ => None,
+        }
+    }
+
+    /// An expandable segment's mapped pages, to change.
+    pub fn pages_mut(&mut self) -> Option<&mut PageMap> {
+        match &mut self.kind {
+            SegmentKind::Expandable { pages, .. } => Some(pages),
+            _ => None,
+        }
+    }
+
+    /// An expandable segment's page size (0 for other segments).
+    pub fn page_size(&self) -> u64 {
+        match self.kind {
+            SegmentKind::Expandable { page_size, .. } => page_size,
+            _ => 0,
+        }
+    }
+
+    /// A slab's chunk bookkeeping.
+    pub fn slab(&self) -> Option<&SlabSeg> {
+        match &self.kind {
+            SegmentKind::Slab(slab) => Some(slab),
+            _ => None,
+        }
+    }
+
+    /// A slab's chunk bookkeeping, to change.
+    pub fn slab_mut(&mut self) -> Option<&mut SlabSeg> {
+        match &mut self.kind {
+            SegmentKind::Slab(slab) => Some(slab),
+            _ => None,
+        }
+    }
+
+    /// Whether the segment is a slab.
+    pub fn is_slab(&self) -> bool {
+        matches!(self.kind, SegmentKind::Slab(_))
     }
 }

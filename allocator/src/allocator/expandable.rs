@@ -94,7 +94,7 @@ fn round_up(bytes: u64, page: u64) -> u64 {
 /// Whether a mapped page lies wholly inside `[start, end)` of `seg` (a free
 /// block there holds idle memory).
 pub(super) fn holds_whole_page(seg: &Segment, g: u64, start: u64, end: u64) -> bool {
-    let Some(pages) = seg.pages.as_ref() else {
+    let Some(pages) = seg.pages() else {
         return false;
     };
     let lo = (start - seg.addr).div_ceil(g) as u32;
@@ -431,7 +431,7 @@ impl<E> State<E> {
         let s = self.segments.get(seg.0);
         let base = s.addr;
         let last = (end - base).div_ceil(g) as u32;
-        let pages = s.pages.as_ref().expect("expandable");
+        let pages = s.pages().expect("expandable");
         let Some((at, h, n)) = pages.covering(last - 1) else {
             return Ok(());
         };
@@ -444,7 +444,7 @@ impl<E> State<E> {
             return Ok(());
         }
         let s = self.segments.get_mut(seg.0);
-        let pages = s.pages.as_mut().expect("expandable");
+        let pages = s.pages_mut().expect("expandable");
         pages.remove(at);
         if let Err(e) = dev.vmm_unmap(DevicePtr(lo), hi - lo) {
             pages.insert(at, n, h);
@@ -466,10 +466,10 @@ impl<E> State<E> {
             .granularity
             .expect("expandable mode has a granularity");
         let s = self.segments.get(seg.0);
-        let pages = s.pages.as_ref().expect("expandable");
+        let pages = s.pages().expect("expandable");
         let big = match style {
             Style::Granules => 1,
-            Style::BigEdges | Style::SmallEdges => (s.page_size / g) as u32,
+            Style::BigEdges | Style::SmallEdges => (s.page_size() / g) as u32,
         };
         let limit = (s.size / g) as u32;
         let first = ((start - s.addr) / g) as u32;
@@ -541,8 +541,7 @@ impl<E> State<E> {
             }
             self.segments
                 .get_mut(seg.0)
-                .pages
-                .as_mut()
+                .pages_mut()
                 .expect("expandable")
                 .insert(at, n, page.handle);
             self.stats.num_map += 1;
@@ -875,7 +874,7 @@ impl<E> State<E> {
         if hi <= lo {
             return 0;
         }
-        let pages = s.pages.as_ref().expect("expandable");
+        let pages = s.pages().expect("expandable");
         let mut bytes = 0;
         for (at, _, n) in pages.within(lo, hi) {
             out.push((since, seg, at, block));
@@ -983,10 +982,11 @@ impl<E> State<E> {
                 break;
             }
             let s = self.segments.get_mut(seg.0);
-            let pages = s.pages.as_mut().expect("expandable");
+            let seg_addr = s.addr;
+            let pages = s.pages_mut().expect("expandable");
             let (h, n) = pages.remove(at).expect("page was mapped");
             let size = u64::from(n) * g;
-            if let Err(e) = dev.vmm_unmap(DevicePtr(s.addr + u64::from(at) * g), size) {
+            if let Err(e) = dev.vmm_unmap(DevicePtr(seg_addr + u64::from(at) * g), size) {
                 pages.insert(at, n, h);
                 // The pages unmapped so far stay unmapped: index them below first.
                 failed = Some(e);
@@ -1038,7 +1038,7 @@ impl<E> State<E> {
                 let head = self.blocks.get(s.head.0);
                 if head.state != BlockState::Free
                     || head.next.is_some()
-                    || !s.pages.as_ref().is_some_and(|p| p.is_empty())
+                    || !s.pages().is_some_and(|p| p.is_empty())
                 {
                     kept.push(seg);
                     continue;
@@ -1064,7 +1064,7 @@ impl<E> State<E> {
 
     /// Bytes of mapped pages lying entirely inside `[start, end)` (idle if that is a free block).
     pub(super) fn idle_bytes_in(&self, seg: &Segment, start: u64, end: u64) -> u64 {
-        let Some(pages) = seg.pages.as_ref() else {
+        let Some(pages) = seg.pages() else {
             return 0;
         };
         let g = self
@@ -1085,7 +1085,7 @@ impl<E> State<E> {
 
     /// Bytes of `[start, end)` backed by memory (all of it in a plain segment).
     pub(super) fn mapped_bytes_in(&self, seg: &Segment, start: u64, end: u64) -> u64 {
-        let Some(pages) = seg.pages.as_ref() else {
+        let Some(pages) = seg.pages() else {
             return end - start;
         };
         let g = self
@@ -1121,8 +1121,8 @@ impl<E> State<E> {
         }
         for &seg in self.vmm.ranges.iter().flatten() {
             let s = self.segments.get(seg.0);
-            let pages = s.pages.as_ref().ok_or("a range without a page map")?;
-            let sizes = [1, (s.page_size / g) as u32];
+            let pages = s.pages().ok_or("a range without a page map")?;
+            let sizes = [1, (s.page_size() / g) as u32];
             pages
                 .check((s.size / g) as u32, &sizes)
                 .map_err(|e| format!("range at {:#x}: {e}", s.addr))?;

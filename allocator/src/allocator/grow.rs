@@ -169,9 +169,13 @@ impl<E> State<E> {
             stream,
             pool,
             head: BlockId(u32::MAX),
-            pages: page_size.map(|_| PageMap::default()),
-            page_size: page_size.unwrap_or(0),
-            slab: None,
+            kind: match page_size {
+                Some(page_size) => SegmentKind::Expandable {
+                    pages: PageMap::default(),
+                    page_size,
+                },
+                None => SegmentKind::Plain,
+            },
         }));
         let head = BlockId(
             self.blocks
@@ -188,7 +192,7 @@ impl<E> State<E> {
     /// use (releasable).
     pub(super) fn segment_is_free(&self, seg: SegmentId) -> bool {
         let s = self.segments.get(seg.0);
-        if let Some(slab) = &s.slab {
+        if let Some(slab) = s.slab() {
             return slab.live == 0;
         }
         let b = self.blocks.get(s.head.0);
@@ -198,7 +202,7 @@ impl<E> State<E> {
     /// The operation count since which an entirely free segment has been free.
     pub(super) fn free_since(&self, seg: SegmentId) -> u64 {
         let s = self.segments.get(seg.0);
-        match &s.slab {
+        match s.slab() {
             Some(slab) => slab.idle_since,
             None => self.blocks.get(s.head.0).freed_at,
         }
@@ -212,7 +216,7 @@ impl<E> State<E> {
     ) -> Result<u64, AllocError> {
         debug_assert!(self.segment_is_free(seg));
         let s = self.segments.get(seg.0);
-        let (addr, size, pool, head, slab) = (s.addr, s.size, s.pool, s.head, s.slab.is_some());
+        let (addr, size, pool, head, slab) = (s.addr, s.size, s.pool, s.head, s.is_slab());
         dev.free(DevicePtr(addr), size)?;
         if slab {
             self.drop_slab(seg);

@@ -46,7 +46,7 @@ impl<E> State<E> {
         self.segment_by_addr
             .values()
             .map(|&seg| self.segments.get(seg.0))
-            .filter(|s| s.slab.is_some())
+            .filter(|s| s.is_slab())
     }
 
     pub(super) fn fragmentation(&self) -> FragmentationReport {
@@ -71,7 +71,7 @@ impl<E> State<E> {
                 blocks += 1;
                 cur = b.next;
             }
-            if used == 0 && (blocks == 1 || s.slab.is_some()) && !s.is_expandable() {
+            if used == 0 && (blocks == 1 || s.is_slab()) && !s.is_expandable() {
                 releasable += s.size;
             }
             segments.push(SegmentUse {

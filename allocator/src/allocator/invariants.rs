@@ -46,7 +46,7 @@ impl<E> State<E> {
             let mut at = s.addr;
             let mut prev_free = false;
             let split = self.blocks.get(s.head.0).next.is_some() && !s.is_expandable();
-            if let Some(slab) = &s.slab {
+            if let Some(slab) = s.slab() {
                 self.check_slab(seg)?;
                 listed += usize::from(slab.listed != Listed::Nowhere);
             }
@@ -65,12 +65,12 @@ impl<E> State<E> {
                 if b.prev != prev || b.segment != seg || b.pool != s.pool {
                     return Err(format!("block {id:?} at {:#x} has broken links", b.addr));
                 }
-                if b.slab != s.slab.is_some() {
+                if b.slab != s.is_slab() {
                     return Err(format!(
                         "block at {:#x} is marked as a slab's: {}, its segment is a slab: {}",
                         b.addr,
                         b.slab,
-                        s.slab.is_some()
+                        s.is_slab()
                     ));
                 }
                 if b.addr != at || b.size == 0 || b.addr % 512 != 0 || b.size % 512 != 0 {

@@ -54,7 +54,7 @@ impl<E> State<E> {
                 return Err(format!("no segment at {at} any more"));
             };
             let s = self.segments.get(id.0);
-            if s.size != seg.total_size || s.slab.is_some() {
+            if s.size != seg.total_size || s.is_slab() {
                 return Err(format!("the segment at {at} is not the one in the layout"));
             }
             let head = self.blocks.get(s.head.0);

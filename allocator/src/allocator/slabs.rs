@@ -18,7 +18,9 @@
 //! by the out-of-memory ladder.
 
 use super::{Request, State};
-use crate::block::{Block, BlockId, BlockState, Listed, PoolId, PoolKind, SegmentId, SlabSeg};
+use crate::block::{
+    Block, BlockId, BlockState, Listed, PoolId, PoolKind, SegmentId, SegmentKind, SlabSeg,
+};
 use crate::device::{Device, DevicePtr};
 use crate::error::AllocError;
 use crate::rounding::{slab_class, SLAB_CLASSES};
@@ -176,7 +178,7 @@ impl<E> State<E> {
         };
         let s = self.segments.get_mut(seg.0);
         let (head, addr, size) = (s.head, s.addr, s.size);
-        s.slab = None;
+        s.kind = SegmentKind::Plain;
         self.join_blocks(head, addr, size);
         let h = self.blocks.get_mut(head.0);
         h.slab = false;
@@ -214,7 +216,7 @@ impl<E> State<E> {
     fn pop_chunk(&mut self, seg: SegmentId) -> BlockId {
         let s = self.segments.get_mut(seg.0);
         let pool = s.pool;
-        let slab = s.slab.as_mut().expect("a listed segment is a slab");
+        let slab = s.slab_mut().expect("a listed segment is a slab");
         let chunk = slab.chunk;
         let id = match slab.free.pop() {
             Some(id) => {
@@ -228,7 +230,7 @@ impl<E> State<E> {
             None => self.carve(seg, chunk),
         };
         let s = self.segments.get_mut(seg.0);
-        let slab = s.slab.as_mut().expect("a slab");
+        let slab = s.slab_mut().expect("a slab");
         slab.live += 1;
         let full = slab.free.is_empty()
             && slab
@@ -249,8 +251,7 @@ impl<E> State<E> {
         let s = self.segments.get(seg.0);
         let pool = s.pool;
         let tail = s
-            .slab
-            .as_ref()
+            .slab()
             .and_then(|slab| slab.tail)
             .expect("a slab with room and no free chunk has a tail");
         let t = self.blocks.get(tail.0);
@@ -261,8 +262,7 @@ impl<E> State<E> {
             // The tail is the last chunk.
             self.segments
                 .get_mut(seg.0)
-                .slab
-                .as_mut()
+                .slab_mut()
                 .expect("a slab")
                 .tail = None;
             if split {
@@ -300,7 +300,7 @@ impl<E> State<E> {
     fn make_slab(&mut self, seg: SegmentId, class: usize, chunk: u64) {
         let s = self.segments.get_mut(seg.0);
         let (head, pool) = (s.head, s.pool);
-        s.slab = Some(SlabSeg {
+        s.kind = SegmentKind::Slab(SlabSeg {
             class,
             chunk,
             live: 0,
@@ -322,7 +322,7 @@ impl<E> State<E> {
     fn recut(&mut self, seg: SegmentId, class: usize, chunk: u64) {
         let s = self.segments.get_mut(seg.0);
         let (head, addr, size) = (s.head, s.addr, s.size);
-        let slab = s.slab.as_mut().expect("an empty slab");
+        let slab = s.slab_mut().expect("an empty slab");
         debug_assert_eq!(slab.live, 0);
         slab.listed = Listed::Partial;
         if slab.class == class {
@@ -341,8 +341,8 @@ impl<E> State<E> {
         b.freed_at = self.clock;
         let seg = b.segment;
         let s = self.segments.get_mut(seg.0);
-        let pool = s.pool;
-        let slab = s.slab.as_mut().expect("a chunk's segment is a slab");
+        let (pool, seg_addr) = (s.pool, s.addr);
+        let slab = s.slab_mut().expect("a chunk's segment is a slab");
         slab.free.push(id);
         slab.live -= 1;
         // A chunk always shares its segment (a slab holds at least two).
@@ -354,7 +354,7 @@ impl<E> State<E> {
             .as_mut()
             .expect("a slab's pool has lists");
         if slab.live == 0 {
-            self.free_candidates[pool.kind() as usize].insert((self.clock, s.addr, seg.0));
+            self.free_candidates[pool.kind() as usize].insert((self.clock, seg_addr, seg.0));
             if slab.listed == Listed::Partial {
                 unlist(&mut lists.partial[slab.class], seg);
             }
@@ -372,7 +372,9 @@ impl<E> State<E> {
     pub(super) fn drop_slab(&mut self, seg: SegmentId) {
         let s = self.segments.get_mut(seg.0);
         let (pool, head, addr, size) = (s.pool, s.head, s.addr, s.size);
-        let slab = s.slab.take().expect("a slab");
+        let SegmentKind::Slab(slab) = std::mem::replace(&mut s.kind, SegmentKind::Plain) else {
+            unreachable!("drop_slab of a segment that is no slab")
+        };
         debug_assert!(slab.live == 0 && slab.listed == Listed::Empty);
         let lists = self.slabs.slab_lists[pool.index()]
             .as_mut()
@@ -393,7 +395,7 @@ impl<E> State<E> {
     /// where its state says.
     pub(super) fn check_slab(&self, seg: SegmentId) -> Result<(), String> {
         let s = self.segments.get(seg.0);
-        let slab = s.slab.as_ref().expect("a slab");
+        let slab = s.slab().expect("a slab");
         let (mut live, mut free) = (0u32, Vec::new());
         let mut cur = Some(s.head);
         let mut last = s.head;
