@@ -293,6 +293,19 @@ impl Class {
         self.len == 0
     }
 
+    /// Whether `e` is in the class (a search of the class only).
+    fn contains(&self, e: &Entry) -> bool {
+        if self.len == 0 {
+            return false;
+        }
+        *e == self.first_entry()
+            || match self.more.as_deref() {
+                Some(More::Few(v)) if self.len > 1 => v.contains(e),
+                Some(More::Many(t)) if self.len > 1 => t.contains(e),
+                _ => false,
+            }
+    }
+
     /// The first entry of at least `size` bytes, with its index (0: the
     /// first entry; `i + 1`: index `i` of a short `more`; 1 in a tree).
     #[inline]
@@ -425,6 +438,13 @@ impl Bins {
 
     /// Removes a block; returns false if it was not there.
     #[inline]
+    /// Whether the entry is filed (for consistency checks: one class lookup,
+    /// not a walk over every entry).
+    pub fn contains(&self, size: u64, addr: u64, id: BlockId) -> bool {
+        let (fl, sl) = class_of(size);
+        self.classes[flat(fl, sl)].contains(&(size, addr, id))
+    }
+
     pub fn remove(&mut self, size: u64, addr: u64, id: BlockId) -> bool {
         let (fl, sl) = class_of(size);
         let class = &mut self.classes[flat(fl, sl)];
@@ -522,6 +542,25 @@ impl Bins {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn contains_finds_exactly_the_filed_entries() {
+        let mut b = Bins::default();
+        // One class with many entries (a tree) and one with a single entry.
+        for i in 0..200u32 {
+            b.insert(4096, 0x10_0000 + u64::from(i) * 4096, BlockId(i));
+        }
+        b.insert(1 << 30, 0x4000_0000, BlockId(999));
+        assert!(b.contains(4096, 0x10_0000, BlockId(0)));
+        assert!(b.contains(4096, 0x10_0000 + 150 * 4096, BlockId(150)));
+        assert!(b.contains(1 << 30, 0x4000_0000, BlockId(999)));
+        assert!(!b.contains(4096, 0x10_0000, BlockId(1)), "another id");
+        assert!(!b.contains(8192, 0x10_0000, BlockId(0)), "another size");
+        assert!(b.remove(4096, 0x10_0000 + 150 * 4096, BlockId(150)));
+        assert!(!b.contains(4096, 0x10_0000 + 150 * 4096, BlockId(150)));
+        assert!(b.remove(1 << 30, 0x4000_0000, BlockId(999)));
+        assert!(!b.contains(1 << 30, 0x4000_0000, BlockId(999)));
+    }
 
     #[test]
     fn classes_are_monotonic() {
