@@ -97,6 +97,44 @@ pub enum EdgePages {
     Pressure,
 }
 
+/// The words of a choice key and the values they stand for, in one table
+/// that parsing, printing and the key table's word list all read.
+macro_rules! choice_words {
+    ($ty:ident, $words:ident: $($word:literal => $variant:ident),+ $(,)?) => {
+        impl $ty {
+            /// The configuration words, in the order the docs list them.
+            pub const $words: &'static [&'static str] = &[$($word),+];
+
+            /// The configuration word of this value.
+            pub fn word(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $word,)+
+                }
+            }
+
+            /// The value of a word of [`Self::WORDS`], if it is one.
+            pub fn from_word(word: &str) -> Option<Self> {
+                match word {
+                    $($word => Some($ty::$variant),)+
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+choice_words!(ReleaseOrder, WORDS:
+    "oldest" => Oldest,
+    "smallest_fit" => SmallestFit,
+    "largest" => Largest,
+);
+
+choice_words!(EdgePages, WORDS:
+    "pressure" => Pressure,
+    "small" => Small,
+    "big" => Big,
+);
+
 /// How the allocator carves segments and blocks. See `docs/POLICY.md`.
 #[derive(Clone, PartialEq, Debug)]
 pub struct Config {
@@ -867,24 +905,12 @@ pub static KEYS: &[Key] = &[
     Key {
         name: "release_order",
         aliases: &[],
-        kind: KeyKind::Choice(&["oldest", "smallest_fit", "largest"]),
+        kind: KeyKind::Choice(ReleaseOrder::WORDS),
         stability: Stability::Stable,
         doc: "which free segments go first: longest idle, the smallest single one that makes room, or the largest",
         group: None,
-        get: |c| {
-            Some(Value::Word(match c.release_order {
-                ReleaseOrder::Oldest => "oldest",
-                ReleaseOrder::SmallestFit => "smallest_fit",
-                ReleaseOrder::Largest => "largest",
-            }))
-        },
-        set: |c, v| {
-            c.release_order = match w(v) {
-                "oldest" => ReleaseOrder::Oldest,
-                "largest" => ReleaseOrder::Largest,
-                _ => ReleaseOrder::SmallestFit,
-            }
-        },
+        get: |c| Some(Value::Word(c.release_order.word())),
+        set: |c, v| c.release_order = ReleaseOrder::from_word(w(v)).expect("a word of the table"),
     },
     Key {
         name: "release_min_idle",
@@ -953,24 +979,12 @@ pub static KEYS: &[Key] = &[
     Key {
         name: "expandable_edges",
         aliases: &[],
-        kind: KeyKind::Choice(&["pressure", "small", "big"]),
+        kind: KeyKind::Choice(EdgePages::WORDS),
         stability: Stability::Experimental,
         doc: "expandable page sizes at block edges: big pages while there is room (`pressure`), granules always (`small`), big pages always (`big`)",
         group: None,
-        get: |c| {
-            Some(Value::Word(match c.expandable_edges {
-                EdgePages::Pressure => "pressure",
-                EdgePages::Small => "small",
-                EdgePages::Big => "big",
-            }))
-        },
-        set: |c, v| {
-            c.expandable_edges = match w(v) {
-                "small" => EdgePages::Small,
-                "big" => EdgePages::Big,
-                _ => EdgePages::Pressure,
-            }
-        },
+        get: |c| Some(Value::Word(c.expandable_edges.word())),
+        set: |c, v| c.expandable_edges = EdgePages::from_word(w(v)).expect("a word of the table"),
     },
     Key {
         name: "thread_cache",
@@ -1337,6 +1351,19 @@ impl std::error::Error for ConfigError {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn choice_words_round_trip() {
+        for &word in ReleaseOrder::WORDS {
+            let v = ReleaseOrder::from_word(word).expect("a listed word");
+            assert_eq!(v.word(), word);
+        }
+        for &word in EdgePages::WORDS {
+            let v = EdgePages::from_word(word).expect("a listed word");
+            assert_eq!(v.word(), word);
+        }
+        assert_eq!(ReleaseOrder::from_word("newest"), None);
+    }
 
     #[test]
     fn presets_and_keys() {
