@@ -156,7 +156,7 @@ struct MinCapacityArgs {
 
 #[derive(Args, Debug)]
 struct ScoreboardArgs {
-    /// Folder of traces (`*.trace`, `*.trace.gz`).
+    /// Folder of traces (`*.trace`, `*.trace.gz`, PyTorch memory snapshots `*.pickle`).
     #[arg(value_name = "DIR")]
     dir: PathBuf,
     /// Jittered copies of each trace (sizes ±5%, order shuffled within steps).
