@@ -124,49 +124,66 @@ impl Default for Wanted {
     }
 }
 
-struct Recorder {
+pub(super) struct Recorder {
     sink: TraceSink,
     ids: FastMap<u64, u64>,
     next_id: u64,
 }
 
-struct State<E> {
-    config: Config,
-    cap: Option<u64>,
-    blocks: Arena<Block>,
-    segments: Arena<Segment>,
-    segment_by_addr: BTreeMap<u64, SegmentId>,
+/// The records every part of the allocator shares: configuration, blocks,
+/// segments, bins and the indexes over them, pending events, statistics and
+/// clocks. The features (`Expandable`, `ThreadCaches`, `SlabPools`) own
+/// their data and reach these records through a `&mut Core`, never through
+/// [`State`].
+pub(super) struct Core<E> {
+    pub(super) config: Config,
+    pub(super) cap: Option<u64>,
+    pub(super) blocks: Arena<Block>,
+    pub(super) segments: Arena<Segment>,
+    pub(super) segment_by_addr: BTreeMap<u64, SegmentId>,
     /// Per pool kind, segments that may be entirely free, as (free since,
     /// address, segment), oldest first: every entirely free segment is here
     /// (added when it may have become free; stale entries are dropped when
     /// met), so releasing the oldest costs what is released, not the number
     /// of segments.
-    free_candidates: [std::collections::BTreeSet<(u64, u64, u32)>; 3],
+    pub(super) free_candidates: [std::collections::BTreeSet<(u64, u64, u32)>; 3],
     /// Bins per pool, indexed by [`PoolId::index`]; created on first use.
-    bins: Vec<Option<Box<Bins>>>,
+    pub(super) bins: Vec<Option<Box<Bins>>>,
     /// Per pool: lookups so far (the clock of garbage-collection ages).
-    lookups: Vec<u64>,
-    streams: FastMap<StreamId, u32>,
-    stream_list: Vec<StreamId>,
+    pub(super) lookups: Vec<u64>,
+    pub(super) streams: FastMap<StreamId, u32>,
+    pub(super) stream_list: Vec<StreamId>,
     /// Allocated blocks by address: the O(1) address → block map.
-    live: AddrMap,
+    pub(super) live: AddrMap,
     /// Events guarding freed blocks, one FIFO per stream that used them.
-    pending: Vec<(StreamId, VecDeque<(E, BlockId)>)>,
-    pending_blocks: usize,
-    stats: MemoryStats,
+    pub(super) pending: Vec<(StreamId, VecDeque<(E, BlockId)>)>,
+    pub(super) pending_blocks: usize,
+    pub(super) stats: MemoryStats,
     /// Highest reserved bytes ever (not reset by `reset_peak_stats`).
-    high_water: u64,
+    pub(super) high_water: u64,
     /// Mallocs and frees so far: the clock of idle ages.
-    clock: u64,
+    pub(super) clock: u64,
     /// Bytes (rounded) allocated so far through the locked path.
-    bytes_clock: u64,
+    pub(super) bytes_clock: u64,
     /// `(clock, bytes_clock)` every [`BYTE_MARK_EVERY`] operations, the last
     /// [`BYTE_MARKS`] of them: converts an idle age in operations into bytes
     /// allocated since (`release_idle_frac`).
-    byte_marks: VecDeque<(u64, u64)>,
-    recorder: Option<Recorder>,
+    pub(super) byte_marks: VecDeque<(u64, u64)>,
+    pub(super) recorder: Option<Recorder>,
     /// Things the user should know about the configuration (e.g. a fallback).
-    notices: Vec<String>,
+    pub(super) notices: Vec<String>,
+    /// Page granularity of expandable segments; `Some` turns them on.
+    pub(super) granularity: Option<u64>,
+    /// Expandable segments: free blocks in the bins that hold a whole mapped
+    /// page, as (idle since, block), longest idle first.
+    pub(super) idle_index: std::collections::BTreeSet<(u64, u32)>,
+}
+
+/// An allocator's state under its lock: the shared records and the
+/// features, each holding its own data. The phases (malloc, free, the
+/// growth ladder) are `State` methods that call into the features.
+struct State<E> {
+    core: Core<E>,
     /// Expandable segments' own state (virtual ranges, pages, markers).
     vmm: expandable::Expandable<E>,
     /// The per-thread caches' state on the allocator's side.
@@ -176,14 +193,10 @@ struct State<E> {
 }
 
 impl<E> State<E> {
-    fn reserved(&self) -> u64 {
-        self.stats.reserved_bytes.all().current
-    }
-
     #[inline(always)]
     fn stream_slot(&mut self, stream: StreamId) -> u32 {
         // Most requests come on the first stream used (the default stream).
-        if self.stream_list.first() == Some(&stream) {
+        if self.core.stream_list.first() == Some(&stream) {
             return 0;
         }
         self.other_stream_slot(stream)
@@ -192,25 +205,31 @@ impl<E> State<E> {
     /// [`State::stream_slot`] past the first stream.
     fn other_stream_slot(&mut self, stream: StreamId) -> u32 {
         // Most programs use a few streams: a short scan beats hashing.
-        if self.stream_list.len() <= 4 {
-            if let Some(i) = self.stream_list.iter().position(|s| *s == stream) {
+        if self.core.stream_list.len() <= 4 {
+            if let Some(i) = self.core.stream_list.iter().position(|s| *s == stream) {
                 return i as u32;
             }
-        } else if let Some(&s) = self.streams.get(&stream) {
+        } else if let Some(&s) = self.core.streams.get(&stream) {
             return s;
         }
-        let slot = self.stream_list.len() as u32;
-        self.stream_list.push(stream);
-        self.streams.insert(stream, slot);
-        let pools = crate::block::POOLS_PER_STREAM as usize * self.stream_list.len();
-        self.bins.resize_with(pools, || None);
+        let slot = self.core.stream_list.len() as u32;
+        self.core.stream_list.push(stream);
+        self.core.streams.insert(stream, slot);
+        let pools = crate::block::POOLS_PER_STREAM as usize * self.core.stream_list.len();
+        self.core.bins.resize_with(pools, || None);
         self.slabs.slab_lists.resize_with(pools, || None);
-        self.lookups.resize(pools, 0);
+        self.core.lookups.resize(pools, 0);
         self.vmm.ranges.resize_with(pools, Vec::new);
         self.vmm
             .marks
-            .resize_with(self.stream_list.len(), expandable::Marks::default);
+            .resize_with(self.core.stream_list.len(), expandable::Marks::default);
         slot
+    }
+}
+
+impl<E> Core<E> {
+    fn reserved(&self) -> u64 {
+        self.stats.reserved_bytes.all().current
     }
 
     #[inline]

@@ -52,27 +52,31 @@ impl<D: Device> CachingAllocator<D> {
             thread_cache_enabled: thread_cache > 0,
             divisions,
             state: Mutex::new(State {
-                config,
-                cap,
-                blocks: Arena::default(),
-                segments: Arena::default(),
-                segment_by_addr: BTreeMap::new(),
-                free_candidates: Default::default(),
-                bins: Vec::new(),
-                lookups: Vec::new(),
-                streams: FastMap::default(),
-                stream_list: Vec::new(),
-                live: AddrMap::default(),
-                pending: Vec::new(),
-                pending_blocks: 0,
-                stats,
-                high_water: 0,
-                clock: 0,
-                bytes_clock: 0,
-                byte_marks: VecDeque::new(),
-                recorder: None,
-                notices,
-                vmm: expandable::Expandable::<D::Event>::new(granularity, range_size),
+                core: Core {
+                    config,
+                    cap,
+                    blocks: Arena::default(),
+                    segments: Arena::default(),
+                    segment_by_addr: BTreeMap::new(),
+                    free_candidates: Default::default(),
+                    bins: Vec::new(),
+                    lookups: Vec::new(),
+                    streams: FastMap::default(),
+                    stream_list: Vec::new(),
+                    live: AddrMap::default(),
+                    pending: Vec::new(),
+                    pending_blocks: 0,
+                    stats,
+                    high_water: 0,
+                    clock: 0,
+                    bytes_clock: 0,
+                    byte_marks: VecDeque::new(),
+                    recorder: None,
+                    notices,
+                    granularity,
+                    idle_index: Default::default(),
+                },
+                vmm: expandable::Expandable::<D::Event>::new(range_size),
                 caches: thread_cache::ThreadCaches::new(thread_cache),
                 slabs: slabs::SlabPools::new(slab_max),
             }),
@@ -87,17 +91,17 @@ impl<D: Device> CachingAllocator<D> {
     /// Notes about the configuration in force, e.g. that expandable segments
     /// fell back to plain ones because the device lacks the virtual memory API.
     pub fn notices(&self) -> Vec<String> {
-        self.state.lock().notices.clone()
+        self.state.lock().core.notices.clone()
     }
 
     /// Whether expandable (page-backed) segments are in use.
     pub fn is_expandable(&self) -> bool {
-        self.state.lock().vmm.granularity.is_some()
+        self.state.lock().core.granularity.is_some()
     }
 
     /// The configuration in force.
     pub fn config(&self) -> Config {
-        self.state.lock().config.clone()
+        self.state.lock().core.config.clone()
     }
 
     /// Allocates `size` bytes for use on `stream`.
@@ -142,7 +146,7 @@ impl<D: Device> CachingAllocator<D> {
         let mut st = self.state.lock();
         let r = op(&mut st);
         if let Some(on) = st.review_thread_caches() {
-            if st.recorder.is_none() {
+            if st.core.recorder.is_none() {
                 self.thread_cache_on.store(on, Ordering::Relaxed);
             }
         }
@@ -173,7 +177,7 @@ impl<D: Device> CachingAllocator<D> {
     /// elsewhere (the lab's `slab_eval`). Only with the `testing` feature.
     #[cfg(feature = "testing")]
     pub fn count_foreign_ops(&self, ops: u64) {
-        self.state.lock().clock += ops;
+        self.state.lock().core.clock += ops;
     }
 
     /// Returns an allocation to the cache. If other streams used it
@@ -222,7 +226,7 @@ impl<D: Device> CachingAllocator<D> {
     /// reports their free bytes.
     pub fn empty_cache(&self) -> Result<Released, AllocError> {
         let mut st = self.state.lock();
-        if let Some(r) = st.recorder.as_mut() {
+        if let Some(r) = st.core.recorder.as_mut() {
             (r.sink)(&TraceEvent::EmptyCache);
         }
         st.flush_thread_caches();
@@ -234,9 +238,9 @@ impl<D: Device> CachingAllocator<D> {
     pub fn set_memory_cap(&self, cap: Option<MemoryCap>) -> Result<(), AllocError> {
         let total = self.device.mem_info()?.total;
         let mut st = self.state.lock();
-        st.config.memory_cap = cap;
-        st.cap = cap.map(|c| c.bytes(total));
-        if st.cap.is_some_and(|c| st.reserved() > c) {
+        st.core.config.memory_cap = cap;
+        st.core.cap = cap.map(|c| c.bytes(total));
+        if st.core.cap.is_some_and(|c| st.core.reserved() > c) {
             st.flush_thread_caches();
             st.release_cached(&self.device)?;
         }
@@ -245,7 +249,7 @@ impl<D: Device> CachingAllocator<D> {
 
     /// The cap on reserved memory in bytes, if any.
     pub fn memory_cap(&self) -> Option<u64> {
-        self.state.lock().cap
+        self.state.lock().core.cap
     }
 
     /// A copy of the statistics (PyTorch's `memory_stats()`).
@@ -257,7 +261,7 @@ impl<D: Device> CachingAllocator<D> {
     pub fn stats(&self) -> MemoryStats {
         let mut st = self.state.lock();
         st.sync_thread_caches();
-        st.stats.clone()
+        st.core.stats.clone()
     }
 
     /// Current allocated / reserved / requested bytes, cheaply.
@@ -265,10 +269,10 @@ impl<D: Device> CachingAllocator<D> {
         let mut st = self.state.lock();
         st.sync_thread_caches();
         Usage {
-            allocated: st.stats.allocated_bytes.all().current,
-            reserved: st.reserved(),
-            requested: st.stats.requested_bytes.all().current,
-            num_alloc_retries: st.stats.num_alloc_retries,
+            allocated: st.core.stats.allocated_bytes.all().current,
+            reserved: st.core.reserved(),
+            requested: st.core.stats.requested_bytes.all().current,
+            num_alloc_retries: st.core.stats.num_alloc_retries,
         }
     }
 
@@ -276,7 +280,7 @@ impl<D: Device> CachingAllocator<D> {
     pub fn reset_peak_stats(&self) {
         let mut st = self.state.lock();
         st.sync_thread_caches();
-        st.stats.reset_peak();
+        st.core.stats.reset_peak();
     }
 
     /// How fragmented the cache is now.
@@ -291,7 +295,7 @@ impl<D: Device> CachingAllocator<D> {
     pub fn snapshot(&self) -> Snapshot {
         let mut st = self.state.lock();
         st.sync_thread_caches();
-        st.snapshot()
+        st.core.snapshot()
     }
 
     /// Starts sending every malloc / free / empty_cache to `sink` as trace
@@ -306,11 +310,11 @@ impl<D: Device> CachingAllocator<D> {
         // Allocations already live get ids too, so that their frees are valid
         // in the trace; their allocation lines are emitted first.
         let mut sink = sink;
-        let mut live: Vec<(u64, BlockId)> = st.live.iter().collect();
+        let mut live: Vec<(u64, BlockId)> = st.core.live.iter().collect();
         live.sort_unstable();
         for (addr, id) in live {
-            let b = st.blocks.get(id.0);
-            let stream = st.segments.get(b.segment.0).stream;
+            let b = st.core.blocks.get(id.0);
+            let stream = st.core.segments.get(b.segment.0).stream;
             sink(&TraceEvent::Alloc {
                 id: next_id,
                 bytes: b.requested,
@@ -319,7 +323,7 @@ impl<D: Device> CachingAllocator<D> {
             ids.insert(addr, next_id);
             next_id += 1;
         }
-        st.recorder = Some(Recorder { sink, ids, next_id });
+        st.core.recorder = Some(Recorder { sink, ids, next_id });
     }
 
     /// Stops recording; returns whether a recording was running.
@@ -329,7 +333,7 @@ impl<D: Device> CachingAllocator<D> {
             self.thread_cache_enabled && st.caches.review.paying,
             Ordering::Relaxed,
         );
-        st.recorder.take().is_some()
+        st.core.recorder.take().is_some()
     }
 
     /// Checks every internal invariant; the first violation is returned as text.
@@ -343,10 +347,10 @@ impl<D: Device> CachingAllocator<D> {
         let mut st = self.state.lock();
         st.sync_thread_caches();
         st.check_invariants()?;
-        for (&addr, &seg) in &st.segment_by_addr {
-            let kind = st.segments.get(seg.0).pool.kind() as usize;
-            if st.segment_is_free(seg)
-                && !st.free_candidates[kind].contains(&(st.free_since(seg), addr, seg.0))
+        for (&addr, &seg) in &st.core.segment_by_addr {
+            let kind = st.core.segments.get(seg.0).pool.kind() as usize;
+            if st.core.segment_is_free(seg)
+                && !st.core.free_candidates[kind].contains(&(st.core.free_since(seg), addr, seg.0))
             {
                 return Err(format!(
                     "free segment at {addr:#x} is not among the free candidates"

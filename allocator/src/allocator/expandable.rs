@@ -114,21 +114,16 @@ pub(super) struct Marks<E> {
     last: u64,
 }
 
-/// The expandable-segment feature's own data: page granularity (its
-/// presence turns the feature on), the virtual ranges per pool, markers per
-/// stream, the idle-page index and the pool of unmapped physical pages.
+/// The expandable-segment feature's own data: the virtual ranges per pool,
+/// markers per stream and the pool of unmapped physical pages (the page
+/// granularity and the idle index are the core's: see [`Core`]).
 pub(super) struct Expandable<E> {
-    /// Page granularity when expandable segments are in use.
-    pub(super) granularity: Option<u64>,
     /// Per pool: its expandable segments (virtual ranges), oldest first.
     pub(super) ranges: Vec<Vec<SegmentId>>,
     /// Device memory in bytes (sizes the expandable ranges and the pressure limit).
     pub(super) range_size: u64,
     /// Expandable, per stream slot: events recorded as blocks were freed there.
     pub(super) marks: Vec<Marks<E>>,
-    /// Expandable: free blocks in the bins that hold a whole mapped page, as
-    /// (idle since, block), longest idle first.
-    pub(super) idle_index: std::collections::BTreeSet<(u64, u32)>,
     /// Physical pages unmapped but kept (reserved), with the pool kind their bytes are counted under.
     pub(super) page_pool: Vec<(u64, PoolKind, u64)>,
     /// Expandable: reserved bytes when the device last had no room for a new page.
@@ -136,15 +131,12 @@ pub(super) struct Expandable<E> {
 }
 
 impl<E> Expandable<E> {
-    /// The feature's state: on with a page `granularity`, ranges sized for
-    /// a device of `range_size` bytes.
-    pub(super) fn new(granularity: Option<u64>, range_size: u64) -> Self {
+    /// The feature's state, ranges sized for a device of `range_size` bytes.
+    pub(super) fn new(range_size: u64) -> Self {
         Expandable {
-            granularity,
             ranges: Vec::new(),
             range_size,
             marks: Vec::new(),
-            idle_index: std::collections::BTreeSet::new(),
             page_pool: Vec::new(),
             device_full_at: None,
         }
@@ -196,12 +188,14 @@ impl<E> State<E> {
     /// Page size of the expandable segments of a pool kind.
     pub(super) fn page_size(&self, kind: PoolKind) -> u64 {
         let g = self
-            .vmm
+            .core
             .granularity
             .expect("expandable mode has a granularity");
         match kind {
             PoolKind::Small => g,
-            PoolKind::Large | PoolKind::Huge => self.config.expandable_page.div_ceil(g).max(1) * g,
+            PoolKind::Large | PoolKind::Huge => {
+                self.core.config.expandable_page.div_ceil(g).max(1) * g
+            }
         }
     }
 
@@ -222,10 +216,10 @@ impl<E> State<E> {
             if attempt == 1 {
                 // Last rung: wait for every pending event, so that blocks other
                 // streams held become free and their pages idle, then retry.
-                self.stats.num_alloc_retries += 1;
+                self.core.stats.num_alloc_retries += 1;
                 self.wait_all_events(dev)?;
             }
-            let pick = self.bins[pool.index()]
+            let pick = self.core.bins[pool.index()]
                 .as_ref()
                 .and_then(|b| b.best_fit(rounded));
             let (bsize, addr, id) = match pick {
@@ -234,25 +228,25 @@ impl<E> State<E> {
             };
             // While its pages are gathered the block is out of the bins (so not
             // idle) and marked in use (so a block freed meanwhile does not merge it).
-            self.bins_mut(pool).remove(bsize, addr, id);
-            let b = self.blocks.get_mut(id.0);
+            self.core.bins_mut(pool).remove(bsize, addr, id);
+            let b = self.core.blocks.get_mut(id.0);
             b.state = BlockState::Allocated;
             let (since, seg) = (b.freed_at, b.segment);
-            self.vmm.idle_index.remove(&(since, id.0));
+            self.core.idle_index.remove(&(since, id.0));
             let mapped = self.map_range(dev, seg, addr, addr + rounded, (addr + bsize, since));
             if mapped.is_ok() {
                 return Ok(id);
             }
             // Back to the bins, merged with any neighbour a recycling round freed meanwhile.
-            self.blocks.get_mut(id.0).state = BlockState::Free;
-            self.merge_into_bins(id);
+            self.core.blocks.get_mut(id.0).state = BlockState::Free;
+            self.core.merge_into_bins(id);
             if let Err(e) = mapped {
                 if !matches!(e, AllocError::OutOfMemory(_)) {
                     return Err(e);
                 }
             }
         }
-        self.stats.num_ooms += 1;
+        self.core.stats.num_ooms += 1;
         Err(AllocError::OutOfMemory(Box::new(
             self.oom_report(dev, size, rounded),
         )))
@@ -276,12 +270,12 @@ impl<E> State<E> {
         let seg = match self.reserve_range(dev, pool, stream, rounded) {
             Ok(seg) => seg,
             Err(AllocError::Device(DeviceError::OutOfMemory)) => {
-                self.stats.num_alloc_retries += 1;
+                self.core.stats.num_alloc_retries += 1;
                 self.release_cached(dev)?;
                 match self.reserve_range(dev, pool, stream, rounded) {
                     Ok(seg) => seg,
                     Err(AllocError::Device(DeviceError::OutOfMemory)) => {
-                        self.stats.num_ooms += 1;
+                        self.core.stats.num_ooms += 1;
                         return Err(AllocError::OutOfMemory(Box::new(
                             self.oom_report(dev, size, rounded),
                         )));
@@ -291,7 +285,7 @@ impl<E> State<E> {
             }
             Err(e) => return Err(e),
         };
-        let s = self.segments.get(seg.0);
+        let s = self.core.segments.get(seg.0);
         Ok((s.size, s.addr, s.head))
     }
 
@@ -309,33 +303,35 @@ impl<E> State<E> {
         let page_size = self.page_size(pool.kind());
         let largest = self.vmm.ranges[pool.index()]
             .iter()
-            .map(|s| self.segments.get(s.0).size)
+            .map(|s| self.core.segments.get(s.0).size)
             .max()
             .unwrap_or(0);
-        let ranges = self.stats.segment.all().current;
+        let ranges = self.core.stats.segment.all().current;
         let size = next_range_size(self.vmm.range_size, page_size, ranges, largest, rounded);
         let ptr = dev.vmm_reserve(size)?;
-        self.stats.num_vmm_reserve += 1;
-        let seg = self.add_segment(ptr, size, stream, pool, Some(page_size));
-        let head = self.segments.get(seg.0).head;
-        self.bins_mut(pool).insert(size, ptr.0, head);
+        self.core.stats.num_vmm_reserve += 1;
+        let seg = self
+            .core
+            .add_segment(ptr, size, stream, pool, Some(page_size));
+        let head = self.core.segments.get(seg.0).head;
+        self.core.bins_mut(pool).insert(size, ptr.0, head);
         self.vmm.ranges[pool.index()].push(seg);
         Ok(seg)
     }
 
     /// Reserved-memory limits of the recycling rounds: (soft, hard, cap).
     fn limits(&self) -> (u64, u64, u64) {
-        let peak = self.stats.allocated_bytes.all().peak as f64;
-        let (soft, hard) = if self.config.release_before_grow {
-            let soft = (peak * (1.0 + self.config.idle_slack)) as u64;
+        let peak = self.core.stats.allocated_bytes.all().peak as f64;
+        let (soft, hard) = if self.core.config.release_before_grow {
+            let soft = (peak * (1.0 + self.core.config.idle_slack)) as u64;
             (
                 soft,
-                soft.max((peak * (1.0 + self.config.idle_slack_hard)) as u64),
+                soft.max((peak * (1.0 + self.core.config.idle_slack_hard)) as u64),
             )
         } else {
             (u64::MAX, u64::MAX)
         };
-        (soft, hard, self.cap.unwrap_or(u64::MAX))
+        (soft, hard, self.core.cap.unwrap_or(u64::MAX))
     }
 
     /// Maps every unmapped granule under `[start, end)` of `seg`. The block
@@ -361,11 +357,11 @@ impl<E> State<E> {
         (block_end, since): (u64, u64),
     ) -> Result<(), AllocError> {
         let g = self
-            .vmm
+            .core
             .granularity
             .expect("expandable mode has a granularity");
         let tail = (seg, end, block_end, since);
-        let mut style = match self.config.expandable_edges {
+        let mut style = match self.core.config.expandable_edges {
             EdgePages::Small => Style::SmallEdges,
             EdgePages::Big => Style::BigEdges,
             EdgePages::Pressure => {
@@ -390,7 +386,7 @@ impl<E> State<E> {
                 // The device or the cap is full after all: only the granules needed.
                 Err(AllocError::OutOfMemory(_))
                     if style == Style::BigEdges
-                        && self.config.expandable_edges == EdgePages::Pressure =>
+                        && self.core.config.expandable_edges == EdgePages::Pressure =>
                 {
                     style = Style::Granules;
                     self.trim_end_page(dev, seg, start, end, (block_end, since))?;
@@ -408,8 +404,8 @@ impl<E> State<E> {
         let limit = cap
             .min(self.vmm.device_full_at.unwrap_or(u64::MAX))
             .min(self.vmm.range_size);
-        let limit = (limit as f64 * (1.0 - self.config.idle_slack_hard).max(0.0)) as u64;
-        self.reserved() + bytes > limit
+        let limit = (limit as f64 * (1.0 - self.core.config.idle_slack_hard).max(0.0)) as u64;
+        self.core.reserved() + bytes > limit
     }
 
     /// If the big page under the block's end reaches past it into the free
@@ -425,10 +421,10 @@ impl<E> State<E> {
         (block_end, since): (u64, u64),
     ) -> Result<(), AllocError> {
         let g = self
-            .vmm
+            .core
             .granularity
             .expect("expandable mode has a granularity");
-        let s = self.segments.get(seg.0);
+        let s = self.core.segments.get(seg.0);
         let base = s.addr;
         let last = (end - base).div_ceil(g) as u32;
         let pages = s.pages().expect("expandable");
@@ -443,7 +439,7 @@ impl<E> State<E> {
         if !self.quiescent(dev, s.pool.stream_slot(), since)? {
             return Ok(());
         }
-        let s = self.segments.get_mut(seg.0);
+        let s = self.core.segments.get_mut(seg.0);
         let pages = s.pages_mut().expect("expandable");
         pages.remove(at);
         if let Err(e) = dev.vmm_unmap(DevicePtr(lo), hi - lo) {
@@ -451,7 +447,7 @@ impl<E> State<E> {
             return Err(e.into());
         }
         self.vmm.page_pool.push((h, s.pool.kind(), hi - lo));
-        self.stats.num_unmap += 1;
+        self.core.stats.num_unmap += 1;
         Ok(())
     }
 
@@ -462,10 +458,10 @@ impl<E> State<E> {
     /// `Style::Granules`, granules only.
     fn plan(&self, seg: SegmentId, start: u64, end: u64, style: Style) -> Vec<(u32, u32)> {
         let g = self
-            .vmm
+            .core
             .granularity
             .expect("expandable mode has a granularity");
-        let s = self.segments.get(seg.0);
+        let s = self.core.segments.get(seg.0);
         let pages = s.pages().expect("expandable");
         let big = match style {
             Style::Granules => 1,
@@ -509,10 +505,10 @@ impl<E> State<E> {
         tail: Tail,
     ) -> Result<(), AllocError> {
         let g = self
-            .vmm
+            .core
             .granularity
             .expect("expandable mode has a granularity");
-        let s = self.segments.get(seg.0);
+        let s = self.core.segments.get(seg.0);
         let (base, kind) = (s.addr, s.pool.kind());
         let mut need: Vec<(u64, usize)> = Vec::with_capacity(2);
         for &(_, n) in plan {
@@ -539,18 +535,19 @@ impl<E> State<E> {
                 self.return_pages(dev, gathered)?;
                 return Err(e.into());
             }
-            self.segments
+            self.core
+                .segments
                 .get_mut(seg.0)
                 .pages_mut()
                 .expect("expandable")
                 .insert(at, n, page.handle);
-            self.stats.num_map += 1;
+            self.core.stats.num_map += 1;
             match page.counted_as {
-                None => self.stats.reserved_bytes.increase(kind, size),
-                Some(old) => self.stats.reserved_bytes.move_group(old, kind, size),
+                None => self.core.stats.reserved_bytes.increase(kind, size),
+                Some(old) => self.core.stats.reserved_bytes.move_group(old, kind, size),
             }
         }
-        self.high_water = self.high_water.max(self.reserved());
+        self.core.high_water = self.core.high_water.max(self.core.reserved());
         Ok(())
     }
 
@@ -597,17 +594,17 @@ impl<E> State<E> {
             };
             // Past the soft limit, take idle pages no queued work can touch
             // (free): past the hard limit or the cap, wait for the device.
-            if stage < 1 && self.reserved() + grow > soft_limit.min(cap) {
+            if stage < 1 && self.core.reserved() + grow > soft_limit.min(cap) {
                 self.recycle(dev, tail, grow, false)?;
                 stage = 1;
                 continue;
             }
-            if stage < 2 && self.reserved() + grow > hard_limit.min(cap) {
+            if stage < 2 && self.core.reserved() + grow > hard_limit.min(cap) {
                 // Only the excess must come from idle pages; the rest may be
                 // created. Above the cap (lowered below use), idle pages go
                 // back until reserved memory plus the growth fits under it,
                 // which may be more than the growth itself.
-                let need = self.reserved() + grow;
+                let need = self.core.reserved() + grow;
                 let excess = if need > cap {
                     need - cap
                 } else {
@@ -624,11 +621,11 @@ impl<E> State<E> {
             let room = soft_limit
                 .min(cap)
                 .min(self.vmm.device_full_at.unwrap_or(u64::MAX));
-            let over = (self.reserved() + grow).saturating_sub(room);
+            let over = (self.core.reserved() + grow).saturating_sub(room);
             if over > 0 {
                 self.release_pooled(dev, over)?;
             }
-            if self.reserved() + grow > cap {
+            if self.core.reserved() + grow > cap {
                 return Err(AllocError::OutOfMemory(Box::default()));
             }
             match dev.vmm_create_page(size) {
@@ -638,15 +635,15 @@ impl<E> State<E> {
                         size,
                         counted_as: None,
                     });
-                    self.stats.num_page_create += 1;
+                    self.core.stats.num_page_create += 1;
                     // The device had room for this much after all.
-                    let now = self.reserved() + out_new_bytes(out);
+                    let now = self.core.reserved() + out_new_bytes(out);
                     if let Some(full) = self.vmm.device_full_at.as_mut() {
                         *full = (*full).max(now);
                     }
                 }
                 Err(DeviceError::OutOfMemory) if stage < 3 => {
-                    self.vmm.device_full_at = Some(self.reserved() + out_new_bytes(out));
+                    self.vmm.device_full_at = Some(self.core.reserved() + out_new_bytes(out));
                     if stage < 2 {
                         self.recycle(dev, tail, grow, true)?;
                     }
@@ -655,7 +652,7 @@ impl<E> State<E> {
                     stage = 3;
                 }
                 Err(DeviceError::OutOfMemory) => {
-                    self.vmm.device_full_at = Some(self.reserved() + out_new_bytes(out));
+                    self.vmm.device_full_at = Some(self.core.reserved() + out_new_bytes(out));
                     return Err(AllocError::OutOfMemory(Box::default()));
                 }
                 Err(e) => return Err(e.into()),
@@ -678,8 +675,8 @@ impl<E> State<E> {
             };
             dev.vmm_release_page(h)?;
             self.vmm.page_pool.pop(); // only once released: a failure keeps it pooled
-            self.stats.num_page_release += 1;
-            self.stats.reserved_bytes.decrease(kind, size);
+            self.core.stats.num_page_release += 1;
+            self.core.stats.reserved_bytes.decrease(kind, size);
             freed += size;
         }
         Ok(())
@@ -698,8 +695,8 @@ impl<E> State<E> {
         need: u64,
         wait: bool,
     ) -> Result<(), AllocError> {
-        let peak = self.stats.allocated_bytes.all().peak;
-        let batch = need.saturating_add((peak as f64 * self.config.recycle_batch) as u64);
+        let peak = self.core.stats.allocated_bytes.all().peak;
+        let batch = need.saturating_add((peak as f64 * self.core.config.recycle_batch) as u64);
         let mut got = self.unmap_idle_pages(dev, Some(tail), batch, false)?;
         if !wait {
             return Ok(());
@@ -721,7 +718,7 @@ impl<E> State<E> {
     /// (the oldest retired first if complete).
     pub(super) fn mark_free<D: Device<Event = E>>(&mut self, dev: &D, pool: PoolId) {
         let slot = pool.stream_slot();
-        let clock = self.clock;
+        let clock = self.core.clock;
         let m = &mut self.vmm.marks[slot];
         if !m.queue.is_empty() && clock < m.last + MARKER_INTERVAL {
             return;
@@ -738,10 +735,10 @@ impl<E> State<E> {
             dev.release_event(e);
             m.quiescent_before = m.quiescent_before.max(c);
         }
-        if let Ok(e) = dev.record_event(self.stream_list[slot]) {
+        if let Ok(e) = dev.record_event(self.core.stream_list[slot]) {
             m.queue.push_back((clock + 1, e));
             m.last = clock;
-            self.stats.num_events_recorded += 1;
+            self.core.stats.num_events_recorded += 1;
         }
     }
 
@@ -777,8 +774,8 @@ impl<E> State<E> {
         slot: usize,
         since: u64,
     ) -> Result<(), AllocError> {
-        let clock = self.clock;
-        let stream = self.stream_list[slot];
+        let clock = self.core.clock;
+        let stream = self.core.stream_list[slot];
         let m = &mut self.vmm.marks[slot];
         while since >= m.quiescent_before {
             let (c, e) = match m.queue.pop_front() {
@@ -789,8 +786,8 @@ impl<E> State<E> {
             dev.release_event(e);
             waited?;
             m.quiescent_before = m.quiescent_before.max(c);
-            self.stats.num_event_waits += 1;
-            self.stats.num_marker_waits += 1;
+            self.core.stats.num_event_waits += 1;
+            self.core.stats.num_marker_waits += 1;
         }
         Ok(())
     }
@@ -799,24 +796,24 @@ impl<E> State<E> {
     /// used it, and recycles the block if that was its last; returns whether
     /// there was one.
     fn wait_one_pending<D: Device<Event = E>>(&mut self, dev: &D) -> Result<bool, AllocError> {
-        let Some(i) = self.pending.iter().position(|(_, q)| !q.is_empty()) else {
+        let Some(i) = self.core.pending.iter().position(|(_, q)| !q.is_empty()) else {
             return Ok(false);
         };
-        let (ev, id) = self.pending[i].1.pop_front().expect("not empty");
+        let (ev, id) = self.core.pending[i].1.pop_front().expect("not empty");
         if let Err(e) = dev.wait_event(&ev) {
-            self.pending[i].1.push_front((ev, id));
+            self.core.pending[i].1.push_front((ev, id));
             return Err(e.into());
         }
         dev.release_event(ev);
-        self.stats.num_event_waits += 1;
-        self.pending.retain(|(_, q)| !q.is_empty());
+        self.core.stats.num_event_waits += 1;
+        self.core.pending.retain(|(_, q)| !q.is_empty());
         self.events_done(dev, vec![id])?;
         Ok(true)
     }
 
     /// After a device synchronize every marker has completed.
     fn drop_markers<D: Device<Event = E>>(&mut self, dev: &D) {
-        let clock = self.clock;
+        let clock = self.core.clock;
         for m in &mut self.vmm.marks {
             for (_, e) in m.queue.drain(..) {
                 dev.release_event(e);
@@ -841,7 +838,8 @@ impl<E> State<E> {
                         self.vmm
                             .page_pool
                             .push((page.handle, PoolKind::Large, page.size));
-                        self.stats
+                        self.core
+                            .stats
                             .reserved_bytes
                             .increase(PoolKind::Large, page.size);
                         if result.is_ok() {
@@ -849,7 +847,7 @@ impl<E> State<E> {
                         }
                         continue;
                     }
-                    self.stats.num_page_release += 1;
+                    self.core.stats.num_page_release += 1;
                 }
             }
         }
@@ -865,10 +863,10 @@ impl<E> State<E> {
         out: &mut Vec<IdlePage>,
     ) -> u64 {
         let g = self
-            .vmm
+            .core
             .granularity
             .expect("expandable mode has a granularity");
-        let s = self.segments.get(seg.0);
+        let s = self.core.segments.get(seg.0);
         let lo = (start - s.addr).div_ceil(g) as u32;
         let hi = ((end - s.addr) / g) as u32;
         if hi <= lo {
@@ -887,12 +885,16 @@ impl<E> State<E> {
     fn next_idle(&self, cursor: Option<(u64, u32)>) -> Option<(u64, u32)> {
         use std::ops::Bound::{Excluded, Unbounded};
         let from = cursor.map_or(Unbounded, Excluded);
-        self.vmm.idle_index.range((from, Unbounded)).next().copied()
+        self.core
+            .idle_index
+            .range((from, Unbounded))
+            .next()
+            .copied()
     }
 
     /// The free block `id` of the idle index as a [`Tail`]-like range.
     fn idle_block(&self, since: u64, id: u32) -> Tail {
-        let b = self.blocks.get(id);
+        let b = self.core.blocks.get(id);
         (b.segment, b.addr, b.addr + b.size, since)
     }
 
@@ -904,12 +906,12 @@ impl<E> State<E> {
         tail: Tail,
     ) -> Result<Option<(u64, usize)>, AllocError> {
         let g = self
-            .vmm
+            .core
             .granularity
             .expect("expandable mode has a granularity");
         let (seg, start, end, since) = tail;
         let mut best: Option<(u64, usize)> = None;
-        let s = self.segments.get(seg.0);
+        let s = self.core.segments.get(seg.0);
         if holds_whole_page(s, g, start, end) {
             let slot = s.pool.stream_slot();
             if !self.quiescent(dev, slot, since)? {
@@ -924,7 +926,7 @@ impl<E> State<E> {
                 break;
             }
             let (seg, ..) = self.idle_block(since, id);
-            let slot = self.segments.get(seg.0).pool.stream_slot();
+            let slot = self.core.segments.get(seg.0).pool.stream_slot();
             if !self.quiescent(dev, slot, since)? {
                 best = Some((since, slot));
                 break;
@@ -944,12 +946,12 @@ impl<E> State<E> {
         all: bool,
     ) -> Result<u64, AllocError> {
         let g = self
-            .vmm
+            .core
             .granularity
             .expect("expandable mode has a granularity");
         let mut idle = Vec::new();
         if let Some(tail) = extra {
-            let slot = self.segments.get(tail.0 .0).pool.stream_slot();
+            let slot = self.core.segments.get(tail.0 .0).pool.stream_slot();
             if all || self.quiescent(dev, slot, tail.3)? {
                 self.collect_idle(tail, None, &mut idle);
             }
@@ -964,7 +966,7 @@ impl<E> State<E> {
             };
             cursor = Some((since, id));
             let range = self.idle_block(since, id);
-            let slot = self.segments.get(range.0 .0).pool.stream_slot();
+            let slot = self.core.segments.get(range.0 .0).pool.stream_slot();
             if !all && (busy.contains(&slot) || !self.quiescent(dev, slot, since)?) {
                 if !busy.contains(&slot) {
                     busy.push(slot);
@@ -981,7 +983,7 @@ impl<E> State<E> {
             if bytes >= max_bytes {
                 break;
             }
-            let s = self.segments.get_mut(seg.0);
+            let s = self.core.segments.get_mut(seg.0);
             let seg_addr = s.addr;
             let pages = s.pages_mut().expect("expandable");
             let (h, n) = pages.remove(at).expect("page was mapped");
@@ -993,7 +995,7 @@ impl<E> State<E> {
                 break;
             }
             self.vmm.page_pool.push((h, s.pool.kind(), size));
-            self.stats.num_unmap += 1;
+            self.core.stats.num_unmap += 1;
             bytes += size;
             if let Some(id) = block {
                 if emptied.last() != Some(&(since, id)) {
@@ -1004,8 +1006,8 @@ impl<E> State<E> {
         // Blocks left with no whole page leave the index.
         for (since, id) in emptied {
             let (seg, start, end, _) = self.idle_block(since, id);
-            if !holds_whole_page(self.segments.get(seg.0), g, start, end) {
-                self.vmm.idle_index.remove(&(since, id));
+            if !holds_whole_page(self.core.segments.get(seg.0), g, start, end) {
+                self.core.idle_index.remove(&(since, id));
             }
         }
         match failed {
@@ -1028,14 +1030,14 @@ impl<E> State<E> {
         while let Some(&(h, kind, size)) = self.vmm.page_pool.last() {
             dev.vmm_release_page(h)?;
             self.vmm.page_pool.pop(); // only once released: a failure keeps it pooled
-            self.stats.num_page_release += 1;
-            self.stats.reserved_bytes.decrease(kind, size);
+            self.core.stats.num_page_release += 1;
+            self.core.stats.reserved_bytes.decrease(kind, size);
         }
         for i in 0..self.vmm.ranges.len() {
             let mut kept = Vec::with_capacity(self.vmm.ranges[i].len());
             for seg in std::mem::take(&mut self.vmm.ranges[i]) {
-                let s = self.segments.get(seg.0);
-                let head = self.blocks.get(s.head.0);
+                let s = self.core.segments.get(seg.0);
+                let head = self.core.blocks.get(s.head.0);
                 if head.state != BlockState::Free
                     || head.next.is_some()
                     || !s.pages().is_some_and(|p| p.is_empty())
@@ -1050,65 +1052,23 @@ impl<E> State<E> {
                     self.vmm.ranges[i] = kept;
                     return Err(e.into());
                 }
-                self.bins_mut(pool).remove(size, addr, head_id);
-                self.vmm.idle_index.remove(&(since, head_id.0));
-                self.blocks.discard(head_id.0);
-                self.segments.remove(seg.0);
-                self.segment_by_addr.remove(&addr);
-                self.stats.segment.decrease(pool.kind(), 1);
+                self.core.bins_mut(pool).remove(size, addr, head_id);
+                self.core.idle_index.remove(&(since, head_id.0));
+                self.core.blocks.discard(head_id.0);
+                self.core.segments.remove(seg.0);
+                self.core.segment_by_addr.remove(&addr);
+                self.core.stats.segment.decrease(pool.kind(), 1);
             }
             self.vmm.ranges[i] = kept;
         }
         Ok(())
     }
 
-    /// Bytes of mapped pages lying entirely inside `[start, end)` (idle if that is a free block).
-    pub(super) fn idle_bytes_in(&self, seg: &Segment, start: u64, end: u64) -> u64 {
-        let Some(pages) = seg.pages() else {
-            return 0;
-        };
-        let g = self
-            .vmm
-            .granularity
-            .expect("expandable mode has a granularity");
-        let lo = (start - seg.addr).div_ceil(g) as u32;
-        let hi = ((end - seg.addr) / g) as u32;
-        if hi <= lo {
-            return 0;
-        }
-        pages
-            .within(lo, hi)
-            .map(|(_, _, n)| u64::from(n))
-            .sum::<u64>()
-            * g
-    }
-
-    /// Bytes of `[start, end)` backed by memory (all of it in a plain segment).
-    pub(super) fn mapped_bytes_in(&self, seg: &Segment, start: u64, end: u64) -> u64 {
-        let Some(pages) = seg.pages() else {
-            return end - start;
-        };
-        let g = self
-            .vmm
-            .granularity
-            .expect("expandable mode has a granularity");
-        let first = ((start - seg.addr) / g) as u32;
-        let last = (end - seg.addr).div_ceil(g) as u32;
-        pages
-            .runs_overlapping(first, last)
-            .map(|(s, e)| {
-                let lo = (seg.addr + u64::from(s) * g).max(start);
-                let hi = (seg.addr + u64::from(e) * g).min(end);
-                hi - lo
-            })
-            .sum()
-    }
-
     /// Checks every expandable segment's page map (mappings of the
     /// granularity or of the segment's page size, inside the range, runs in
     /// step) and that no physical page is mapped twice or both mapped and pooled.
     pub(super) fn check_pages(&self) -> Result<(), String> {
-        let Some(g) = self.vmm.granularity else {
+        let Some(g) = self.core.granularity else {
             return Ok(());
         };
         let mut handles = std::collections::HashSet::new();
@@ -1120,7 +1080,7 @@ impl<E> State<E> {
             }
         }
         for &seg in self.vmm.ranges.iter().flatten() {
-            let s = self.segments.get(seg.0);
+            let s = self.core.segments.get(seg.0);
             let pages = s.pages().ok_or("a range without a page map")?;
             let sizes = [1, (s.page_size() / g) as u32];
             pages
@@ -1137,10 +1097,10 @@ impl<E> State<E> {
             // The idle index holds exactly the free blocks with a whole page.
             let mut cur = Some(s.head);
             while let Some(id) = cur {
-                let b = self.blocks.get(id.0);
+                let b = self.core.blocks.get(id.0);
                 let idle =
                     b.state == BlockState::Free && holds_whole_page(s, g, b.addr, b.addr + b.size);
-                if idle != self.vmm.idle_index.contains(&(b.freed_at, id.0)) {
+                if idle != self.core.idle_index.contains(&(b.freed_at, id.0)) {
                     return Err(format!(
                         "block at {:#x} (free: {}) is {}in the idle index",
                         b.addr,
@@ -1158,19 +1118,19 @@ impl<E> State<E> {
             .flatten()
             .map(|seg| {
                 let mut n = 0;
-                let mut cur = Some(self.segments.get(seg.0).head);
+                let mut cur = Some(self.core.segments.get(seg.0).head);
                 while let Some(id) = cur {
-                    let b = self.blocks.get(id.0);
-                    n += usize::from(self.vmm.idle_index.contains(&(b.freed_at, id.0)));
+                    let b = self.core.blocks.get(id.0);
+                    n += usize::from(self.core.idle_index.contains(&(b.freed_at, id.0)));
                     cur = b.next;
                 }
                 n
             })
             .sum();
-        if blocks != self.vmm.idle_index.len() {
+        if blocks != self.core.idle_index.len() {
             return Err(format!(
                 "the idle index lists {} entries, {blocks} of them blocks",
-                self.vmm.idle_index.len()
+                self.core.idle_index.len()
             ));
         }
         Ok(())

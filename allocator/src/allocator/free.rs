@@ -4,6 +4,241 @@
 use super::*;
 
 impl<E> State<E> {
+    // Inlined into the locked wrapper, as `malloc`.
+    #[inline(always)]
+    pub(super) fn free<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        ptr: DevicePtr,
+        own: Option<SlotId>,
+    ) -> Result<u64, AllocError> {
+        self.core.clock += 1;
+        // One map operation on the common path; a parked block goes back in.
+        let Some(id) = self.core.live.remove(ptr.0) else {
+            return Err(self.core.classify_bad_pointer(ptr));
+        };
+        // One read of the record: taking the block back from a thread cache
+        // or parking it changes neither its size, its pool nor its streams.
+        let (size, pool, holder, shared) = {
+            let b = self.core.blocks.get(id.0);
+            (b.size, b.pool, b.holder, !b.stream_uses.is_empty())
+        };
+        if let Some(holder) = holder {
+            if let Err(e) = self.take_back(holder, ptr.0) {
+                self.core.live.insert(ptr.0, id);
+                return Err(e);
+            }
+        }
+        // (Taking the block back synced its requested size from the thread cache.)
+        let requested = self.core.blocks.get(id.0).requested;
+        if let Some(slot) = own {
+            if self.should_park(slot, id) {
+                self.core.live.insert(ptr.0, id);
+                self.park(slot, id);
+                return Ok(requested);
+            }
+        }
+        // A block used on other streams is guarded by an event on each; the
+        // device calls come before any change, so that a failure leaves the
+        // block allocated and the free can be retried.
+        let events = if shared {
+            match self.core.guard_events(dev, id) {
+                Ok(events) => events,
+                Err(e) => {
+                    self.core.live.insert(ptr.0, id);
+                    return Err(e);
+                }
+            }
+        } else {
+            Vec::new()
+        };
+        self.shadow_free(size);
+        let kind = pool.kind();
+        self.core.count_allocated(kind, size, false);
+        if self.core.granularity.is_some() {
+            self.mark_free(dev, pool);
+        }
+        if let Some(r) = self.core.recorder.as_mut() {
+            if let Some(tid) = r.ids.remove(&ptr.0) {
+                (r.sink)(&TraceEvent::Free { id: tid });
+            }
+        }
+        // Almost no block was used on another stream: back to the pool at once.
+        if events.is_empty() {
+            if shared {
+                self.core.blocks.get_mut(id.0).stream_uses.take();
+            }
+            self.free_block(id);
+            if !self.core.config.caching {
+                let seg = self.core.blocks.get(id.0).segment;
+                self.release_or_keep(dev, seg);
+            }
+            return Ok(requested);
+        }
+        let b = self.core.blocks.get_mut(id.0);
+        b.stream_uses.take();
+        b.state = BlockState::AwaitingEvents;
+        b.pending_events = events.len() as u32;
+        for (s, ev) in events {
+            match self.core.pending.iter_mut().find(|(st, _)| *st == s) {
+                Some((_, q)) => q.push_back((ev, id)),
+                None => self.core.pending.push((s, VecDeque::from([(ev, id)]))),
+            }
+        }
+        self.core.pending_blocks += 1;
+        Ok(requested)
+    }
+
+    /// Without caching, a freed block's segment goes back to the device at
+    /// once; if the device refuses, the segment stays cached (whole and
+    /// consistent) for a later `empty_cache`, and a notice says so.
+    #[cold]
+    pub(super) fn release_or_keep<D: Device<Event = E>>(&mut self, dev: &D, seg: SegmentId) {
+        if let Err(e) = self.release_segment(dev, seg) {
+            self.core.notice(format!(
+                "a segment stays cached: the device could not free it ({e})"
+            ));
+        }
+    }
+
+    /// Returns a block to its pool, merging it with free neighbours (a
+    /// slab's chunk goes back to its slab).
+    pub(super) fn free_block(&mut self, id: BlockId) {
+        let expandable = self.core.granularity.is_some();
+        let (orig_size, requested, pool, slab) = {
+            let b = self.core.blocks.get_mut(id.0);
+            b.state = BlockState::Free;
+            if expandable {
+                // Idle from now (merging keeps the latest of the parts).
+                b.freed_at = self.core.clock;
+            }
+            (b.size, std::mem::take(&mut b.requested), b.pool, b.slab)
+        };
+        let kind = pool.kind();
+        self.file_free(id, kind, slab);
+        self.core.count_active(kind, orig_size, requested, false);
+    }
+
+    /// Files the free block `id` where free blocks of its kind go: a slab's
+    /// chunk in its slab, any other block in the bins, merged.
+    #[inline]
+    pub(super) fn file_free(&mut self, id: BlockId, kind: PoolKind, slab: bool) {
+        if slab {
+            self.slabs.slab_free(&mut self.core, id);
+        } else {
+            self.core.merge_counted(id, kind);
+        }
+    }
+
+    pub(super) fn record_stream(
+        &mut self,
+        ptr: DevicePtr,
+        stream: StreamId,
+    ) -> Result<(), AllocError> {
+        let Some(id) = self.core.live.get(ptr.0) else {
+            return Err(self.core.classify_bad_pointer(ptr));
+        };
+        if let Some(holder) = self.core.blocks.get(id.0).holder {
+            // A block another stream uses must not be parked: the allocator keeps it.
+            self.take_back(holder, ptr.0)?;
+        }
+        let owner = self
+            .core
+            .segments
+            .get(self.core.blocks.get(id.0).segment.0)
+            .stream;
+        let b = self.core.blocks.get_mut(id.0);
+        if stream != owner && !b.stream_uses.contains(&stream) {
+            b.stream_uses.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Events of these blocks completed: recycle each block whose last event it was.
+    pub(super) fn events_done<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        done: Vec<BlockId>,
+    ) -> Result<(), AllocError> {
+        // Every block is recycled even if the device refuses to free a
+        // segment on the way (that segment stays cached).
+        for id in done {
+            let b = self.core.blocks.get_mut(id.0);
+            b.pending_events -= 1;
+            if b.pending_events == 0 {
+                self.core.pending_blocks -= 1;
+                self.free_block(id);
+                if !self.core.config.caching {
+                    let seg = self.core.blocks.get(id.0).segment;
+                    self.release_or_keep(dev, seg);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn process_events<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+    ) -> Result<(), AllocError> {
+        let mut done = Vec::new();
+        let mut result = Ok(());
+        'streams: for (_, queue) in &mut self.core.pending {
+            while let Some((ev, _)) = queue.front() {
+                match dev.event_completed(ev) {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) => {
+                        // The events already taken are recycled below all the same.
+                        result = Err(e.into());
+                        break 'streams;
+                    }
+                }
+                let (ev, id) = queue.pop_front().expect("front exists");
+                dev.release_event(ev);
+                done.push(id);
+            }
+        }
+        self.core.pending.retain(|(_, q)| !q.is_empty());
+        self.events_done(dev, done)?;
+        result
+    }
+
+    /// Waits for every pending event (PyTorch's `synchronize_and_free_events`).
+    pub(super) fn wait_all_events<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+    ) -> Result<(), AllocError> {
+        self.core.stats.num_sync_all_streams += 1;
+        let mut done = Vec::new();
+        let mut result = Ok(());
+        for (stream, mut queue) in std::mem::take(&mut self.core.pending) {
+            while result.is_ok() {
+                let Some((ev, id)) = queue.pop_front() else {
+                    break;
+                };
+                match dev.wait_event(&ev) {
+                    Ok(()) => {
+                        dev.release_event(ev);
+                        done.push(id);
+                    }
+                    Err(e) => {
+                        // Keep it pending, so that nothing is reused unsafely.
+                        queue.push_front((ev, id));
+                        result = Err(e.into());
+                    }
+                }
+            }
+            if !queue.is_empty() {
+                self.core.pending.push((stream, queue));
+            }
+        }
+        self.events_done(dev, done)?;
+        result
+    }
+}
+
+impl<E> Core<E> {
     /// Tells apart a double free, an interior pointer and a foreign pointer.
     pub(super) fn classify_bad_pointer(&self, ptr: DevicePtr) -> AllocError {
         let Some((_, &seg)) = self.segment_by_addr.range(..=ptr.0).next_back() else {
@@ -29,91 +264,6 @@ impl<E> State<E> {
             cur = b.next;
         }
         AllocError::UnknownPointer(ptr)
-    }
-
-    // Inlined into the locked wrapper, as `malloc`.
-    #[inline(always)]
-    pub(super) fn free<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        ptr: DevicePtr,
-        own: Option<SlotId>,
-    ) -> Result<u64, AllocError> {
-        self.clock += 1;
-        // One map operation on the common path; a parked block goes back in.
-        let Some(id) = self.live.remove(ptr.0) else {
-            return Err(self.classify_bad_pointer(ptr));
-        };
-        // One read of the record: taking the block back from a thread cache
-        // or parking it changes neither its size, its pool nor its streams.
-        let (size, pool, holder, shared) = {
-            let b = self.blocks.get(id.0);
-            (b.size, b.pool, b.holder, !b.stream_uses.is_empty())
-        };
-        if let Some(holder) = holder {
-            if let Err(e) = self.take_back(holder, ptr.0) {
-                self.live.insert(ptr.0, id);
-                return Err(e);
-            }
-        }
-        // (Taking the block back synced its requested size from the thread cache.)
-        let requested = self.blocks.get(id.0).requested;
-        if let Some(slot) = own {
-            if self.should_park(slot, id) {
-                self.live.insert(ptr.0, id);
-                self.park(slot, id);
-                return Ok(requested);
-            }
-        }
-        // A block used on other streams is guarded by an event on each; the
-        // device calls come before any change, so that a failure leaves the
-        // block allocated and the free can be retried.
-        let events = if shared {
-            match self.guard_events(dev, id) {
-                Ok(events) => events,
-                Err(e) => {
-                    self.live.insert(ptr.0, id);
-                    return Err(e);
-                }
-            }
-        } else {
-            Vec::new()
-        };
-        self.shadow_free(size);
-        let kind = pool.kind();
-        self.count_allocated(kind, size, false);
-        if self.vmm.granularity.is_some() {
-            self.mark_free(dev, pool);
-        }
-        if let Some(r) = self.recorder.as_mut() {
-            if let Some(tid) = r.ids.remove(&ptr.0) {
-                (r.sink)(&TraceEvent::Free { id: tid });
-            }
-        }
-        // Almost no block was used on another stream: back to the pool at once.
-        if events.is_empty() {
-            if shared {
-                self.blocks.get_mut(id.0).stream_uses.take();
-            }
-            self.free_block(id);
-            if !self.config.caching {
-                let seg = self.blocks.get(id.0).segment;
-                self.release_or_keep(dev, seg);
-            }
-            return Ok(requested);
-        }
-        let b = self.blocks.get_mut(id.0);
-        b.stream_uses.take();
-        b.state = BlockState::AwaitingEvents;
-        b.pending_events = events.len() as u32;
-        for (s, ev) in events {
-            match self.pending.iter_mut().find(|(st, _)| *st == s) {
-                Some((_, q)) => q.push_back((ev, id)),
-                None => self.pending.push((s, VecDeque::from([(ev, id)]))),
-            }
-        }
-        self.pending_blocks += 1;
-        Ok(requested)
     }
 
     /// Records an event on every stream that used block `id` besides its
@@ -146,52 +296,11 @@ impl<E> State<E> {
         Ok(events)
     }
 
-    /// Without caching, a freed block's segment goes back to the device at
-    /// once; if the device refuses, the segment stays cached (whole and
-    /// consistent) for a later `empty_cache`, and a notice says so.
-    #[cold]
-    pub(super) fn release_or_keep<D: Device<Event = E>>(&mut self, dev: &D, seg: SegmentId) {
-        if let Err(e) = self.release_segment(dev, seg) {
-            self.notice(format!(
-                "a segment stays cached: the device could not free it ({e})"
-            ));
-        }
-    }
-
     /// Adds a notice (kept to a bounded number; see [`CachingAllocator::notices`]).
     #[cold]
     pub(super) fn notice(&mut self, text: String) {
         if self.notices.len() < MAX_NOTICES {
             self.notices.push(text);
-        }
-    }
-
-    /// Returns a block to its pool, merging it with free neighbours (a
-    /// slab's chunk goes back to its slab).
-    pub(super) fn free_block(&mut self, id: BlockId) {
-        let expandable = self.vmm.granularity.is_some();
-        let (orig_size, requested, pool, slab) = {
-            let b = self.blocks.get_mut(id.0);
-            b.state = BlockState::Free;
-            if expandable {
-                // Idle from now (merging keeps the latest of the parts).
-                b.freed_at = self.clock;
-            }
-            (b.size, std::mem::take(&mut b.requested), b.pool, b.slab)
-        };
-        let kind = pool.kind();
-        self.file_free(id, kind, slab);
-        self.count_active(kind, orig_size, requested, false);
-    }
-
-    /// Files the free block `id` where free blocks of its kind go: a slab's
-    /// chunk in its slab, any other block in the bins, merged.
-    #[inline]
-    pub(super) fn file_free(&mut self, id: BlockId, kind: PoolKind, slab: bool) {
-        if slab {
-            self.slab_free(id);
-        } else {
-            self.merge_counted(id, kind);
         }
     }
 
@@ -229,7 +338,7 @@ impl<E> State<E> {
         }
     }
 
-    /// [`State::merge_into_bins`], with the change in inactive split blocks counted.
+    /// [`Core::merge_into_bins`], with the change in inactive split blocks counted.
     /// `kind` is the block's pool kind (the callers have it at hand).
     pub(super) fn merge_counted(&mut self, id: BlockId, kind: PoolKind) {
         let (net_blocks, net_bytes) = self.merge_into_bins(id);
@@ -244,17 +353,17 @@ impl<E> State<E> {
     pub(super) fn merge_into_bins(&mut self, id: BlockId) -> (i64, i64) {
         // Disjoint borrows of the fields: one bins lookup, no repeated
         // record lookups for the block itself.
-        let State {
+        let Core {
             blocks,
             segments,
             bins,
             lookups,
             clock,
-            vmm,
+            granularity,
+            idle_index,
             free_candidates,
             ..
         } = self;
-        let (granularity, idle_index) = (&vmm.granularity, &mut vmm.idle_index);
         let b = blocks.get(id.0);
         let (pool, mut addr, mut size) = (b.pool, b.addr, b.size);
         let (mut prev, mut next) = (b.prev, b.next);
@@ -328,108 +437,5 @@ impl<E> State<E> {
         net_blocks += i64::from(split);
         net_bytes += if split { size as i64 } else { 0 };
         (net_blocks, net_bytes)
-    }
-
-    pub(super) fn record_stream(
-        &mut self,
-        ptr: DevicePtr,
-        stream: StreamId,
-    ) -> Result<(), AllocError> {
-        let Some(id) = self.live.get(ptr.0) else {
-            return Err(self.classify_bad_pointer(ptr));
-        };
-        if let Some(holder) = self.blocks.get(id.0).holder {
-            // A block another stream uses must not be parked: the allocator keeps it.
-            self.take_back(holder, ptr.0)?;
-        }
-        let owner = self.segments.get(self.blocks.get(id.0).segment.0).stream;
-        let b = self.blocks.get_mut(id.0);
-        if stream != owner && !b.stream_uses.contains(&stream) {
-            b.stream_uses.push(stream);
-        }
-        Ok(())
-    }
-
-    /// Events of these blocks completed: recycle each block whose last event it was.
-    pub(super) fn events_done<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        done: Vec<BlockId>,
-    ) -> Result<(), AllocError> {
-        // Every block is recycled even if the device refuses to free a
-        // segment on the way (that segment stays cached).
-        for id in done {
-            let b = self.blocks.get_mut(id.0);
-            b.pending_events -= 1;
-            if b.pending_events == 0 {
-                self.pending_blocks -= 1;
-                self.free_block(id);
-                if !self.config.caching {
-                    let seg = self.blocks.get(id.0).segment;
-                    self.release_or_keep(dev, seg);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    pub(super) fn process_events<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-    ) -> Result<(), AllocError> {
-        let mut done = Vec::new();
-        let mut result = Ok(());
-        'streams: for (_, queue) in &mut self.pending {
-            while let Some((ev, _)) = queue.front() {
-                match dev.event_completed(ev) {
-                    Ok(true) => {}
-                    Ok(false) => break,
-                    Err(e) => {
-                        // The events already taken are recycled below all the same.
-                        result = Err(e.into());
-                        break 'streams;
-                    }
-                }
-                let (ev, id) = queue.pop_front().expect("front exists");
-                dev.release_event(ev);
-                done.push(id);
-            }
-        }
-        self.pending.retain(|(_, q)| !q.is_empty());
-        self.events_done(dev, done)?;
-        result
-    }
-
-    /// Waits for every pending event (PyTorch's `synchronize_and_free_events`).
-    pub(super) fn wait_all_events<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-    ) -> Result<(), AllocError> {
-        self.stats.num_sync_all_streams += 1;
-        let mut done = Vec::new();
-        let mut result = Ok(());
-        for (stream, mut queue) in std::mem::take(&mut self.pending) {
-            while result.is_ok() {
-                let Some((ev, id)) = queue.pop_front() else {
-                    break;
-                };
-                match dev.wait_event(&ev) {
-                    Ok(()) => {
-                        dev.release_event(ev);
-                        done.push(id);
-                    }
-                    Err(e) => {
-                        // Keep it pending, so that nothing is reused unsafely.
-                        queue.push_front((ev, id));
-                        result = Err(e.into());
-                    }
-                }
-            }
-            if !queue.is_empty() {
-                self.pending.push((stream, queue));
-            }
-        }
-        self.events_done(dev, done)?;
-        result
     }
 }

@@ -13,16 +13,16 @@ impl<E> State<E> {
         req: Request,
     ) -> Result<BlockId, AllocError> {
         let Request { pool, rounded, .. } = req;
-        if pool.kind() == PoolKind::Small && self.unslab_empty(pool) {
-            if let Some(id) = self.get_free_block(pool, rounded) {
+        if pool.kind() == PoolKind::Small && self.slabs.unslab_empty(&mut self.core, pool) {
+            if let Some(id) = self.core.get_free_block(pool, rounded) {
                 return Ok(id);
             }
         }
-        let seg_size = self.segment_size(rounded);
-        let caching = self.config.caching;
+        let seg_size = self.core.segment_size(rounded);
+        let caching = self.core.config.caching;
         let retry = |st: &mut Self| {
             if caching {
-                st.get_free_block(pool, rounded)
+                st.core.get_free_block(pool, rounded)
             } else {
                 None
             }
@@ -54,44 +54,53 @@ impl<E> State<E> {
                 return Ok(id);
             }
         }
-        if self.config.garbage_collection_threshold.is_some() && self.cap.is_some() {
+        if self.core.config.garbage_collection_threshold.is_some() && self.core.cap.is_some() {
             self.garbage_collect(dev)?;
         }
-        if self.config.release_before_grow && self.reserved() + seg_size > self.high_water {
-            let need = self.reserved() + seg_size - self.high_water;
-            let kind = self.config.release_same_kind.then_some(pool.kind());
+        if self.core.config.release_before_grow
+            && self.core.reserved() + seg_size > self.core.high_water
+        {
+            let need = self.core.reserved() + seg_size - self.core.high_water;
+            let kind = self.core.config.release_same_kind.then_some(pool.kind());
             // The idle age may keep young free segments only within the slack.
-            let bound = (1.0 + self.config.release_idle_slack)
+            let bound = (1.0 + self.core.config.release_idle_slack)
                 * self
+                    .core
                     .stats
                     .allocated_bytes
                     .all()
                     .peak
-                    .max(self.stats.allocated_bytes.all().current + rounded)
+                    .max(self.core.stats.allocated_bytes.all().current + rounded)
                     as f64;
-            let idle_rule = ((self.reserved() + seg_size) as f64) <= bound;
-            self.release_free_segments(dev, need, self.config.release_min_idle, idle_rule, kind)?;
+            let idle_rule = ((self.core.reserved() + seg_size) as f64) <= bound;
+            self.release_free_segments(
+                dev,
+                need,
+                self.core.config.release_min_idle,
+                idle_rule,
+                kind,
+            )?;
         }
-        if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
+        if let Some(id) = self.core.alloc_segment(dev, pool, stream, seg_size)? {
             return Ok(id);
         }
         if self.release_available(dev, pool, rounded, seg_size)? {
-            if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
+            if let Some(id) = self.core.alloc_segment(dev, pool, stream, seg_size)? {
                 return Ok(id);
             }
         }
         // Full flush: wait for every pending event, release every free segment, retry.
-        if self.config.oom_flush {
+        if self.core.config.oom_flush {
             self.release_cached(dev)?;
-            self.stats.num_alloc_retries += 1;
+            self.core.stats.num_alloc_retries += 1;
             if let Some(id) = retry(self) {
                 return Ok(id);
             }
-            if let Some(id) = self.alloc_segment(dev, pool, stream, seg_size)? {
+            if let Some(id) = self.core.alloc_segment(dev, pool, stream, seg_size)? {
                 return Ok(id);
             }
         }
-        self.stats.num_ooms += 1;
+        self.core.stats.num_ooms += 1;
         Err(AllocError::OutOfMemory(Box::new(
             self.oom_report(dev, size, seg_size),
         )))
@@ -110,9 +119,9 @@ impl<E> State<E> {
             segment_size: seg_size,
             device_free: info.free,
             device_total: info.total,
-            cap: self.cap,
-            allocated: self.stats.allocated_bytes.all().current,
-            reserved: self.reserved(),
+            cap: self.core.cap,
+            allocated: self.core.stats.allocated_bytes.all().current,
+            reserved: self.core.reserved(),
             largest_free_block: frag.1,
             external_fragmentation: if frag.0 == 0 {
                 0.0
@@ -122,6 +131,293 @@ impl<E> State<E> {
         }
     }
 
+    /// Frees an entirely free segment to the device.
+    pub(super) fn release_segment<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        seg: SegmentId,
+    ) -> Result<u64, AllocError> {
+        debug_assert!(self.core.segment_is_free(seg));
+        let s = self.core.segments.get(seg.0);
+        let (addr, size, pool, head, slab) = (s.addr, s.size, s.pool, s.head, s.is_slab());
+        dev.free(DevicePtr(addr), size)?;
+        if slab {
+            self.slabs.drop_slab(&mut self.core, seg);
+        } else {
+            self.core.bins_mut(pool).remove(size, addr, head);
+            self.core.blocks.discard(head.0);
+        }
+        self.core.segments.remove(seg.0);
+        self.core.segment_by_addr.remove(&addr);
+        let kind = pool.kind();
+        self.core.stats.segment.decrease(kind, 1);
+        self.core.stats.reserved_bytes.decrease(kind, size);
+        self.core.stats.num_device_free += 1;
+        if size >= self.core.config.max_split_size {
+            self.core.stats.oversize_segments.decrease(1);
+        }
+        Ok(size)
+    }
+
+    /// [`State::release_free_segments`] in `ReleaseOrder::Oldest`: walks the
+    /// candidates oldest first and stops once `need` bytes are released (or
+    /// at the first one idle for less than `min_idle`).
+    pub(super) fn release_oldest_segments<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        need: u64,
+        min_idle: u64,
+        kind: Option<PoolKind>,
+    ) -> Result<u64, AllocError> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let mut total = 0;
+        // Per kind: the last entry looked at; the walk merges the kinds asked for.
+        let mut cursor: [Option<(u64, u64, u32)>; 3] = [None; 3];
+        let mut stale = Vec::new();
+        let mut result = Ok(());
+        while total < need {
+            let mut next: Option<(usize, (u64, u64, u32))> = None;
+            for (k, set) in self.core.free_candidates.iter().enumerate() {
+                if kind.is_some_and(|want| want as usize != k) {
+                    continue;
+                }
+                let from = cursor[k].map_or(Unbounded, Excluded);
+                if let Some(&e) = set.range((from, Unbounded)).next() {
+                    if next.map_or(true, |(_, n)| e < n) {
+                        next = Some((k, e));
+                    }
+                }
+            }
+            let Some((k, e)) = next else {
+                break;
+            };
+            cursor[k] = Some(e);
+            if !self.core.free_candidate_holds(e) {
+                stale.push((k, e));
+                continue;
+            }
+            if self.core.clock - e.0 < min_idle {
+                break; // the rest are younger
+            }
+            match self.release_segment(dev, SegmentId(e.2)) {
+                Ok(size) => total += size,
+                Err(err) => {
+                    result = Err(err);
+                    break;
+                }
+            }
+            stale.push((k, e));
+        }
+        for (k, e) in stale {
+            self.core.free_candidates[k].remove(&e);
+        }
+        result.map(|()| total)
+    }
+
+    /// Waits for events and releases every entirely free segment.
+    pub(super) fn release_cached<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+    ) -> Result<Released, AllocError> {
+        // Counted from the stats, so that segments released on the way (a
+        // no-caching block whose event the wait completed) are included.
+        let before = (
+            self.core.stats.reserved_bytes.all().freed,
+            self.core.stats.segment.all().freed,
+        );
+        self.wait_all_events(dev)?;
+        for (_, seg) in self.core.free_segments() {
+            self.release_segment(dev, seg)?;
+        }
+        if self.core.granularity.is_some() {
+            self.release_expandable(dev)?;
+        }
+        Ok(Released {
+            bytes: self.core.stats.reserved_bytes.all().freed - before.0,
+            segments: self.core.stats.segment.all().freed - before.1,
+        })
+    }
+
+    /// Releases entirely free segments totalling at least `need` bytes, in
+    /// `release_order`; only segments idle for `min_idle` operations and
+    /// (`release_idle_frac`, when `idle_rule` is set) for that fraction of
+    /// the peak allocated bytes allocated since, and only of pool kind
+    /// `kind` when given.
+    /// Returns the bytes released (possibly less than `need`).
+    pub(super) fn release_free_segments<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        need: u64,
+        min_idle: u64,
+        idle_rule: bool,
+        kind: Option<PoolKind>,
+    ) -> Result<u64, AllocError> {
+        let frac = self.core.config.release_idle_frac;
+        if self.core.config.release_order == ReleaseOrder::Oldest && !(idle_rule && frac > 0.0) {
+            // The walk in idle order; with an idle age in bytes, the filter below.
+            return self.release_oldest_segments(dev, need, min_idle, kind);
+        }
+        let mut free = self.core.free_segments();
+        if idle_rule && frac > 0.0 {
+            let min_bytes = (frac * self.core.stats.allocated_bytes.all().peak as f64) as u64;
+            free.retain(|&(_, seg)| self.core.bytes_since(self.core.free_since(seg)) >= min_bytes);
+        }
+        if let Some(k) = kind {
+            free.retain(|&(_, seg)| self.core.segments.get(seg.0).pool.kind() == k);
+        }
+        if min_idle > 0 {
+            let now = self.core.clock;
+            free.retain(|&(_, seg)| now - self.core.free_since(seg) >= min_idle);
+        }
+        if free.is_empty() {
+            return Ok(0);
+        }
+        match self.core.config.release_order {
+            ReleaseOrder::SmallestFit => {
+                free.sort_unstable();
+                if let Some(&(_, seg)) = free.iter().find(|(size, _)| *size >= need) {
+                    return self.release_segment(dev, seg);
+                }
+                free.reverse();
+            }
+            ReleaseOrder::Largest => {
+                free.sort_unstable();
+                free.reverse();
+            }
+            ReleaseOrder::Oldest => {
+                free.sort_by_key(|&(_, seg)| self.core.free_since(seg));
+            }
+        }
+        let mut total = 0;
+        for &(_, seg) in &free {
+            if total >= need {
+                break;
+            }
+            total += self.release_segment(dev, seg)?;
+        }
+        Ok(total)
+    }
+
+    /// The ladder's middle step: release cached segments that make room.
+    pub(super) fn release_available<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        pool: PoolId,
+        rounded: u64,
+        seg_size: u64,
+    ) -> Result<bool, AllocError> {
+        if !self.core.config.oom_flush {
+            return Ok(false);
+        }
+        let max_split = self.core.config.max_split_size;
+        if max_split != u64::MAX {
+            return self.release_oversize(dev, pool, rounded);
+        }
+        if !self.core.config.release_before_grow {
+            return Ok(false);
+        }
+        let headroom = match self.core.cap {
+            Some(cap) => cap.saturating_sub(self.core.reserved()),
+            None => dev.mem_info()?.free,
+        };
+        let need = seg_size.saturating_sub(headroom).max(1);
+        Ok(self.release_free_segments(dev, need, 0, false, None)? > 0)
+    }
+
+    /// PyTorch's `release_available_cached_blocks` (only with `max_split_size`):
+    /// free one oversize block of the pool that fits, else the largest ones.
+    pub(super) fn release_oversize<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        pool: PoolId,
+        rounded: u64,
+    ) -> Result<bool, AllocError> {
+        let max_split = self.core.config.max_split_size;
+        let key = rounded.max(max_split);
+        let Some(bins) = self.core.bins[pool.index()].as_ref() else {
+            return Ok(false);
+        };
+        let candidates: Vec<BlockId> = match bins.best_fit(key) {
+            Some((_, _, id)) => vec![id],
+            None => {
+                let mut total = 0;
+                let mut v = Vec::new();
+                for (size, _, id) in bins.iter().rev() {
+                    if total >= key || size < max_split {
+                        break;
+                    }
+                    total += size;
+                    v.push(id);
+                }
+                if total < key {
+                    return Ok(false);
+                }
+                v
+            }
+        };
+        let mut any = false;
+        for id in candidates {
+            let b = self.core.blocks.get(id.0);
+            if !b.is_split() {
+                let seg = b.segment;
+                self.release_segment(dev, seg)?;
+                any = true;
+            }
+        }
+        Ok(any)
+    }
+
+    /// PyTorch's `garbage_collect_cached_blocks`: with a cap and a threshold,
+    /// release unsplit large cached blocks that have gone unused longest.
+    pub(super) fn garbage_collect<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+    ) -> Result<(), AllocError> {
+        let (Some(t), Some(cap)) = (self.core.config.garbage_collection_threshold, self.core.cap)
+        else {
+            return Ok(());
+        };
+        let threshold = (t * cap as f64) as u64;
+        if self.core.reserved() <= threshold {
+            return Ok(());
+        }
+        let target = self.core.reserved() - threshold;
+        let age = |st: &Self, id: BlockId| {
+            let b = st.core.blocks.get(id.0);
+            st.core.lookups[b.pool.index()] - b.gc_base
+        };
+        let mut candidates: Vec<BlockId> = Vec::new();
+        for (i, bins) in self.core.bins.iter().enumerate() {
+            if let (Some(bins), PoolKind::Large | PoolKind::Huge) = (bins, PoolId(i as u32).kind())
+            {
+                candidates.extend(bins.iter().map(|e| e.2).filter(|id| {
+                    let b = self.core.blocks.get(id.0);
+                    !b.is_split() && !self.core.segments.get(b.segment.0).is_expandable()
+                }));
+            }
+        }
+        let mut total_age: u64 = candidates.iter().map(|&id| age(self, id)).sum();
+        let mut reclaimed = 0;
+        while reclaimed < target && !candidates.is_empty() {
+            let threshold_age = total_age as f64 / candidates.len() as f64;
+            let (old, keep): (Vec<BlockId>, Vec<BlockId>) = candidates
+                .iter()
+                .partition(|&&id| age(self, id) as f64 >= threshold_age);
+            if old.is_empty() {
+                break;
+            }
+            for id in old {
+                total_age -= age(self, id);
+                let seg = self.core.blocks.get(id.0).segment;
+                reclaimed += self.release_segment(dev, seg)?;
+            }
+            candidates = keep;
+        }
+        Ok(())
+    }
+}
+
+impl<E> Core<E> {
     /// Asks the device for a segment; `Ok(None)` when the cap or the device says no.
     pub(super) fn alloc_segment<D: Device<Event = E>>(
         &mut self,
@@ -208,34 +504,6 @@ impl<E> State<E> {
         }
     }
 
-    /// Frees an entirely free segment to the device.
-    pub(super) fn release_segment<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        seg: SegmentId,
-    ) -> Result<u64, AllocError> {
-        debug_assert!(self.segment_is_free(seg));
-        let s = self.segments.get(seg.0);
-        let (addr, size, pool, head, slab) = (s.addr, s.size, s.pool, s.head, s.is_slab());
-        dev.free(DevicePtr(addr), size)?;
-        if slab {
-            self.drop_slab(seg);
-        } else {
-            self.bins_mut(pool).remove(size, addr, head);
-            self.blocks.discard(head.0);
-        }
-        self.segments.remove(seg.0);
-        self.segment_by_addr.remove(&addr);
-        let kind = pool.kind();
-        self.stats.segment.decrease(kind, 1);
-        self.stats.reserved_bytes.decrease(kind, size);
-        self.stats.num_device_free += 1;
-        if size >= self.config.max_split_size {
-            self.stats.oversize_segments.decrease(1);
-        }
-        Ok(size)
-    }
-
     /// Lists `seg` among the free candidates if it is entirely free (under
     /// its current idle age).
     pub(super) fn note_maybe_free(&mut self, seg: SegmentId) {
@@ -276,85 +544,6 @@ impl<E> State<E> {
         out.into_iter().map(|(_, size, seg)| (size, seg)).collect()
     }
 
-    /// [`State::release_free_segments`] in `ReleaseOrder::Oldest`: walks the
-    /// candidates oldest first and stops once `need` bytes are released (or
-    /// at the first one idle for less than `min_idle`).
-    pub(super) fn release_oldest_segments<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        need: u64,
-        min_idle: u64,
-        kind: Option<PoolKind>,
-    ) -> Result<u64, AllocError> {
-        use std::ops::Bound::{Excluded, Unbounded};
-        let mut total = 0;
-        // Per kind: the last entry looked at; the walk merges the kinds asked for.
-        let mut cursor: [Option<(u64, u64, u32)>; 3] = [None; 3];
-        let mut stale = Vec::new();
-        let mut result = Ok(());
-        while total < need {
-            let mut next: Option<(usize, (u64, u64, u32))> = None;
-            for (k, set) in self.free_candidates.iter().enumerate() {
-                if kind.is_some_and(|want| want as usize != k) {
-                    continue;
-                }
-                let from = cursor[k].map_or(Unbounded, Excluded);
-                if let Some(&e) = set.range((from, Unbounded)).next() {
-                    if next.map_or(true, |(_, n)| e < n) {
-                        next = Some((k, e));
-                    }
-                }
-            }
-            let Some((k, e)) = next else {
-                break;
-            };
-            cursor[k] = Some(e);
-            if !self.free_candidate_holds(e) {
-                stale.push((k, e));
-                continue;
-            }
-            if self.clock - e.0 < min_idle {
-                break; // the rest are younger
-            }
-            match self.release_segment(dev, SegmentId(e.2)) {
-                Ok(size) => total += size,
-                Err(err) => {
-                    result = Err(err);
-                    break;
-                }
-            }
-            stale.push((k, e));
-        }
-        for (k, e) in stale {
-            self.free_candidates[k].remove(&e);
-        }
-        result.map(|()| total)
-    }
-
-    /// Waits for events and releases every entirely free segment.
-    pub(super) fn release_cached<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-    ) -> Result<Released, AllocError> {
-        // Counted from the stats, so that segments released on the way (a
-        // no-caching block whose event the wait completed) are included.
-        let before = (
-            self.stats.reserved_bytes.all().freed,
-            self.stats.segment.all().freed,
-        );
-        self.wait_all_events(dev)?;
-        for (_, seg) in self.free_segments() {
-            self.release_segment(dev, seg)?;
-        }
-        if self.vmm.granularity.is_some() {
-            self.release_expandable(dev)?;
-        }
-        Ok(Released {
-            bytes: self.stats.reserved_bytes.all().freed - before.0,
-            segments: self.stats.segment.all().freed - before.1,
-        })
-    }
-
     /// Advances the byte clock; marks it against the operation clock now and then.
     #[inline]
     pub(super) fn tick_bytes(&mut self, rounded: u64) {
@@ -377,182 +566,5 @@ impl<E> State<E> {
         let i = self.byte_marks.partition_point(|&(o, _)| o <= op);
         let then = if i == 0 { 0 } else { self.byte_marks[i - 1].1 };
         self.bytes_clock - then
-    }
-
-    /// Releases entirely free segments totalling at least `need` bytes, in
-    /// `release_order`; only segments idle for `min_idle` operations and
-    /// (`release_idle_frac`, when `idle_rule` is set) for that fraction of
-    /// the peak allocated bytes allocated since, and only of pool kind
-    /// `kind` when given.
-    /// Returns the bytes released (possibly less than `need`).
-    pub(super) fn release_free_segments<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        need: u64,
-        min_idle: u64,
-        idle_rule: bool,
-        kind: Option<PoolKind>,
-    ) -> Result<u64, AllocError> {
-        let frac = self.config.release_idle_frac;
-        if self.config.release_order == ReleaseOrder::Oldest && !(idle_rule && frac > 0.0) {
-            // The walk in idle order; with an idle age in bytes, the filter below.
-            return self.release_oldest_segments(dev, need, min_idle, kind);
-        }
-        let mut free = self.free_segments();
-        if idle_rule && frac > 0.0 {
-            let min_bytes = (frac * self.stats.allocated_bytes.all().peak as f64) as u64;
-            free.retain(|&(_, seg)| self.bytes_since(self.free_since(seg)) >= min_bytes);
-        }
-        if let Some(k) = kind {
-            free.retain(|&(_, seg)| self.segments.get(seg.0).pool.kind() == k);
-        }
-        if min_idle > 0 {
-            let now = self.clock;
-            free.retain(|&(_, seg)| now - self.free_since(seg) >= min_idle);
-        }
-        if free.is_empty() {
-            return Ok(0);
-        }
-        match self.config.release_order {
-            ReleaseOrder::SmallestFit => {
-                free.sort_unstable();
-                if let Some(&(_, seg)) = free.iter().find(|(size, _)| *size >= need) {
-                    return self.release_segment(dev, seg);
-                }
-                free.reverse();
-            }
-            ReleaseOrder::Largest => {
-                free.sort_unstable();
-                free.reverse();
-            }
-            ReleaseOrder::Oldest => {
-                free.sort_by_key(|&(_, seg)| self.free_since(seg));
-            }
-        }
-        let mut total = 0;
-        for &(_, seg) in &free {
-            if total >= need {
-                break;
-            }
-            total += self.release_segment(dev, seg)?;
-        }
-        Ok(total)
-    }
-
-    /// The ladder's middle step: release cached segments that make room.
-    pub(super) fn release_available<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        pool: PoolId,
-        rounded: u64,
-        seg_size: u64,
-    ) -> Result<bool, AllocError> {
-        if !self.config.oom_flush {
-            return Ok(false);
-        }
-        let max_split = self.config.max_split_size;
-        if max_split != u64::MAX {
-            return self.release_oversize(dev, pool, rounded);
-        }
-        if !self.config.release_before_grow {
-            return Ok(false);
-        }
-        let headroom = match self.cap {
-            Some(cap) => cap.saturating_sub(self.reserved()),
-            None => dev.mem_info()?.free,
-        };
-        let need = seg_size.saturating_sub(headroom).max(1);
-        Ok(self.release_free_segments(dev, need, 0, false, None)? > 0)
-    }
-
-    /// PyTorch's `release_available_cached_blocks` (only with `max_split_size`):
-    /// free one oversize block of the pool that fits, else the largest ones.
-    pub(super) fn release_oversize<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        pool: PoolId,
-        rounded: u64,
-    ) -> Result<bool, AllocError> {
-        let max_split = self.config.max_split_size;
-        let key = rounded.max(max_split);
-        let Some(bins) = self.bins[pool.index()].as_ref() else {
-            return Ok(false);
-        };
-        let candidates: Vec<BlockId> = match bins.best_fit(key) {
-            Some((_, _, id)) => vec![id],
-            None => {
-                let mut total = 0;
-                let mut v = Vec::new();
-                for (size, _, id) in bins.iter().rev() {
-                    if total >= key || size < max_split {
-                        break;
-                    }
-                    total += size;
-                    v.push(id);
-                }
-                if total < key {
-                    return Ok(false);
-                }
-                v
-            }
-        };
-        let mut any = false;
-        for id in candidates {
-            let b = self.blocks.get(id.0);
-            if !b.is_split() {
-                let seg = b.segment;
-                self.release_segment(dev, seg)?;
-                any = true;
-            }
-        }
-        Ok(any)
-    }
-
-    /// PyTorch's `garbage_collect_cached_blocks`: with a cap and a threshold,
-    /// release unsplit large cached blocks that have gone unused longest.
-    pub(super) fn garbage_collect<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-    ) -> Result<(), AllocError> {
-        let (Some(t), Some(cap)) = (self.config.garbage_collection_threshold, self.cap) else {
-            return Ok(());
-        };
-        let threshold = (t * cap as f64) as u64;
-        if self.reserved() <= threshold {
-            return Ok(());
-        }
-        let target = self.reserved() - threshold;
-        let age = |st: &Self, id: BlockId| {
-            let b = st.blocks.get(id.0);
-            st.lookups[b.pool.index()] - b.gc_base
-        };
-        let mut candidates: Vec<BlockId> = Vec::new();
-        for (i, bins) in self.bins.iter().enumerate() {
-            if let (Some(bins), PoolKind::Large | PoolKind::Huge) = (bins, PoolId(i as u32).kind())
-            {
-                candidates.extend(bins.iter().map(|e| e.2).filter(|id| {
-                    let b = self.blocks.get(id.0);
-                    !b.is_split() && !self.segments.get(b.segment.0).is_expandable()
-                }));
-            }
-        }
-        let mut total_age: u64 = candidates.iter().map(|&id| age(self, id)).sum();
-        let mut reclaimed = 0;
-        while reclaimed < target && !candidates.is_empty() {
-            let threshold_age = total_age as f64 / candidates.len() as f64;
-            let (old, keep): (Vec<BlockId>, Vec<BlockId>) = candidates
-                .iter()
-                .partition(|&&id| age(self, id) as f64 >= threshold_age);
-            if old.is_empty() {
-                break;
-            }
-            for id in old {
-                total_age -= age(self, id);
-                let seg = self.blocks.get(id.0).segment;
-                reclaimed += self.release_segment(dev, seg)?;
-            }
-            candidates = keep;
-        }
-        Ok(())
     }
 }

@@ -9,13 +9,13 @@ impl<E> State<E> {
     pub(super) fn fragmentation_totals(&self) -> (u64, u64) {
         let mut free = 0;
         let mut largest = 0;
-        for (i, bins) in self.bins.iter().enumerate() {
+        for (i, bins) in self.core.bins.iter().enumerate() {
             let Some(bins) = bins else { continue };
             match self.vmm.ranges.get(i).is_some_and(|r| !r.is_empty()) {
                 true => {
                     for (size, addr, id) in bins.iter() {
-                        let s = self.segments.get(self.blocks.get(id.0).segment.0);
-                        let mapped = self.mapped_bytes_in(s, addr, addr + size);
+                        let s = self.core.segments.get(self.core.blocks.get(id.0).segment.0);
+                        let mapped = self.core.mapped_bytes_in(s, addr, addr + size);
                         free += mapped;
                         largest = largest.max(mapped);
                     }
@@ -27,10 +27,10 @@ impl<E> State<E> {
             }
         }
         // Free chunks and uncarved tails of slabs are outside the bins.
-        for s in self.slab_segments() {
+        for s in self.core.slab_segments() {
             let mut cur = Some(s.head);
             while let Some(id) = cur {
-                let b = self.blocks.get(id.0);
+                let b = self.core.blocks.get(id.0);
                 if b.state == BlockState::Free {
                     free += b.size;
                     largest = largest.max(b.size);
@@ -41,29 +41,21 @@ impl<E> State<E> {
         (free, largest)
     }
 
-    /// The slab segments, full ones included.
-    pub(super) fn slab_segments(&self) -> impl Iterator<Item = &Segment> + '_ {
-        self.segment_by_addr
-            .values()
-            .map(|&seg| self.segments.get(seg.0))
-            .filter(|s| s.is_slab())
-    }
-
     pub(super) fn fragmentation(&self) -> FragmentationReport {
         let (free, largest) = self.fragmentation_totals();
-        let mut segments = Vec::with_capacity(self.segments.len());
+        let mut segments = Vec::with_capacity(self.core.segments.len());
         let mut releasable = 0;
-        for &seg in self.segment_by_addr.values() {
-            let s = self.segments.get(seg.0);
+        for &seg in self.core.segment_by_addr.values() {
+            let s = self.core.segments.get(seg.0);
             let (mut used, mut largest_free, mut blocks) = (0, 0, 0);
             let mut cur = Some(s.head);
             while let Some(id) = cur {
-                let b = self.blocks.get(id.0);
+                let b = self.core.blocks.get(id.0);
                 if b.state == BlockState::Free {
                     largest_free =
-                        largest_free.max(self.mapped_bytes_in(s, b.addr, b.addr + b.size));
+                        largest_free.max(self.core.mapped_bytes_in(s, b.addr, b.addr + b.size));
                     if s.is_expandable() {
-                        releasable += self.idle_bytes_in(s, b.addr, b.addr + b.size);
+                        releasable += self.core.idle_bytes_in(s, b.addr, b.addr + b.size);
                     }
                 } else {
                     used += b.size;
@@ -76,7 +68,7 @@ impl<E> State<E> {
             }
             segments.push(SegmentUse {
                 addr: DevicePtr(s.addr),
-                size: self.mapped_bytes_in(s, s.addr, s.addr + s.size),
+                size: self.core.mapped_bytes_in(s, s.addr, s.addr + s.size),
                 used,
                 largest_free,
                 blocks,
@@ -85,14 +77,60 @@ impl<E> State<E> {
         }
         releasable += self.pooled_bytes();
         FragmentationReport {
-            allocated: self.stats.allocated_bytes.all().current,
-            reserved: self.reserved(),
+            allocated: self.core.stats.allocated_bytes.all().current,
+            reserved: self.core.reserved(),
             free,
-            inactive_split: self.stats.inactive_split_bytes.all().current,
+            inactive_split: self.core.stats.inactive_split_bytes.all().current,
             releasable,
             largest_free_block: largest,
             segments,
         }
+    }
+}
+
+impl<E> Core<E> {
+    /// Bytes of mapped pages lying entirely inside `[start, end)` (idle if that is a free block).
+    pub(super) fn idle_bytes_in(&self, seg: &Segment, start: u64, end: u64) -> u64 {
+        let Some(pages) = seg.pages() else {
+            return 0;
+        };
+        let g = self.granularity.expect("expandable mode has a granularity");
+        let lo = (start - seg.addr).div_ceil(g) as u32;
+        let hi = ((end - seg.addr) / g) as u32;
+        if hi <= lo {
+            return 0;
+        }
+        pages
+            .within(lo, hi)
+            .map(|(_, _, n)| u64::from(n))
+            .sum::<u64>()
+            * g
+    }
+
+    /// Bytes of `[start, end)` backed by memory (all of it in a plain segment).
+    pub(super) fn mapped_bytes_in(&self, seg: &Segment, start: u64, end: u64) -> u64 {
+        let Some(pages) = seg.pages() else {
+            return end - start;
+        };
+        let g = self.granularity.expect("expandable mode has a granularity");
+        let first = ((start - seg.addr) / g) as u32;
+        let last = (end - seg.addr).div_ceil(g) as u32;
+        pages
+            .runs_overlapping(first, last)
+            .map(|(s, e)| {
+                let lo = (seg.addr + u64::from(s) * g).max(start);
+                let hi = (seg.addr + u64::from(e) * g).min(end);
+                hi - lo
+            })
+            .sum()
+    }
+
+    /// The slab segments, full ones included.
+    pub(super) fn slab_segments(&self) -> impl Iterator<Item = &Segment> + '_ {
+        self.segment_by_addr
+            .values()
+            .map(|&seg| self.segments.get(seg.0))
+            .filter(|s| s.is_slab())
     }
 
     pub(super) fn snapshot(&self) -> Snapshot {

@@ -27,81 +27,52 @@ struct Tally {
 impl<E> State<E> {
     pub(super) fn check_invariants(&self) -> Result<(), String> {
         self.check_pages()?;
-        self.check_segment_map()?;
+        self.core.check_segment_map()?;
         let mut t = Tally {
             expect: MemoryStats::default(),
             blocks: 0,
             held: 0,
             parked: 0,
-            free_in_bins: vec![0; self.bins.len()],
+            free_in_bins: vec![0; self.core.bins.len()],
             awaiting: 0,
             pending_events: 0,
             listed_slabs: 0,
         };
-        for &seg in self.segment_by_addr.values() {
+        for &seg in self.core.segment_by_addr.values() {
             self.check_segment(seg, &mut t)?;
         }
         for &(_, kind, size) in &self.vmm.page_pool {
             t.expect.reserved_bytes.increase(kind, size);
         }
         self.check_slab_lists(&t)?;
-        self.check_block_records(&t)?;
-        self.check_bins(&t)?;
-        self.check_live_map(&t)?;
+        self.core.check_block_records(&t)?;
+        self.core.check_bins(&t)?;
+        self.core.check_live_map(&t)?;
         self.check_thread_caches(&t)?;
-        self.check_pending(&t)?;
-        self.check_stats(&t)
-    }
-
-    /// Every segment filed under its address, none overlapping the next.
-    fn check_segment_map(&self) -> Result<(), String> {
-        if self.segment_by_addr.len() != self.segments.len() {
-            return Err(format!(
-                "{} segments but {} in the address map",
-                self.segments.len(),
-                self.segment_by_addr.len()
-            ));
-        }
-        let mut last_end = 0u64;
-        for (&saddr, &seg) in &self.segment_by_addr {
-            let s = self.segments.get(seg.0);
-            if s.addr != saddr {
-                return Err(format!(
-                    "segment {seg:?} filed under {saddr:#x} but starts at {:#x}",
-                    s.addr
-                ));
-            }
-            if s.addr < last_end {
-                return Err(format!(
-                    "segment at {:#x} overlaps the previous one",
-                    s.addr
-                ));
-            }
-            last_end = s.addr + s.size;
-        }
-        Ok(())
+        self.core.check_pending(&t)?;
+        self.core.check_stats(&t)
     }
 
     /// The blocks of `seg`: linked in address order, tiling it, each in the
     /// place its state says; tallied into `t`.
     fn check_segment(&self, seg: SegmentId, t: &mut Tally) -> Result<(), String> {
-        let s = self.segments.get(seg.0);
+        let s = self.core.segments.get(seg.0);
         let kind = s.pool.kind();
         t.expect.segment.increase(kind, 1);
         t.expect
             .reserved_bytes
-            .increase(kind, self.mapped_bytes_in(s, s.addr, s.addr + s.size));
+            .increase(kind, self.core.mapped_bytes_in(s, s.addr, s.addr + s.size));
         let mut cur = Some(s.head);
         let mut prev: Option<BlockId> = None;
         let mut at = s.addr;
         let mut prev_free = false;
-        let split = self.blocks.get(s.head.0).next.is_some() && !s.is_expandable();
+        let split = self.core.blocks.get(s.head.0).next.is_some() && !s.is_expandable();
         if let Some(slab) = s.slab() {
-            self.check_slab(seg)?;
+            self.slabs.check_slab(&self.core, seg)?;
             t.listed_slabs += usize::from(slab.listed != Listed::Nowhere);
         }
         while let Some(id) = cur {
-            let b = self.blocks.get(id.0);
+            let b = self.core.blocks.get(id.0);
             t.blocks += 1;
             t.held += usize::from(b.holder.is_some());
             if b.holder.is_some() && !matches!(b.state, BlockState::Allocated | BlockState::Parked)
@@ -133,7 +104,7 @@ impl<E> State<E> {
                 return Err(format!("free neighbours left unmerged at {:#x}", b.addr));
             }
             prev_free = free;
-            self.check_block(s, id, split, t)?;
+            self.core.check_block(s, id, split, t)?;
             at += b.size;
             prev = Some(id);
             cur = b.next;
@@ -145,6 +116,60 @@ impl<E> State<E> {
                 at - s.addr,
                 s.size
             ));
+        }
+        Ok(())
+    }
+
+    /// Each slab is listed where its state says (`check_slab`); nothing else is.
+    fn check_slab_lists(&self, t: &Tally) -> Result<(), String> {
+        if self.slabs.listed_slabs() != t.listed_slabs {
+            return Err(format!(
+                "{} entries in the slab lists but {} slabs listed",
+                self.slabs.listed_slabs(),
+                t.listed_slabs
+            ));
+        }
+        Ok(())
+    }
+
+    /// The thread caches' count of the blocks they hold.
+    fn check_thread_caches(&self, t: &Tally) -> Result<(), String> {
+        if t.held != self.caches.cached_blocks {
+            return Err(format!(
+                "{} blocks held by thread caches but {} counted",
+                t.held, self.caches.cached_blocks
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl<E> Core<E> {
+    /// Every segment filed under its address, none overlapping the next.
+    fn check_segment_map(&self) -> Result<(), String> {
+        if self.segment_by_addr.len() != self.segments.len() {
+            return Err(format!(
+                "{} segments but {} in the address map",
+                self.segments.len(),
+                self.segment_by_addr.len()
+            ));
+        }
+        let mut last_end = 0u64;
+        for (&saddr, &seg) in &self.segment_by_addr {
+            let s = self.segments.get(seg.0);
+            if s.addr != saddr {
+                return Err(format!(
+                    "segment {seg:?} filed under {saddr:#x} but starts at {:#x}",
+                    s.addr
+                ));
+            }
+            if s.addr < last_end {
+                return Err(format!(
+                    "segment at {:#x} overlaps the previous one",
+                    s.addr
+                ));
+            }
+            last_end = s.addr + s.size;
         }
         Ok(())
     }
@@ -236,18 +261,6 @@ impl<E> State<E> {
         Ok(())
     }
 
-    /// Each slab is listed where its state says (`check_slab`); nothing else is.
-    fn check_slab_lists(&self, t: &Tally) -> Result<(), String> {
-        if self.listed_slabs() != t.listed_slabs {
-            return Err(format!(
-                "{} entries in the slab lists but {} slabs listed",
-                self.listed_slabs(),
-                t.listed_slabs
-            ));
-        }
-        Ok(())
-    }
-
     /// No block record outside the segments' lists.
     fn check_block_records(&self, t: &Tally) -> Result<(), String> {
         if t.blocks != self.blocks.len() {
@@ -282,17 +295,6 @@ impl<E> State<E> {
                 "live map has {} entries for {allocations} allocations and {} parked blocks",
                 self.live.len(),
                 t.parked
-            ));
-        }
-        Ok(())
-    }
-
-    /// The thread caches' count of the blocks they hold.
-    fn check_thread_caches(&self, t: &Tally) -> Result<(), String> {
-        if t.held != self.caches.cached_blocks {
-            return Err(format!(
-                "{} blocks held by thread caches but {} counted",
-                t.held, self.caches.cached_blocks
             ));
         }
         Ok(())

@@ -5,7 +5,7 @@
 //! at their addresses, so that a graph replayed afterwards finds its memory
 //! where it was captured.
 
-use super::{CachingAllocator, State};
+use super::{CachingAllocator, Core, State};
 use crate::block::{Block, BlockId, BlockState, SegmentId};
 use crate::device::{Device, DevicePtr};
 use crate::error::AllocError;
@@ -29,7 +29,7 @@ impl<D: Device> CachingAllocator<D> {
         st.check_restorable(layout).map_err(AllocError::BadLayout)?;
         let mut out = Vec::new();
         for seg in &layout.segments {
-            st.restore_segment(seg, &mut out);
+            st.core.restore_segment(seg, &mut out);
         }
         Ok(out)
     }
@@ -38,26 +38,26 @@ impl<D: Device> CachingAllocator<D> {
 impl<E> State<E> {
     /// Why `layout` cannot be restored now, if it cannot.
     fn check_restorable(&self, layout: &Snapshot) -> Result<(), String> {
-        if self.vmm.granularity.is_some() {
+        if self.core.granularity.is_some() {
             return Err("expandable segments cannot be restored to a layout".into());
         }
-        let allocated = self.stats.allocated_bytes.all().current;
-        if allocated != 0 || self.pending_blocks != 0 || self.caches.cached_blocks != 0 {
+        let allocated = self.core.stats.allocated_bytes.all().current;
+        if allocated != 0 || self.core.pending_blocks != 0 || self.caches.cached_blocks != 0 {
             return Err(format!(
                 "{allocated} bytes are allocated and {} blocks await events: free them first",
-                self.pending_blocks
+                self.core.pending_blocks
             ));
         }
         for seg in &layout.segments {
             let at = seg.address;
-            let Some(&id) = self.segment_by_addr.get(&at.0) else {
+            let Some(&id) = self.core.segment_by_addr.get(&at.0) else {
                 return Err(format!("no segment at {at} any more"));
             };
-            let s = self.segments.get(id.0);
+            let s = self.core.segments.get(id.0);
             if s.size != seg.total_size || s.is_slab() {
                 return Err(format!("the segment at {at} is not the one in the layout"));
             }
-            let head = self.blocks.get(s.head.0);
+            let head = self.core.blocks.get(s.head.0);
             if head.next.is_some() || head.state != BlockState::Free {
                 return Err(format!("the segment at {at} is not entirely free"));
             }
@@ -65,7 +65,32 @@ impl<E> State<E> {
         }
         Ok(())
     }
+}
 
+/// Whether a layout's block was in use when the layout was taken.
+fn is_allocated(b: &BlockSnapshot) -> bool {
+    matches!(b.state, BlockState::Allocated | BlockState::AwaitingEvents)
+}
+
+/// Checks that `seg`'s blocks cover it exactly, in order.
+fn tiles(seg: &SegmentSnapshot) -> Result<(), String> {
+    let mut at = seg.address.0;
+    for b in &seg.blocks {
+        if b.address.0 != at || b.size == 0 {
+            return Err(format!(
+                "a block at {} does not follow at {at:#x}",
+                b.address
+            ));
+        }
+        at = at.saturating_add(b.size);
+    }
+    if seg.blocks.is_empty() || at != seg.address.0 + seg.total_size {
+        return Err("its blocks do not cover it".into());
+    }
+    Ok(())
+}
+
+impl<E> Core<E> {
     /// Carves the (entirely free, checked) segment `seg.address` into the
     /// blocks of `seg`, pushing the addresses allocated.
     fn restore_segment(&mut self, seg: &SegmentSnapshot, out: &mut Vec<DevicePtr>) {
@@ -131,29 +156,6 @@ impl<E> State<E> {
             prev = Some(id);
         }
     }
-}
-
-/// Whether a layout's block was in use when the layout was taken.
-fn is_allocated(b: &BlockSnapshot) -> bool {
-    matches!(b.state, BlockState::Allocated | BlockState::AwaitingEvents)
-}
-
-/// Checks that `seg`'s blocks cover it exactly, in order.
-fn tiles(seg: &SegmentSnapshot) -> Result<(), String> {
-    let mut at = seg.address.0;
-    for b in &seg.blocks {
-        if b.address.0 != at || b.size == 0 {
-            return Err(format!(
-                "a block at {} does not follow at {at:#x}",
-                b.address
-            ));
-        }
-        at = at.saturating_add(b.size);
-    }
-    if seg.blocks.is_empty() || at != seg.address.0 + seg.total_size {
-        return Err("its blocks do not cover it".into());
-    }
-    Ok(())
 }
 
 #[cfg(test)]

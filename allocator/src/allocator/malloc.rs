@@ -2,6 +2,7 @@
 //! handing a block out (split when worth it, counted, recorded).
 
 use super::*;
+use crate::rounding::slab_class;
 
 impl<E> State<E> {
     // Inlined into the locked wrapper: returned through memory, its result
@@ -21,14 +22,14 @@ impl<E> State<E> {
             w.next = (w.next + 1) % w.keys.len();
         }
         self.shadow_malloc(rounded);
-        if self.pending_blocks > 0 {
+        if self.core.pending_blocks > 0 {
             self.process_events(dev)?;
         }
-        self.clock += 1;
-        self.tick_bytes(rounded);
+        self.core.clock += 1;
+        self.core.tick_bytes(rounded);
         let kind = if rounded <= SMALL_SIZE {
             PoolKind::Small
-        } else if rounded >= self.config.huge_size {
+        } else if rounded >= self.core.config.huge_size {
             PoolKind::Huge
         } else {
             PoolKind::Large
@@ -47,11 +48,11 @@ impl<E> State<E> {
         if let (Some(slot), false) = (own, kind == PoolKind::Small) {
             self.flush_own_large(slot);
         }
-        let id = if self.vmm.granularity.is_some() {
+        let id = if self.core.granularity.is_some() {
             self.malloc_expandable(dev, req)?
         } else {
-            let found = if self.config.caching {
-                self.get_free_block(pool, rounded)
+            let found = if self.core.config.caching {
+                self.core.get_free_block(pool, rounded)
             } else {
                 None
             };
@@ -60,9 +61,47 @@ impl<E> State<E> {
                 None => self.grow(dev, req)?,
             }
         };
-        Ok(self.alloc_found_block(id, rounded, size))
+        Ok(self.core.alloc_found_block(id, rounded, size))
     }
 
+    /// Serves a small request from the slabs of `pool`, making a new slab
+    /// (through the same ladder as any growth) when none has room.
+    pub(super) fn slab_malloc<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        req: Request,
+    ) -> Result<DevicePtr, AllocError> {
+        let Request {
+            pool,
+            size,
+            rounded,
+            ..
+        } = req;
+        let (class, chunk) = slab_class(rounded);
+        let id = match self.slabs.take_chunk(&mut self.core, pool, class, chunk) {
+            Some(id) => id,
+            None => {
+                let seg_size = self.core.config.small_segment;
+                let id = self.grow_with(dev, req, seg_size, |st| {
+                    st.slabs.take_chunk(&mut st.core, pool, class, chunk)
+                })?;
+                self.slabs
+                    .chunk_from_grown(&mut self.core, id, class, chunk)
+            }
+        };
+        let b = self.core.blocks.get_mut(id.0);
+        b.state = BlockState::Allocated;
+        b.requested = size;
+        let addr = b.addr;
+        self.core.live.insert(addr, id);
+        self.core.count_allocated(PoolKind::Small, chunk, true);
+        self.core.count_active(PoolKind::Small, chunk, size, true);
+        self.core.record_alloc(addr, size, pool);
+        Ok(DevicePtr(addr))
+    }
+}
+
+impl<E> Core<E> {
     /// PyTorch's `get_free_block`: the best fit of the pool, unless it is oversize.
     #[inline(always)]
     pub(super) fn get_free_block(&mut self, pool: PoolId, size: u64) -> Option<BlockId> {
@@ -92,7 +131,7 @@ impl<E> State<E> {
     }
 
     pub(super) fn should_split(&self, kind: PoolKind, rounded: u64, remaining: u64) -> bool {
-        if self.vmm.granularity.is_some() {
+        if self.granularity.is_some() {
             return remaining >= crate::rounding::MIN_BLOCK;
         }
         match kind {
@@ -114,7 +153,7 @@ impl<E> State<E> {
     ) -> DevicePtr {
         // Free space of an expandable segment is not "inactive split" memory:
         // not counted. (Every segment is expandable in expandable mode, none otherwise.)
-        let expandable = self.vmm.granularity.is_some();
+        let expandable = self.granularity.is_some();
         let b = self.blocks.get_mut(id.0);
         // Allocated before any merge below could look at it.
         b.state = BlockState::Allocated;

@@ -17,13 +17,11 @@
 //! by the release-before-grow rule (idle since its last chunk came back) and
 //! by the out-of-memory ladder.
 
-use super::{Request, State};
+use super::Core;
 use crate::block::{
     Block, BlockId, BlockState, Listed, PoolId, PoolKind, SegmentId, SegmentKind, SlabSeg,
 };
-use crate::device::{Device, DevicePtr};
-use crate::error::AllocError;
-use crate::rounding::{slab_class, SLAB_CLASSES};
+use crate::rounding::SLAB_CLASSES;
 
 /// The slabs of one pool.
 #[derive(Debug)]
@@ -72,55 +70,39 @@ fn unlist(list: &mut Vec<SegmentId>, seg: SegmentId) {
     list.swap_remove(i);
 }
 
-impl<E> State<E> {
-    /// Serves a small request from the slabs of `pool`, making a new slab
-    /// (through the same ladder as any growth) when none has room.
-    pub(super) fn slab_malloc<D: Device<Event = E>>(
+impl SlabPools {
+    /// The chunk for a request the growth ladder served with block `id`:
+    /// `id` itself if the ladder's flush freed a chunk of the class, else a
+    /// chunk of the new segment `id` heads (one free block outside the bins),
+    /// made a slab of `class`.
+    pub(super) fn chunk_from_grown<E>(
         &mut self,
-        dev: &D,
-        req: Request,
-    ) -> Result<DevicePtr, AllocError> {
-        let Request {
-            pool,
-            size,
-            rounded,
-            ..
-        } = req;
-        let (class, chunk) = slab_class(rounded);
-        let id = match self.take_chunk(pool, class, chunk) {
-            Some(id) => id,
-            None => {
-                let seg_size = self.config.small_segment;
-                let id =
-                    self.grow_with(dev, req, seg_size, |st| st.take_chunk(pool, class, chunk))?;
-                if self.blocks.get(id.0).slab {
-                    // The ladder's flush freed a chunk of this class.
-                    id
-                } else {
-                    // A new segment, one free block outside the bins.
-                    let seg = self.blocks.get(id.0).segment;
-                    self.make_slab(seg, class, chunk);
-                    self.take_chunk(pool, class, chunk)
-                        .expect("a new slab has room for a chunk")
-                }
-            }
-        };
-        let b = self.blocks.get_mut(id.0);
-        b.state = BlockState::Allocated;
-        b.requested = size;
-        let addr = b.addr;
-        self.live.insert(addr, id);
-        self.count_allocated(PoolKind::Small, chunk, true);
-        self.count_active(PoolKind::Small, chunk, size, true);
-        self.record_alloc(addr, size, pool);
-        Ok(DevicePtr(addr))
+        core: &mut Core<E>,
+        id: BlockId,
+        class: usize,
+        chunk: u64,
+    ) -> BlockId {
+        let b = core.blocks.get(id.0);
+        if b.slab {
+            return id;
+        }
+        let (seg, pool) = (b.segment, b.pool);
+        self.make_slab(core, seg, class, chunk);
+        self.take_chunk(core, pool, class, chunk)
+            .expect("a new slab has room for a chunk")
     }
 
     /// A chunk of `class` from the pool's slabs (a slab with room, else an
     /// empty slab re-cut for the class, else an entirely free segment of the
     /// pool's bins made a slab), still marked free; None if there is none.
-    fn take_chunk(&mut self, pool: PoolId, class: usize, chunk: u64) -> Option<BlockId> {
-        let lists = self.slabs.slab_lists[pool.index()].get_or_insert_with(Box::default);
+    pub(super) fn take_chunk<E>(
+        &mut self,
+        core: &mut Core<E>,
+        pool: PoolId,
+        class: usize,
+        chunk: u64,
+    ) -> Option<BlockId> {
+        let lists = self.slab_lists[pool.index()].get_or_insert_with(Box::default);
         let seg = match lists.partial[class].last() {
             Some(&seg) => seg,
             // An empty slab of this class needs no re-cut: it goes first.
@@ -133,27 +115,27 @@ impl<E> State<E> {
             {
                 Some(seg) => {
                     lists.partial[class].push(seg);
-                    self.recut(seg, class, chunk);
+                    self.recut(core, seg, class, chunk);
                     seg
                 }
                 None => {
-                    let seg = self.take_free_segment(pool)?;
-                    self.make_slab(seg, class, chunk);
+                    let seg = self.take_free_segment(core, pool)?;
+                    self.make_slab(core, seg, class, chunk);
                     seg
                 }
             },
         };
-        Some(self.pop_chunk(seg))
+        Some(self.pop_chunk(core, seg))
     }
 
     /// An entirely free segment of the pool's bins, taken out of them (so
     /// that a new slab costs no device call while one is cached).
-    fn take_free_segment(&mut self, pool: PoolId) -> Option<SegmentId> {
-        let seg_size = self.config.small_segment;
-        let bins = self.bins[pool.index()].as_mut()?;
+    fn take_free_segment<E>(&mut self, core: &mut Core<E>, pool: PoolId) -> Option<SegmentId> {
+        let seg_size = core.config.small_segment;
+        let bins = core.bins[pool.index()].as_mut()?;
         let found = bins.find(seg_size)?;
         let (size, _, id) = found.entry;
-        let b = self.blocks.get(id.0);
+        let b = core.blocks.get(id.0);
         if size != seg_size || b.is_split() {
             return None;
         }
@@ -165,9 +147,8 @@ impl<E> State<E> {
     /// Before the pool's bins grow: an empty slab of the pool becomes a
     /// plain free segment in the bins again (no device call). Returns
     /// whether there was one.
-    pub(super) fn unslab_empty(&mut self, pool: PoolId) -> bool {
+    pub(super) fn unslab_empty<E>(&mut self, core: &mut Core<E>, pool: PoolId) -> bool {
         let Some(seg) = self
-            .slabs
             .slab_lists
             .get_mut(pool.index())
             .and_then(Option::as_mut)
@@ -176,36 +157,36 @@ impl<E> State<E> {
         else {
             return false;
         };
-        let s = self.segments.get_mut(seg.0);
+        let s = core.segments.get_mut(seg.0);
         let (head, addr, size) = (s.head, s.addr, s.size);
         s.kind = SegmentKind::Plain;
-        self.join_blocks(head, addr, size);
-        let h = self.blocks.get_mut(head.0);
+        self.join_blocks(core, head, addr, size);
+        let h = core.blocks.get_mut(head.0);
         h.slab = false;
-        h.freed_at = self.clock;
-        self.free_candidates[pool.kind() as usize].insert((self.clock, addr, seg.0));
-        self.bins_mut(pool).insert(size, addr, head);
+        h.freed_at = core.clock;
+        core.free_candidates[pool.kind() as usize].insert((core.clock, addr, seg.0));
+        core.bins_mut(pool).insert(size, addr, head);
         true
     }
 
     /// Makes the blocks of an entirely free slab one free block again, the
     /// head's record covering the segment's `size` bytes from `addr`. Its
     /// free blocks counted as inactive split; one block alone does not.
-    fn join_blocks(&mut self, head: BlockId, addr: u64, size: u64) {
+    fn join_blocks<E>(&mut self, core: &mut Core<E>, head: BlockId, addr: u64, size: u64) {
         let mut blocks = 1;
-        let mut cur = self.blocks.get(head.0).next;
+        let mut cur = core.blocks.get(head.0).next;
         while let Some(id) = cur {
-            cur = self.blocks.get(id.0).next;
-            self.blocks.discard(id.0);
+            cur = core.blocks.get(id.0).next;
+            core.blocks.discard(id.0);
             blocks += 1;
         }
-        let h = self.blocks.get_mut(head.0);
+        let h = core.blocks.get_mut(head.0);
         h.addr = addr;
         h.size = size;
         h.next = None;
         if blocks > 1 {
-            self.stats.inactive_split.decrease(PoolKind::Small, blocks);
-            self.stats
+            core.stats.inactive_split.decrease(PoolKind::Small, blocks);
+            core.stats
                 .inactive_split_bytes
                 .decrease(PoolKind::Small, size);
         }
@@ -213,32 +194,32 @@ impl<E> State<E> {
 
     /// Takes a chunk of slab `seg` (listed as having room): the most recently
     /// freed one, else one carved from the tail.
-    fn pop_chunk(&mut self, seg: SegmentId) -> BlockId {
-        let s = self.segments.get_mut(seg.0);
+    fn pop_chunk<E>(&mut self, core: &mut Core<E>, seg: SegmentId) -> BlockId {
+        let s = core.segments.get_mut(seg.0);
         let pool = s.pool;
         let slab = s.slab_mut().expect("a listed segment is a slab");
         let chunk = slab.chunk;
         let id = match slab.free.pop() {
             Some(id) => {
                 // A free chunk shares its segment: it counted as inactive split.
-                self.stats.inactive_split.decrease(PoolKind::Small, 1);
-                self.stats
+                core.stats.inactive_split.decrease(PoolKind::Small, 1);
+                core.stats
                     .inactive_split_bytes
                     .decrease(PoolKind::Small, chunk);
                 id
             }
-            None => self.carve(seg, chunk),
+            None => self.carve(core, seg, chunk),
         };
-        let s = self.segments.get_mut(seg.0);
+        let s = core.segments.get_mut(seg.0);
         let slab = s.slab_mut().expect("a slab");
         slab.live += 1;
         let full = slab.free.is_empty()
             && slab
                 .tail
-                .map_or(true, |t| self.blocks.get(t.0).size < slab.chunk);
+                .map_or(true, |t| core.blocks.get(t.0).size < slab.chunk);
         if full {
             slab.listed = Listed::Nowhere;
-            let lists = self.slabs.slab_lists[pool.index()]
+            let lists = self.slab_lists[pool.index()]
                 .as_mut()
                 .expect("a slab's pool has lists");
             unlist(&mut lists.partial[slab.class], seg);
@@ -247,58 +228,58 @@ impl<E> State<E> {
     }
 
     /// Cuts a chunk from the front of slab `seg`'s tail (which has room).
-    fn carve(&mut self, seg: SegmentId, chunk: u64) -> BlockId {
-        let s = self.segments.get(seg.0);
+    fn carve<E>(&mut self, core: &mut Core<E>, seg: SegmentId, chunk: u64) -> BlockId {
+        let s = core.segments.get(seg.0);
         let pool = s.pool;
         let tail = s
             .slab()
             .and_then(|slab| slab.tail)
             .expect("a slab with room and no free chunk has a tail");
-        let t = self.blocks.get(tail.0);
+        let t = core.blocks.get(tail.0);
         let (addr, size, prev, split) = (t.addr, t.size, t.prev, t.prev.is_some());
         debug_assert!(size >= chunk && t.next.is_none());
         let kind = PoolKind::Small;
         if size == chunk {
             // The tail is the last chunk.
-            self.segments
+            core.segments
                 .get_mut(seg.0)
                 .slab_mut()
                 .expect("a slab")
                 .tail = None;
             if split {
-                self.stats.inactive_split.decrease(kind, 1);
-                self.stats.inactive_split_bytes.decrease(kind, chunk);
+                core.stats.inactive_split.decrease(kind, 1);
+                core.stats.inactive_split_bytes.decrease(kind, chunk);
             }
             return tail;
         }
-        let id = BlockId(self.blocks.insert(Block {
+        let id = BlockId(core.blocks.insert(Block {
             prev,
             next: Some(tail),
             slab: true,
-            ..Block::free(addr, chunk, seg, pool, self.clock)
+            ..Block::free(addr, chunk, seg, pool, core.clock)
         }));
         match prev {
-            Some(p) => self.blocks.get_mut(p.0).next = Some(id),
-            None => self.segments.get_mut(seg.0).head = id,
+            Some(p) => core.blocks.get_mut(p.0).next = Some(id),
+            None => core.segments.get_mut(seg.0).head = id,
         }
-        let t = self.blocks.get_mut(tail.0);
+        let t = core.blocks.get_mut(tail.0);
         t.prev = Some(id);
         t.addr += chunk;
         t.size -= chunk;
         if split {
-            self.stats.inactive_split_bytes.decrease(kind, chunk);
+            core.stats.inactive_split_bytes.decrease(kind, chunk);
         } else {
             // The segment was one free block; its tail now shares it.
-            self.stats.inactive_split.increase(kind, 1);
-            self.stats.inactive_split_bytes.increase(kind, size - chunk);
+            core.stats.inactive_split.increase(kind, 1);
+            core.stats.inactive_split_bytes.increase(kind, size - chunk);
         }
         id
     }
 
     /// Makes the new segment `seg` (one free block, outside the bins) a slab
     /// of `class`, listed as having room.
-    fn make_slab(&mut self, seg: SegmentId, class: usize, chunk: u64) {
-        let s = self.segments.get_mut(seg.0);
+    fn make_slab<E>(&mut self, core: &mut Core<E>, seg: SegmentId, class: usize, chunk: u64) {
+        let s = core.segments.get_mut(seg.0);
         let (head, pool) = (s.head, s.pool);
         s.kind = SegmentKind::Slab(SlabSeg {
             class,
@@ -307,10 +288,10 @@ impl<E> State<E> {
             free: Vec::new(),
             tail: Some(head),
             listed: Listed::Partial,
-            idle_since: self.clock,
+            idle_since: core.clock,
         });
-        self.blocks.get_mut(head.0).slab = true;
-        self.slabs.slab_lists[pool.index()]
+        core.blocks.get_mut(head.0).slab = true;
+        self.slab_lists[pool.index()]
             .get_or_insert_with(Box::default)
             .partial[class]
             .push(seg);
@@ -319,8 +300,8 @@ impl<E> State<E> {
     /// Re-cuts the empty slab `seg` (already moved to `class`'s list) for
     /// `class`: its blocks become one uncarved tail again, unless it already
     /// holds that class.
-    fn recut(&mut self, seg: SegmentId, class: usize, chunk: u64) {
-        let s = self.segments.get_mut(seg.0);
+    fn recut<E>(&mut self, core: &mut Core<E>, seg: SegmentId, class: usize, chunk: u64) {
+        let s = core.segments.get_mut(seg.0);
         let (head, addr, size) = (s.head, s.addr, s.size);
         let slab = s.slab_mut().expect("an empty slab");
         debug_assert_eq!(slab.live, 0);
@@ -332,34 +313,34 @@ impl<E> State<E> {
         slab.chunk = chunk;
         slab.free.clear();
         slab.tail = Some(head);
-        self.join_blocks(head, addr, size);
+        self.join_blocks(core, head, addr, size);
     }
 
     /// Returns chunk `id` (already marked free) to its slab.
-    pub(super) fn slab_free(&mut self, id: BlockId) {
-        let b = self.blocks.get_mut(id.0);
-        b.freed_at = self.clock;
+    pub(super) fn slab_free<E>(&mut self, core: &mut Core<E>, id: BlockId) {
+        let b = core.blocks.get_mut(id.0);
+        b.freed_at = core.clock;
         let seg = b.segment;
-        let s = self.segments.get_mut(seg.0);
+        let s = core.segments.get_mut(seg.0);
         let (pool, seg_addr) = (s.pool, s.addr);
         let slab = s.slab_mut().expect("a chunk's segment is a slab");
         slab.free.push(id);
         slab.live -= 1;
         // A chunk always shares its segment (a slab holds at least two).
-        self.stats.inactive_split.increase(PoolKind::Small, 1);
-        self.stats
+        core.stats.inactive_split.increase(PoolKind::Small, 1);
+        core.stats
             .inactive_split_bytes
             .increase(PoolKind::Small, slab.chunk);
-        let lists = self.slabs.slab_lists[pool.index()]
+        let lists = self.slab_lists[pool.index()]
             .as_mut()
             .expect("a slab's pool has lists");
         if slab.live == 0 {
-            self.free_candidates[pool.kind() as usize].insert((self.clock, seg_addr, seg.0));
+            core.free_candidates[pool.kind() as usize].insert((core.clock, seg_addr, seg.0));
             if slab.listed == Listed::Partial {
                 unlist(&mut lists.partial[slab.class], seg);
             }
             slab.listed = Listed::Empty;
-            slab.idle_since = self.clock;
+            slab.idle_since = core.clock;
             lists.empty.push((seg, slab.class));
         } else if slab.listed == Listed::Nowhere {
             slab.listed = Listed::Partial;
@@ -369,14 +350,14 @@ impl<E> State<E> {
 
     /// Forgets the records of the empty slab `seg`, which is being released:
     /// its blocks and its place in the empty list.
-    pub(super) fn drop_slab(&mut self, seg: SegmentId) {
-        let s = self.segments.get_mut(seg.0);
+    pub(super) fn drop_slab<E>(&mut self, core: &mut Core<E>, seg: SegmentId) {
+        let s = core.segments.get_mut(seg.0);
         let (pool, head, addr, size) = (s.pool, s.head, s.addr, s.size);
         let SegmentKind::Slab(slab) = std::mem::replace(&mut s.kind, SegmentKind::Plain) else {
             unreachable!("drop_slab of a segment that is no slab")
         };
         debug_assert!(slab.live == 0 && slab.listed == Listed::Empty);
-        let lists = self.slabs.slab_lists[pool.index()]
+        let lists = self.slab_lists[pool.index()]
             .as_mut()
             .expect("a slab's pool has lists");
         let i = lists
@@ -385,22 +366,22 @@ impl<E> State<E> {
             .position(|&(s, _)| s == seg)
             .expect("an empty slab is in its pool's empty list");
         lists.empty.swap_remove(i);
-        self.join_blocks(head, addr, size);
-        self.blocks.discard(head.0);
+        self.join_blocks(core, head, addr, size);
+        core.blocks.discard(head.0);
     }
 
     /// Checks slab `seg`'s bookkeeping against its blocks: every block but
     /// the tail is a chunk of the class's size, the free list holds exactly
     /// the free chunks, `live` counts the others, and the slab is listed
     /// where its state says.
-    pub(super) fn check_slab(&self, seg: SegmentId) -> Result<(), String> {
-        let s = self.segments.get(seg.0);
+    pub(super) fn check_slab<E>(&self, core: &Core<E>, seg: SegmentId) -> Result<(), String> {
+        let s = core.segments.get(seg.0);
         let slab = s.slab().expect("a slab");
         let (mut live, mut free) = (0u32, Vec::new());
         let mut cur = Some(s.head);
         let mut last = s.head;
         while let Some(id) = cur {
-            let b = self.blocks.get(id.0);
+            let b = core.blocks.get(id.0);
             if !b.slab {
                 return Err(format!("block at {:#x} of a slab is not marked", b.addr));
             }
@@ -443,7 +424,7 @@ impl<E> State<E> {
         let room = !slab.free.is_empty()
             || slab
                 .tail
-                .is_some_and(|t| self.blocks.get(t.0).size >= slab.chunk);
+                .is_some_and(|t| core.blocks.get(t.0).size >= slab.chunk);
         let expect = if live == 0 {
             Listed::Empty
         } else if room {
@@ -451,11 +432,7 @@ impl<E> State<E> {
         } else {
             Listed::Nowhere
         };
-        let lists = self
-            .slabs
-            .slab_lists
-            .get(s.pool.index())
-            .and_then(Option::as_ref);
+        let lists = self.slab_lists.get(s.pool.index()).and_then(Option::as_ref);
         let count = |list: Option<&Vec<SegmentId>>| {
             list.map_or(0, |l| l.iter().filter(|&&x| x == seg).count())
         };
@@ -483,10 +460,9 @@ impl<E> State<E> {
     }
 
     /// Entries in the pools' slab lists (each slab is checked against its
-    /// entries by [`State::check_slab`]).
+    /// entries by [`SlabPools::check_slab`]).
     pub(super) fn listed_slabs(&self) -> usize {
-        self.slabs
-            .slab_lists
+        self.slab_lists
             .iter()
             .flatten()
             .map(|l| l.empty.len() + l.partial.iter().map(Vec::len).sum::<usize>())

@@ -40,6 +40,7 @@ fn invariant_check_catches_a_statistic_that_drifted() {
     // 512 bytes more than the blocks account for, as a missed update would leave it.
     a.state
         .lock()
+        .core
         .stats
         .active_bytes
         .increase(PoolKind::Large, 512);
@@ -48,6 +49,7 @@ fn invariant_check_catches_a_statistic_that_drifted() {
     assert!(err.contains("active_bytes"), "{err}");
     a.state
         .lock()
+        .core
         .stats
         .active_bytes
         .decrease(PoolKind::Large, 512);
@@ -1140,7 +1142,7 @@ fn free_segment_candidates_stay_bounded_in_a_steady_loop() {
             let p = a.malloc(30 * MIB, S0).unwrap();
             a.free(p).unwrap();
         }
-        let n: usize = a.state.lock().free_candidates.iter().map(|s| s.len()).sum();
+        let n: usize = a.state.lock().core.free_candidates.iter().map(|s| s.len()).sum();
         assert!(
             n <= 2,
             "{n} candidates after a steady loop over one segment"

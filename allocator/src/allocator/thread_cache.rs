@@ -226,11 +226,11 @@ impl<E> State<E> {
     /// sizes do not repeat, as in a random mix) considers only one free in
     /// [`PROBE_EVERY`], so that a hit can restore it.
     pub(super) fn should_park(&mut self, slot: SlotId, id: BlockId) -> bool {
-        if self.caches.thread_cache == 0 || self.recorder.is_some() {
+        if self.caches.thread_cache == 0 || self.core.recorder.is_some() {
             return false;
         }
         // (Expandable allocators have no thread caches: `thread_cache` is 0 there.)
-        let b = self.blocks.get(id.0);
+        let b = self.core.blocks.get(id.0);
         if !b.stream_uses.is_empty() {
             return false;
         }
@@ -252,11 +252,13 @@ impl<E> State<E> {
                 return false;
             }
         }
-        let Some(key) = round_size(b.requested.max(1), &self.config.roundup_power2_divisions)
-        else {
+        let Some(key) = round_size(
+            b.requested.max(1),
+            &self.core.config.roundup_power2_divisions,
+        ) else {
             return false;
         };
-        let h = key_hash(key, self.stream_list[b.pool.stream_slot()]);
+        let h = key_hash(key, self.core.stream_list[b.pool.stream_slot()]);
         let wanted = if b.pool.kind() == crate::block::PoolKind::Small {
             w.keys.contains(&h)
         } else {
@@ -273,22 +275,22 @@ impl<E> State<E> {
     /// `slot`: counted as freed, kept out of the bins. Evicts the slot's
     /// oldest parked block back to the bins if the slot is full.
     pub(super) fn park(&mut self, slot: SlotId, id: BlockId) {
-        let b = self.blocks.get(id.0);
+        let b = self.core.blocks.get(id.0);
         let (addr, size, pool, requested, split) =
             (b.addr, b.size, b.pool, b.requested, b.is_split());
-        let key = round_size(requested.max(1), &self.config.roundup_power2_divisions)
+        let key = round_size(requested.max(1), &self.core.config.roundup_power2_divisions)
             .expect("checked by should_park");
         let kind = pool.kind();
-        let oversize = size >= self.config.max_split_size;
+        let oversize = size >= self.core.config.max_split_size;
         // Counted as freed by its caller, as a free would.
-        self.count_allocated(kind, size, false);
-        self.count_active(kind, size, requested, false);
+        self.core.count_allocated(kind, size, false);
+        self.core.count_active(kind, size, requested, false);
         if split {
-            self.stats.inactive_split.increase(kind, 1);
-            self.stats.inactive_split_bytes.increase(kind, size);
+            self.core.stats.inactive_split.increase(kind, 1);
+            self.core.stats.inactive_split_bytes.increase(kind, size);
         }
-        let clock = self.clock;
-        let b = self.blocks.get_mut(id.0);
+        let clock = self.core.clock;
+        let b = self.core.blocks.get_mut(id.0);
         b.state = BlockState::Parked;
         b.requested = 0;
         b.freed_at = clock;
@@ -297,7 +299,7 @@ impl<E> State<E> {
         let entry = Entry {
             addr,
             key,
-            stream: self.stream_list[pool.stream_slot()],
+            stream: self.core.stream_list[pool.stream_slot()],
             size,
             kind,
             block: id,
@@ -326,7 +328,7 @@ impl<E> State<E> {
         let Some(e) = slot.take_live_locked(&mut g, addr) else {
             return Err(AllocError::DoubleFree(DevicePtr(addr)));
         };
-        self.blocks.get_mut(e.block.0).holder = None;
+        self.core.blocks.get_mut(e.block.0).holder = None;
         self.caches.cached_blocks -= 1;
         Ok(())
     }
@@ -335,8 +337,8 @@ impl<E> State<E> {
     pub(super) fn sync_slot(&mut self, g: &mut SlotInner) {
         if g.pending.any {
             let p = std::mem::take(&mut g.pending);
-            self.clock += p.ops;
-            let s = &mut self.stats;
+            self.core.clock += p.ops;
+            let s = &mut self.core.stats;
             for kind in KINDS {
                 let tracks = &p.kinds[kind_index(kind)];
                 let arrays = [
@@ -365,12 +367,12 @@ impl<E> State<E> {
             }
         }
         for e in &g.live {
-            let b = self.blocks.get_mut(e.block.0);
+            let b = self.core.blocks.get_mut(e.block.0);
             b.state = BlockState::Allocated;
             b.requested = e.requested;
         }
         for e in &g.cached {
-            let b = self.blocks.get_mut(e.block.0);
+            let b = self.core.blocks.get_mut(e.block.0);
             b.state = BlockState::Parked;
             b.requested = 0;
         }
@@ -378,29 +380,30 @@ impl<E> State<E> {
 
     /// Returns a parked block (its slot synced) to the bins, merging it.
     fn unpark(&mut self, id: BlockId) {
-        let b = self.blocks.get_mut(id.0);
+        let b = self.core.blocks.get_mut(id.0);
         debug_assert_eq!(b.state, BlockState::Parked);
         let (addr, size, kind, split, slab) = (b.addr, b.size, b.pool.kind(), b.is_split(), b.slab);
         // Idle since the caller (or a free neighbour's caller) freed it, not since the flush.
         let mut parked_at = b.freed_at;
         for n in [b.prev, b.next].into_iter().flatten() {
-            let nb = self.blocks.get(n.0);
+            let nb = self.core.blocks.get(n.0);
             if nb.state == BlockState::Free {
                 parked_at = parked_at.max(nb.freed_at);
             }
         }
-        let b = self.blocks.get_mut(id.0);
+        let b = self.core.blocks.get_mut(id.0);
         b.state = BlockState::Free;
         b.holder = None;
         self.caches.cached_blocks -= 1;
-        self.live.remove(addr);
+        self.core.live.remove(addr);
         if split {
-            self.stats.inactive_split.decrease(kind, 1);
-            self.stats.inactive_split_bytes.decrease(kind, size);
+            self.core.stats.inactive_split.decrease(kind, 1);
+            self.core.stats.inactive_split_bytes.decrease(kind, size);
         }
         self.file_free(id, kind, slab);
-        self.blocks.get_mut(id.0).freed_at = parked_at;
-        self.note_maybe_free(self.blocks.get(id.0).segment);
+        self.core.blocks.get_mut(id.0).freed_at = parked_at;
+        self.core
+            .note_maybe_free(self.core.blocks.get(id.0).segment);
     }
 
     /// Before a large request is placed, the calling thread's parked large
@@ -466,7 +469,7 @@ impl<E> State<E> {
             let entries = g.cached.iter().map(|e| (e, BlockState::Parked));
             for (e, want) in entries.chain(g.live.iter().map(|e| (e, BlockState::Allocated))) {
                 n += 1;
-                let b = self.blocks.get(e.block.0);
+                let b = self.core.blocks.get(e.block.0);
                 if b.addr != e.addr
                     || b.size != e.size
                     || b.holder != Some(slot.id)
