@@ -168,7 +168,7 @@ impl<D: Device> CachingAllocator<D> {
 
     /// A thread cache for the calling thread, if the configuration has them.
     fn register_slot(&self) -> Option<Arc<Slot>> {
-        self.state.lock().register_slot()
+        self.state.lock().caches.register_slot()
     }
 
     /// Counts `ops` mallocs and frees that were served outside this
@@ -225,7 +225,7 @@ impl<D: Device> CachingAllocator<D> {
     /// the device. Partly used segments stay; [`CachingAllocator::fragmentation`]
     /// reports their free bytes.
     pub fn empty_cache(&self) -> Result<Released, AllocError> {
-        let mut st = self.state.lock();
+        let st = &mut *self.state.lock();
         if let Some(r) = st.core.recorder.as_mut() {
             (r.sink)(&TraceEvent::EmptyCache);
         }
@@ -237,7 +237,7 @@ impl<D: Device> CachingAllocator<D> {
     /// memory is above the new cap, entirely free segments are released now.
     pub fn set_memory_cap(&self, cap: Option<MemoryCap>) -> Result<(), AllocError> {
         let total = self.device.mem_info()?.total;
-        let mut st = self.state.lock();
+        let st = &mut *self.state.lock();
         st.core.config.memory_cap = cap;
         st.core.cap = cap.map(|c| c.bytes(total));
         if st.core.cap.is_some_and(|c| st.core.reserved() > c) {
@@ -259,15 +259,15 @@ impl<D: Device> CachingAllocator<D> {
     /// blocks a thread took back from its cache and freed again since the
     /// last read as if both were live at once (see `docs/POLICY.md`).
     pub fn stats(&self) -> MemoryStats {
-        let mut st = self.state.lock();
-        st.sync_thread_caches();
+        let st = &mut *self.state.lock();
+        st.caches.sync_thread_caches(&mut st.core);
         st.core.stats.clone()
     }
 
     /// Current allocated / reserved / requested bytes, cheaply.
     pub fn usage(&self) -> Usage {
-        let mut st = self.state.lock();
-        st.sync_thread_caches();
+        let st = &mut *self.state.lock();
+        st.caches.sync_thread_caches(&mut st.core);
         Usage {
             allocated: st.core.stats.allocated_bytes.all().current,
             reserved: st.core.reserved(),
@@ -278,23 +278,23 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Resets every peak statistic to its current value.
     pub fn reset_peak_stats(&self) {
-        let mut st = self.state.lock();
-        st.sync_thread_caches();
+        let st = &mut *self.state.lock();
+        st.caches.sync_thread_caches(&mut st.core);
         st.core.stats.reset_peak();
     }
 
     /// How fragmented the cache is now.
     /// Blocks parked in thread caches go back to the bins first.
     pub fn fragmentation(&self) -> FragmentationReport {
-        let mut st = self.state.lock();
+        let st = &mut *self.state.lock();
         st.flush_thread_caches();
         st.fragmentation()
     }
 
     /// Every segment and block.
     pub fn snapshot(&self) -> Snapshot {
-        let mut st = self.state.lock();
-        st.sync_thread_caches();
+        let st = &mut *self.state.lock();
+        st.caches.sync_thread_caches(&mut st.core);
         st.core.snapshot()
     }
 
@@ -302,7 +302,7 @@ impl<D: Device> CachingAllocator<D> {
     /// events (ids are assigned in allocation order). Replaces any earlier sink.
     /// Thread caches are off while recording, so that every call is seen.
     pub fn start_recording(&self, sink: TraceSink) {
-        let mut st = self.state.lock();
+        let st = &mut *self.state.lock();
         self.thread_cache_on.store(false, Ordering::Relaxed);
         st.flush_thread_caches();
         let mut ids = FastMap::default();
@@ -328,7 +328,7 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Stops recording; returns whether a recording was running.
     pub fn stop_recording(&self) -> bool {
-        let mut st = self.state.lock();
+        let st = &mut *self.state.lock();
         self.thread_cache_on.store(
             self.thread_cache_enabled && st.caches.review.paying,
             Ordering::Relaxed,
@@ -344,8 +344,8 @@ impl<D: Device> CachingAllocator<D> {
     /// events match the blocks awaiting them, and every statistic equals what
     /// the blocks recompute. Used by the property tests and the fuzzers.
     pub fn check_invariants(&self) -> Result<(), String> {
-        let mut st = self.state.lock();
-        st.sync_thread_caches();
+        let st = &mut *self.state.lock();
+        st.caches.sync_thread_caches(&mut st.core);
         st.check_invariants()?;
         for (&addr, &seg) in &st.core.segment_by_addr {
             let kind = st.core.segments.get(seg.0).pool.kind() as usize;
@@ -357,6 +357,6 @@ impl<D: Device> CachingAllocator<D> {
                 ));
             }
         }
-        st.check_slots()
+        st.caches.check_slots(&mut st.core)
     }
 }

@@ -24,7 +24,7 @@ impl<E> State<E> {
             (b.size, b.pool, b.holder, !b.stream_uses.is_empty())
         };
         if let Some(holder) = holder {
-            if let Err(e) = self.take_back(holder, ptr.0) {
+            if let Err(e) = self.caches.take_back(&mut self.core, holder, ptr.0) {
                 self.core.live.insert(ptr.0, id);
                 return Err(e);
             }
@@ -32,7 +32,7 @@ impl<E> State<E> {
         // (Taking the block back synced its requested size from the thread cache.)
         let requested = self.core.blocks.get(id.0).requested;
         if let Some(slot) = own {
-            if self.should_park(slot, id) {
+            if self.caches.should_park(&mut self.core, slot, id) {
                 self.core.live.insert(ptr.0, id);
                 self.park(slot, id);
                 return Ok(requested);
@@ -52,7 +52,7 @@ impl<E> State<E> {
         } else {
             Vec::new()
         };
-        self.shadow_free(size);
+        self.caches.shadow_free(size);
         let kind = pool.kind();
         self.core.count_allocated(kind, size, false);
         if self.core.granularity.is_some() {
@@ -101,6 +101,56 @@ impl<E> State<E> {
         }
     }
 
+    /// Counts one locked operation for the thread caches' review, and
+    /// flushes the caches when the review turns them off. Returns the new
+    /// setting when it changes.
+    #[inline]
+    pub(super) fn review_thread_caches(&mut self) -> Option<bool> {
+        let decision = self.caches.review();
+        if decision == Some(false) {
+            self.flush_thread_caches();
+        }
+        decision
+    }
+
+    /// Parks the freed block `id` in thread cache `slot`, returning the
+    /// block it evicts (if the slot was full) to the bins.
+    pub(super) fn park(&mut self, slot: SlotId, id: BlockId) {
+        if let Some(old) = self.caches.park(&mut self.core, slot, id) {
+            self.unpark(old);
+        }
+    }
+
+    /// Returns a parked block to the bins, merging it; it stays idle since
+    /// its caller freed it, not since now.
+    fn unpark(&mut self, id: BlockId) {
+        let (kind, slab, parked_at) = self.caches.unpark(&mut self.core, id);
+        self.file_free(id, kind, slab);
+        let b = self.core.blocks.get_mut(id.0);
+        b.freed_at = parked_at;
+        let seg = b.segment;
+        self.core.note_maybe_free(seg);
+    }
+
+    /// Before a large request is placed, the calling thread's parked large
+    /// blocks go back to the bins, so that the placement sees every free
+    /// large block.
+    pub(super) fn flush_own_large(&mut self, own: SlotId) {
+        for id in self.caches.take_own_large(&mut self.core, own) {
+            self.unpark(id);
+        }
+    }
+
+    /// Returns every parked block to the bins, and forgets the slots of
+    /// threads that ended with nothing in them.
+    pub(super) fn flush_thread_caches(&mut self) {
+        for i in 0..self.caches.slots.len() {
+            for id in self.caches.take_parked(&mut self.core, i) {
+                self.unpark(id);
+            }
+        }
+    }
+
     /// Returns a block to its pool, merging it with free neighbours (a
     /// slab's chunk goes back to its slab).
     pub(super) fn free_block(&mut self, id: BlockId) {
@@ -140,7 +190,7 @@ impl<E> State<E> {
         };
         if let Some(holder) = self.core.blocks.get(id.0).holder {
             // A block another stream uses must not be parked: the allocator keeps it.
-            self.take_back(holder, ptr.0)?;
+            self.caches.take_back(&mut self.core, holder, ptr.0)?;
         }
         let owner = self
             .core

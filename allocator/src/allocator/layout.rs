@@ -24,7 +24,7 @@ impl<D: Device> CachingAllocator<D> {
     /// changes and [`AllocError::BadLayout`] says why. Returns the addresses
     /// now allocated, which the caller frees like any allocation.
     pub fn restore_layout(&self, layout: &Snapshot) -> Result<Vec<DevicePtr>, AllocError> {
-        let mut st = self.state.lock();
+        let st = &mut *self.state.lock();
         st.flush_thread_caches();
         st.check_restorable(layout).map_err(AllocError::BadLayout)?;
         let mut out = Vec::new();

@@ -21,7 +21,7 @@ impl<E> State<E> {
             w.keys[w.next] = key_hash(rounded, stream);
             w.next = (w.next + 1) % w.keys.len();
         }
-        self.shadow_malloc(rounded);
+        self.caches.shadow_malloc(rounded);
         if self.core.pending_blocks > 0 {
             self.process_events(dev)?;
         }

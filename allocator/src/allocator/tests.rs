@@ -1142,7 +1142,14 @@ fn free_segment_candidates_stay_bounded_in_a_steady_loop() {
             let p = a.malloc(30 * MIB, S0).unwrap();
             a.free(p).unwrap();
         }
-        let n: usize = a.state.lock().core.free_candidates.iter().map(|s| s.len()).sum();
+        let n: usize = a
+            .state
+            .lock()
+            .core
+            .free_candidates
+            .iter()
+            .map(|s| s.len())
+            .sum();
         assert!(
             n <= 2,
             "{n} candidates after a steady loop over one segment"

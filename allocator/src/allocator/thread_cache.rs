@@ -7,8 +7,8 @@
 //! [`State::sync_slot`], which also brings the blocks' states up to date.
 //! Lock order: the allocator's state, then a slot.
 
-use super::{State, Wanted};
-use crate::block::{BlockId, BlockState};
+use super::{Core, Wanted};
+use crate::block::{BlockId, BlockState, PoolKind};
 use crate::device::DevicePtr;
 use crate::error::AllocError;
 use crate::ids::SlotId;
@@ -120,16 +120,16 @@ impl Default for ThreadCacheReview {
     }
 }
 
-impl<E> State<E> {
+impl ThreadCaches {
     /// Counts one locked operation and, at the end of each window, decides
-    /// whether the thread caches stay on (flushing them when they go off).
-    /// Returns the new setting when it changes.
+    /// whether the thread caches stay on. Returns the new setting when it
+    /// changes (the caller flushes the caches when they go off).
     #[inline]
-    pub(super) fn review_thread_caches(&mut self) -> Option<bool> {
-        if self.caches.thread_cache == 0 {
+    pub(super) fn review(&mut self) -> Option<bool> {
+        if self.thread_cache == 0 {
             return None;
         }
-        let r = &mut self.caches.review;
+        let r = &mut self.review;
         r.locked_ops += 1;
         if r.locked_ops % REVIEW_WINDOW != 0 {
             return None;
@@ -140,8 +140,8 @@ impl<E> State<E> {
     /// The decision at the end of a review window.
     #[cold]
     fn end_review_window(&mut self) -> Option<bool> {
-        let hits: u64 = self.caches.slots.iter().flatten().map(|s| s.hits()).sum();
-        let r = &mut self.caches.review;
+        let hits: u64 = self.slots.iter().flatten().map(|s| s.hits()).sum();
+        let r = &mut self.review;
         let new_hits = hits.saturating_sub(r.hits_base);
         r.hits_base = hits;
         let shadow_hits = std::mem::take(&mut r.shadow_hits);
@@ -152,7 +152,6 @@ impl<E> State<E> {
             r.paying = false;
             r.off_windows = OFF_WINDOWS;
             r.shadow = [u64::MAX; SHADOW];
-            self.flush_thread_caches();
             Some(false)
         } else {
             r.off_windows -= 1;
@@ -172,10 +171,10 @@ impl<E> State<E> {
     /// `rounded` bytes? (Sizes only: the shadow is an estimate, kept cheap.)
     #[inline]
     pub(super) fn shadow_malloc(&mut self, rounded: u64) {
-        if self.caches.thread_cache == 0 || self.caches.review.paying {
+        if self.thread_cache == 0 || self.review.paying {
             return;
         }
-        let r = &mut self.caches.review;
+        let r = &mut self.review;
         if let Some(i) = r.shadow.iter().position(|&k| k == rounded) {
             r.shadow[i] = u64::MAX;
             r.shadow_hits += 1;
@@ -185,35 +184,35 @@ impl<E> State<E> {
     /// While the caches are off: remembers a freed block's size.
     #[inline]
     pub(super) fn shadow_free(&mut self, size: u64) {
-        if self.caches.thread_cache == 0 || self.caches.review.paying {
+        if self.thread_cache == 0 || self.review.paying {
             return;
         }
-        let r = &mut self.caches.review;
+        let r = &mut self.review;
         r.shadow[r.shadow_next] = size;
         r.shadow_next = (r.shadow_next + 1) % SHADOW;
     }
 
     /// A new slot for a thread, or `None` when thread caches are off.
     pub(super) fn register_slot(&mut self) -> Option<Arc<Slot>> {
-        if self.caches.thread_cache == 0 {
+        if self.thread_cache == 0 {
             return None;
         }
-        let index = match self.caches.slots.iter().position(Option::is_none) {
+        let index = match self.slots.iter().position(Option::is_none) {
             Some(i) => i,
             None => {
-                self.caches.slots.push(None);
-                self.caches.wanted.push(Wanted::default());
-                self.caches.slots.len() - 1
+                self.slots.push(None);
+                self.wanted.push(Wanted::default());
+                self.slots.len() - 1
             }
         };
-        let slot = Arc::new(Slot::new(SlotId(index as u32), self.caches.thread_cache));
-        self.caches.slots[index] = Some(slot.clone());
-        self.caches.wanted[index] = Wanted::default();
+        let slot = Arc::new(Slot::new(SlotId(index as u32), self.thread_cache));
+        self.slots[index] = Some(slot.clone());
+        self.wanted[index] = Wanted::default();
         Some(slot)
     }
 
     fn slot(&self, id: SlotId) -> Arc<Slot> {
-        self.caches.slots[id.0 as usize]
+        self.slots[id.0 as usize]
             .clone()
             .expect("a block's thread cache stays registered while it holds blocks")
     }
@@ -225,19 +224,19 @@ impl<E> State<E> {
     /// hands out earns [`CREDIT_PER_HIT`]; without credit a thread (whose
     /// sizes do not repeat, as in a random mix) considers only one free in
     /// [`PROBE_EVERY`], so that a hit can restore it.
-    pub(super) fn should_park(&mut self, slot: SlotId, id: BlockId) -> bool {
-        if self.caches.thread_cache == 0 || self.core.recorder.is_some() {
+    pub(super) fn should_park<E>(&mut self, core: &mut Core<E>, slot: SlotId, id: BlockId) -> bool {
+        if self.thread_cache == 0 || core.recorder.is_some() {
             return false;
         }
         // (Expandable allocators have no thread caches: `thread_cache` is 0 there.)
-        let b = self.core.blocks.get(id.0);
+        let b = core.blocks.get(id.0);
         if !b.stream_uses.is_empty() {
             return false;
         }
         let i = slot.0 as usize;
         let (Some(holder), Some(w)) = (
-            self.caches.slots.get(i).and_then(Option::as_ref),
-            self.caches.wanted.get_mut(i),
+            self.slots.get(i).and_then(Option::as_ref),
+            self.wanted.get_mut(i),
         ) else {
             return false;
         };
@@ -252,13 +251,11 @@ impl<E> State<E> {
                 return false;
             }
         }
-        let Some(key) = round_size(
-            b.requested.max(1),
-            &self.core.config.roundup_power2_divisions,
-        ) else {
+        let Some(key) = round_size(b.requested.max(1), &core.config.roundup_power2_divisions)
+        else {
             return false;
         };
-        let h = key_hash(key, self.core.stream_list[b.pool.stream_slot()]);
+        let h = key_hash(key, core.stream_list[b.pool.stream_slot()]);
         let wanted = if b.pool.kind() == crate::block::PoolKind::Small {
             w.keys.contains(&h)
         } else {
@@ -272,34 +269,41 @@ impl<E> State<E> {
     }
 
     /// Parks the allocated block `id` (still in the live map) in thread cache
-    /// `slot`: counted as freed, kept out of the bins. Evicts the slot's
-    /// oldest parked block back to the bins if the slot is full.
-    pub(super) fn park(&mut self, slot: SlotId, id: BlockId) {
-        let b = self.core.blocks.get(id.0);
+    /// `slot`: counted as freed, kept out of the bins. If the slot is full,
+    /// evicts its oldest parked block and returns it (for the caller to
+    /// return to the bins).
+    #[must_use]
+    pub(super) fn park<E>(
+        &mut self,
+        core: &mut Core<E>,
+        slot: SlotId,
+        id: BlockId,
+    ) -> Option<BlockId> {
+        let b = core.blocks.get(id.0);
         let (addr, size, pool, requested, split) =
             (b.addr, b.size, b.pool, b.requested, b.is_split());
-        let key = round_size(requested.max(1), &self.core.config.roundup_power2_divisions)
+        let key = round_size(requested.max(1), &core.config.roundup_power2_divisions)
             .expect("checked by should_park");
         let kind = pool.kind();
-        let oversize = size >= self.core.config.max_split_size;
+        let oversize = size >= core.config.max_split_size;
         // Counted as freed by its caller, as a free would.
-        self.core.count_allocated(kind, size, false);
-        self.core.count_active(kind, size, requested, false);
+        core.count_allocated(kind, size, false);
+        core.count_active(kind, size, requested, false);
         if split {
-            self.core.stats.inactive_split.increase(kind, 1);
-            self.core.stats.inactive_split_bytes.increase(kind, size);
+            core.stats.inactive_split.increase(kind, 1);
+            core.stats.inactive_split_bytes.increase(kind, size);
         }
-        let clock = self.core.clock;
-        let b = self.core.blocks.get_mut(id.0);
+        let clock = core.clock;
+        let b = core.blocks.get_mut(id.0);
         b.state = BlockState::Parked;
         b.requested = 0;
         b.freed_at = clock;
         b.holder = Some(slot);
-        self.caches.cached_blocks += 1;
+        self.cached_blocks += 1;
         let entry = Entry {
             addr,
             key,
-            stream: self.core.stream_list[pool.stream_slot()],
+            stream: core.stream_list[pool.stream_slot()],
             size,
             kind,
             block: id,
@@ -309,36 +313,41 @@ impl<E> State<E> {
         };
         let holder = self.slot(slot);
         let mut g = holder.inner.lock();
+        let mut evicted = None;
         if g.cached.len() >= holder.capacity {
-            self.sync_slot(&mut g);
-            if let Some(old) = holder.evict_oldest_locked(&mut g) {
-                self.unpark(old.block);
-            }
+            self.sync_slot(core, &mut g);
+            evicted = holder.evict_oldest_locked(&mut g).map(|old| old.block);
         }
         holder.park_locked(&mut g, entry);
+        evicted
     }
 
     /// Takes the block at `addr`, handed out by thread cache `holder`, back
     /// into the allocator's own keeping (still allocated). A parked block
     /// there means the caller already freed it.
-    pub(super) fn take_back(&mut self, holder: SlotId, addr: u64) -> Result<(), AllocError> {
+    pub(super) fn take_back<E>(
+        &mut self,
+        core: &mut Core<E>,
+        holder: SlotId,
+        addr: u64,
+    ) -> Result<(), AllocError> {
         let slot = self.slot(holder);
         let mut g = slot.inner.lock();
-        self.sync_slot(&mut g);
+        self.sync_slot(core, &mut g);
         let Some(e) = slot.take_live_locked(&mut g, addr) else {
             return Err(AllocError::DoubleFree(DevicePtr(addr)));
         };
-        self.core.blocks.get_mut(e.block.0).holder = None;
-        self.caches.cached_blocks -= 1;
+        core.blocks.get_mut(e.block.0).holder = None;
+        self.cached_blocks -= 1;
         Ok(())
     }
 
     /// Folds what the slot did on its own into the statistics and the block states.
-    pub(super) fn sync_slot(&mut self, g: &mut SlotInner) {
+    pub(super) fn sync_slot<E>(&mut self, core: &mut Core<E>, g: &mut SlotInner) {
         if g.pending.any {
             let p = std::mem::take(&mut g.pending);
-            self.core.clock += p.ops;
-            let s = &mut self.core.stats;
+            core.clock += p.ops;
+            let s = &mut core.stats;
             for kind in KINDS {
                 let tracks = &p.kinds[kind_index(kind)];
                 let arrays = [
@@ -367,109 +376,111 @@ impl<E> State<E> {
             }
         }
         for e in &g.live {
-            let b = self.core.blocks.get_mut(e.block.0);
+            let b = core.blocks.get_mut(e.block.0);
             b.state = BlockState::Allocated;
             b.requested = e.requested;
         }
         for e in &g.cached {
-            let b = self.core.blocks.get_mut(e.block.0);
+            let b = core.blocks.get_mut(e.block.0);
             b.state = BlockState::Parked;
             b.requested = 0;
         }
     }
 
-    /// Returns a parked block (its slot synced) to the bins, merging it.
-    fn unpark(&mut self, id: BlockId) {
-        let b = self.core.blocks.get_mut(id.0);
+    /// Takes a parked block (its slot synced) out of the thread caches,
+    /// free but not yet filed: returns its pool kind, whether it is a slab
+    /// chunk, and since when it is idle (its caller's free, or a free
+    /// neighbour's), for the caller to file it.
+    pub(super) fn unpark<E>(&mut self, core: &mut Core<E>, id: BlockId) -> (PoolKind, bool, u64) {
+        let b = core.blocks.get_mut(id.0);
         debug_assert_eq!(b.state, BlockState::Parked);
         let (addr, size, kind, split, slab) = (b.addr, b.size, b.pool.kind(), b.is_split(), b.slab);
         // Idle since the caller (or a free neighbour's caller) freed it, not since the flush.
         let mut parked_at = b.freed_at;
         for n in [b.prev, b.next].into_iter().flatten() {
-            let nb = self.core.blocks.get(n.0);
+            let nb = core.blocks.get(n.0);
             if nb.state == BlockState::Free {
                 parked_at = parked_at.max(nb.freed_at);
             }
         }
-        let b = self.core.blocks.get_mut(id.0);
+        let b = core.blocks.get_mut(id.0);
         b.state = BlockState::Free;
         b.holder = None;
-        self.caches.cached_blocks -= 1;
-        self.core.live.remove(addr);
+        self.cached_blocks -= 1;
+        core.live.remove(addr);
         if split {
-            self.core.stats.inactive_split.decrease(kind, 1);
-            self.core.stats.inactive_split_bytes.decrease(kind, size);
+            core.stats.inactive_split.decrease(kind, 1);
+            core.stats.inactive_split_bytes.decrease(kind, size);
         }
-        self.file_free(id, kind, slab);
-        self.core.blocks.get_mut(id.0).freed_at = parked_at;
-        self.core
-            .note_maybe_free(self.core.blocks.get(id.0).segment);
+        (kind, slab, parked_at)
     }
 
-    /// Before a large request is placed, the calling thread's parked large
-    /// blocks go back to the bins, so that the placement sees every free
-    /// large block (a parked block serves only a repeat of its own size
-    /// before any other large request).
-    pub(super) fn flush_own_large(&mut self, own: SlotId) {
-        let holds = self.caches.slots[own.0 as usize]
+    /// Takes the parked large blocks out of slot `own`, for the caller to
+    /// return to the bins before a large request of that thread is placed
+    /// (a parked block serves only a repeat of its own size before any
+    /// other large request).
+    pub(super) fn take_own_large<E>(&mut self, core: &mut Core<E>, own: SlotId) -> Vec<BlockId> {
+        let holds = self.slots[own.0 as usize]
             .as_ref()
             .is_some_and(|s| s.holds_large());
         if !holds {
-            return;
+            return Vec::new();
         }
         let slot = self.slot(own);
         let mut g = slot.inner.lock();
-        self.sync_slot(&mut g);
-        for e in slot.take_large_locked(&mut g) {
-            self.unpark(e.block);
-        }
+        self.sync_slot(core, &mut g);
+        slot.take_large_locked(&mut g)
+            .into_iter()
+            .map(|e| e.block)
+            .collect()
     }
 
     /// Brings every slot's tallies and block states up to date.
-    pub(super) fn sync_thread_caches(&mut self) {
-        if self.caches.cached_blocks == 0 {
+    pub(super) fn sync_thread_caches<E>(&mut self, core: &mut Core<E>) {
+        if self.cached_blocks == 0 {
             return;
         }
-        for slot in self.caches.slots.clone().into_iter().flatten() {
+        for slot in self.slots.clone().into_iter().flatten() {
             let mut g = slot.inner.lock();
-            self.sync_slot(&mut g);
+            self.sync_slot(core, &mut g);
         }
     }
 
-    /// Returns every parked block to the bins, and forgets the slots of
-    /// threads that ended with nothing in them.
-    pub(super) fn flush_thread_caches(&mut self) {
-        if self.caches.slots.is_empty() {
-            return;
+    /// Takes every parked block out of slot `i` (for the caller to return
+    /// to the bins), and forgets the slot if its thread ended with nothing
+    /// in it.
+    pub(super) fn take_parked<E>(&mut self, core: &mut Core<E>, i: usize) -> Vec<BlockId> {
+        let Some(slot) = self.slots[i].clone() else {
+            return Vec::new();
+        };
+        let mut g = slot.inner.lock();
+        self.sync_slot(core, &mut g);
+        let parked = slot
+            .take_parked_locked(&mut g)
+            .into_iter()
+            .map(|e| e.block)
+            .collect();
+        let idle = g.live.is_empty();
+        drop(g);
+        // Two owners left (the list and the clone above): the thread is gone.
+        if idle && Arc::strong_count(&slot) == 2 {
+            self.slots[i] = None;
         }
-        for (i, slot) in self.caches.slots.clone().into_iter().enumerate() {
-            let Some(slot) = slot else { continue };
-            let mut g = slot.inner.lock();
-            self.sync_slot(&mut g);
-            for e in slot.take_parked_locked(&mut g) {
-                self.unpark(e.block);
-            }
-            let idle = g.live.is_empty();
-            drop(g);
-            // Two owners left (the list and the clone above): the thread is gone.
-            if idle && Arc::strong_count(&slot) == 2 {
-                self.caches.slots[i] = None;
-            }
-        }
+        parked
     }
 
     /// Every slot's entries name blocks it holds, in the matching state.
     /// (Each slot is synced under its lock first: its thread may have moved
     /// blocks since the allocator last looked.)
-    pub(super) fn check_slots(&mut self) -> Result<(), String> {
+    pub(super) fn check_slots<E>(&mut self, core: &mut Core<E>) -> Result<(), String> {
         let mut n = 0;
-        for slot in self.caches.slots.clone().into_iter().flatten() {
+        for slot in self.slots.clone().into_iter().flatten() {
             let mut g = slot.inner.lock();
-            self.sync_slot(&mut g);
+            self.sync_slot(core, &mut g);
             let entries = g.cached.iter().map(|e| (e, BlockState::Parked));
             for (e, want) in entries.chain(g.live.iter().map(|e| (e, BlockState::Allocated))) {
                 n += 1;
-                let b = self.core.blocks.get(e.block.0);
+                let b = core.blocks.get(e.block.0);
                 if b.addr != e.addr
                     || b.size != e.size
                     || b.holder != Some(slot.id)
@@ -489,10 +500,10 @@ impl<E> State<E> {
                 ));
             }
         }
-        if n != self.caches.cached_blocks {
+        if n != self.cached_blocks {
             return Err(format!(
                 "thread caches list {n} blocks but {} are held",
-                self.caches.cached_blocks
+                self.cached_blocks
             ));
         }
         Ok(())
