@@ -17,8 +17,8 @@
 //! past the cap, or when the device is full; `empty_cache` unmaps every idle
 //! page and releases the pool.
 
-use super::{Request, State};
-use crate::block::{BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId};
+use super::Core;
+use crate::block::{BlockState, PoolId, PoolKind, Segment, SegmentId};
 use crate::config::EdgePages;
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::AllocError;
@@ -184,154 +184,58 @@ type Tail = (SegmentId, u64, u64, u64);
 /// the idle index, or `None` for the tail of the block being carved).
 type IdlePage = (u64, SegmentId, u32, Option<u32>);
 
-impl<E> State<E> {
+impl<E> Expandable<E> {
     /// Page size of the expandable segments of a pool kind.
-    pub(super) fn page_size(&self, kind: PoolKind) -> u64 {
-        let g = self
-            .core
-            .granularity
-            .expect("expandable mode has a granularity");
+    pub(super) fn page_size(&self, core: &Core<E>, kind: PoolKind) -> u64 {
+        let g = core.granularity.expect("expandable mode has a granularity");
         match kind {
             PoolKind::Small => g,
-            PoolKind::Large | PoolKind::Huge => {
-                self.core.config.expandable_page.div_ceil(g).max(1) * g
-            }
+            PoolKind::Large | PoolKind::Huge => core.config.expandable_page.div_ceil(g).max(1) * g,
         }
-    }
-
-    /// Takes a block of `rounded` bytes from the expandable segments of
-    /// `pool` (reserving a new range when none has room), its pages mapped.
-    pub(super) fn malloc_expandable<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        req: Request,
-    ) -> Result<BlockId, AllocError> {
-        let Request {
-            pool,
-            size,
-            rounded,
-            ..
-        } = req;
-        for attempt in 0..2 {
-            if attempt == 1 {
-                // Last rung: wait for every pending event, so that blocks other
-                // streams held become free and their pages idle, then retry.
-                self.core.stats.num_alloc_retries += 1;
-                self.wait_all_events(dev)?;
-            }
-            let pick = self.core.bins[pool.index()]
-                .as_ref()
-                .and_then(|b| b.best_fit(rounded));
-            let (bsize, addr, id) = match pick {
-                Some(p) => p,
-                None => self.new_range(dev, req)?,
-            };
-            // While its pages are gathered the block is out of the bins (so not
-            // idle) and marked in use (so a block freed meanwhile does not merge it).
-            self.core.bins_mut(pool).remove(bsize, addr, id);
-            let b = self.core.blocks.get_mut(id.0);
-            b.state = BlockState::Allocated;
-            let (since, seg) = (b.freed_at, b.segment);
-            self.core.idle_index.remove(&(since, id.0));
-            let mapped = self.map_range(dev, seg, addr, addr + rounded, (addr + bsize, since));
-            if mapped.is_ok() {
-                return Ok(id);
-            }
-            // Back to the bins, merged with any neighbour a recycling round freed meanwhile.
-            self.core.blocks.get_mut(id.0).state = BlockState::Free;
-            self.core.merge_into_bins(id);
-            if let Err(e) = mapped {
-                if !matches!(e, AllocError::OutOfMemory(_)) {
-                    return Err(e);
-                }
-            }
-        }
-        self.core.stats.num_ooms += 1;
-        Err(AllocError::OutOfMemory(Box::new(
-            self.oom_report(dev, size, rounded),
-        )))
-    }
-
-    /// Reserves a new range for `pool` that fits `rounded` bytes; returns
-    /// its free block as a bins entry (size, address, block). Out of
-    /// address space, releases what the cache can spare and tries once more.
-    #[cold]
-    fn new_range<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        req: Request,
-    ) -> Result<(u64, u64, BlockId), AllocError> {
-        let Request {
-            pool,
-            stream,
-            size,
-            rounded,
-        } = req;
-        let seg = match self.reserve_range(dev, pool, stream, rounded) {
-            Ok(seg) => seg,
-            Err(AllocError::Device(DeviceError::OutOfMemory)) => {
-                self.core.stats.num_alloc_retries += 1;
-                self.release_cached(dev)?;
-                match self.reserve_range(dev, pool, stream, rounded) {
-                    Ok(seg) => seg,
-                    Err(AllocError::Device(DeviceError::OutOfMemory)) => {
-                        self.core.stats.num_ooms += 1;
-                        return Err(AllocError::OutOfMemory(Box::new(
-                            self.oom_report(dev, size, rounded),
-                        )));
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-            Err(e) => return Err(e),
-        };
-        let s = self.core.segments.get(seg.0);
-        Ok((s.size, s.addr, s.head))
     }
 
     /// Reserves a range for `pool` big enough for `rounded` bytes: the first
     /// one `FIRST_RANGE` (or the cap on ranges, if smaller), each later one
     /// twice the largest before, so that a pool needs few ranges however far
     /// it grows and a thousand streams' pools fit in the address space.
-    fn reserve_range<D: Device<Event = E>>(
+    pub(super) fn reserve_range<D: Device<Event = E>>(
         &mut self,
+        core: &mut Core<E>,
         dev: &D,
         pool: PoolId,
         stream: StreamId,
         rounded: u64,
     ) -> Result<SegmentId, AllocError> {
-        let page_size = self.page_size(pool.kind());
-        let largest = self.vmm.ranges[pool.index()]
+        let page_size = self.page_size(core, pool.kind());
+        let largest = self.ranges[pool.index()]
             .iter()
-            .map(|s| self.core.segments.get(s.0).size)
+            .map(|s| core.segments.get(s.0).size)
             .max()
             .unwrap_or(0);
-        let ranges = self.core.stats.segment.all().current;
-        let size = next_range_size(self.vmm.range_size, page_size, ranges, largest, rounded);
+        let ranges = core.stats.segment.all().current;
+        let size = next_range_size(self.range_size, page_size, ranges, largest, rounded);
         let ptr = dev.vmm_reserve(size)?;
-        self.core.stats.num_vmm_reserve += 1;
-        let seg = self
-            .core
-            .add_segment(ptr, size, stream, pool, Some(page_size));
-        let head = self.core.segments.get(seg.0).head;
-        self.core.bins_mut(pool).insert(size, ptr.0, head);
-        self.vmm.ranges[pool.index()].push(seg);
+        core.stats.num_vmm_reserve += 1;
+        let seg = core.add_segment(ptr, size, stream, pool, Some(page_size));
+        let head = core.segments.get(seg.0).head;
+        core.bins_mut(pool).insert(size, ptr.0, head);
+        self.ranges[pool.index()].push(seg);
         Ok(seg)
     }
 
     /// Reserved-memory limits of the recycling rounds: (soft, hard, cap).
-    fn limits(&self) -> (u64, u64, u64) {
-        let peak = self.core.stats.allocated_bytes.all().peak as f64;
-        let (soft, hard) = if self.core.config.release_before_grow {
-            let soft = (peak * (1.0 + self.core.config.idle_slack)) as u64;
+    fn limits(&self, core: &Core<E>) -> (u64, u64, u64) {
+        let peak = core.stats.allocated_bytes.all().peak as f64;
+        let (soft, hard) = if core.config.release_before_grow {
+            let soft = (peak * (1.0 + core.config.idle_slack)) as u64;
             (
                 soft,
-                soft.max((peak * (1.0 + self.core.config.idle_slack_hard)) as u64),
+                soft.max((peak * (1.0 + core.config.idle_slack_hard)) as u64),
             )
         } else {
             (u64::MAX, u64::MAX)
         };
-        (soft, hard, self.core.cap.unwrap_or(u64::MAX))
+        (soft, hard, core.cap.unwrap_or(u64::MAX))
     }
 
     /// Maps every unmapped granule under `[start, end)` of `seg`. The block
@@ -348,26 +252,24 @@ impl<E> State<E> {
     /// cap or of the device's capacity) `Pressure` maps granularity-sized pages
     /// only, and first unmaps the big page under the block's end if it
     /// reaches into the free rest and no queued work can touch it.
-    fn map_range<D: Device<Event = E>>(
+    pub(super) fn map_range<D: Device<Event = E>>(
         &mut self,
+        core: &mut Core<E>,
         dev: &D,
         seg: SegmentId,
         start: u64,
         end: u64,
         (block_end, since): (u64, u64),
     ) -> Result<(), AllocError> {
-        let g = self
-            .core
-            .granularity
-            .expect("expandable mode has a granularity");
+        let g = core.granularity.expect("expandable mode has a granularity");
         let tail = (seg, end, block_end, since);
-        let mut style = match self.core.config.expandable_edges {
+        let mut style = match core.config.expandable_edges {
             EdgePages::Small => Style::SmallEdges,
             EdgePages::Big => Style::BigEdges,
             EdgePages::Pressure => {
-                let plan = self.plan(seg, start, end, Style::BigEdges);
+                let plan = self.plan(core, seg, start, end, Style::BigEdges);
                 let bytes: u64 = plan.iter().map(|&(_, n)| u64::from(n) * g).sum();
-                if self.under_pressure(bytes) {
+                if self.under_pressure(core, bytes) {
                     Style::Granules
                 } else {
                     Style::BigEdges
@@ -375,21 +277,21 @@ impl<E> State<E> {
             }
         };
         if style == Style::Granules {
-            self.trim_end_page(dev, seg, start, end, (block_end, since))?;
+            self.trim_end_page(core, dev, seg, start, end, (block_end, since))?;
         }
         loop {
-            let plan = self.plan(seg, start, end, style);
+            let plan = self.plan(core, seg, start, end, style);
             if plan.is_empty() {
                 return Ok(());
             }
-            match self.map_plan(dev, seg, &plan, tail) {
+            match self.map_plan(core, dev, seg, &plan, tail) {
                 // The device or the cap is full after all: only the granules needed.
                 Err(AllocError::OutOfMemory(_))
                     if style == Style::BigEdges
-                        && self.core.config.expandable_edges == EdgePages::Pressure =>
+                        && core.config.expandable_edges == EdgePages::Pressure =>
                 {
                     style = Style::Granules;
-                    self.trim_end_page(dev, seg, start, end, (block_end, since))?;
+                    self.trim_end_page(core, dev, seg, start, end, (block_end, since))?;
                 }
                 r => return r,
             }
@@ -399,13 +301,13 @@ impl<E> State<E> {
     /// Whether mapping `bytes` more would bring reserved memory within
     /// `idle_slack_hard` of the cap, of the device's total memory, or of the
     /// level at which the device was last found full.
-    fn under_pressure(&self, bytes: u64) -> bool {
-        let (_, _, cap) = self.limits();
+    fn under_pressure(&self, core: &Core<E>, bytes: u64) -> bool {
+        let (_, _, cap) = self.limits(core);
         let limit = cap
-            .min(self.vmm.device_full_at.unwrap_or(u64::MAX))
-            .min(self.vmm.range_size);
-        let limit = (limit as f64 * (1.0 - self.core.config.idle_slack_hard).max(0.0)) as u64;
-        self.core.reserved() + bytes > limit
+            .min(self.device_full_at.unwrap_or(u64::MAX))
+            .min(self.range_size);
+        let limit = (limit as f64 * (1.0 - core.config.idle_slack_hard).max(0.0)) as u64;
+        core.reserved() + bytes > limit
     }
 
     /// If the big page under the block's end reaches past it into the free
@@ -414,17 +316,15 @@ impl<E> State<E> {
     /// granules under the block get mapped again.
     fn trim_end_page<D: Device<Event = E>>(
         &mut self,
+        core: &mut Core<E>,
         dev: &D,
         seg: SegmentId,
         start: u64,
         end: u64,
         (block_end, since): (u64, u64),
     ) -> Result<(), AllocError> {
-        let g = self
-            .core
-            .granularity
-            .expect("expandable mode has a granularity");
-        let s = self.core.segments.get(seg.0);
+        let g = core.granularity.expect("expandable mode has a granularity");
+        let s = core.segments.get(seg.0);
         let base = s.addr;
         let last = (end - base).div_ceil(g) as u32;
         let pages = s.pages().expect("expandable");
@@ -439,15 +339,15 @@ impl<E> State<E> {
         if !self.quiescent(dev, s.pool.stream_slot(), since)? {
             return Ok(());
         }
-        let s = self.core.segments.get_mut(seg.0);
+        let s = core.segments.get_mut(seg.0);
         let pages = s.pages_mut().expect("expandable");
         pages.remove(at);
         if let Err(e) = dev.vmm_unmap(DevicePtr(lo), hi - lo) {
             pages.insert(at, n, h);
             return Err(e.into());
         }
-        self.vmm.page_pool.push((h, s.pool.kind(), hi - lo));
-        self.core.stats.num_unmap += 1;
+        self.page_pool.push((h, s.pool.kind(), hi - lo));
+        core.stats.num_unmap += 1;
         Ok(())
     }
 
@@ -456,12 +356,16 @@ impl<E> State<E> {
     /// under the block, granules elsewhere; with `Style::BigEdges`, an
     /// unmapped big page only partly under the block is mapped whole; with
     /// `Style::Granules`, granules only.
-    fn plan(&self, seg: SegmentId, start: u64, end: u64, style: Style) -> Vec<(u32, u32)> {
-        let g = self
-            .core
-            .granularity
-            .expect("expandable mode has a granularity");
-        let s = self.core.segments.get(seg.0);
+    fn plan(
+        &self,
+        core: &Core<E>,
+        seg: SegmentId,
+        start: u64,
+        end: u64,
+        style: Style,
+    ) -> Vec<(u32, u32)> {
+        let g = core.granularity.expect("expandable mode has a granularity");
+        let s = core.segments.get(seg.0);
         let pages = s.pages().expect("expandable");
         let big = match style {
             Style::Granules => 1,
@@ -499,16 +403,14 @@ impl<E> State<E> {
     /// Gathers the physical pages for `plan` and maps them.
     fn map_plan<D: Device<Event = E>>(
         &mut self,
+        core: &mut Core<E>,
         dev: &D,
         seg: SegmentId,
         plan: &[(u32, u32)],
         tail: Tail,
     ) -> Result<(), AllocError> {
-        let g = self
-            .core
-            .granularity
-            .expect("expandable mode has a granularity");
-        let s = self.core.segments.get(seg.0);
+        let g = core.granularity.expect("expandable mode has a granularity");
+        let s = core.segments.get(seg.0);
         let (base, kind) = (s.addr, s.pool.kind());
         let mut need: Vec<(u64, usize)> = Vec::with_capacity(2);
         for &(_, n) in plan {
@@ -519,8 +421,8 @@ impl<E> State<E> {
             }
         }
         let mut gathered = Vec::with_capacity(plan.len());
-        if let Err(e) = self.gather_pages(dev, &need, tail, &mut gathered) {
-            self.return_pages(dev, gathered)?;
+        if let Err(e) = self.gather_pages(core, dev, &need, tail, &mut gathered) {
+            self.return_pages(core, dev, gathered)?;
             return Err(e);
         }
         for &(at, n) in plan {
@@ -532,22 +434,21 @@ impl<E> State<E> {
             let page = gathered.swap_remove(j);
             if let Err(e) = dev.vmm_map(DevicePtr(base + u64::from(at) * g), page.handle, size) {
                 gathered.push(page);
-                self.return_pages(dev, gathered)?;
+                self.return_pages(core, dev, gathered)?;
                 return Err(e.into());
             }
-            self.core
-                .segments
+            core.segments
                 .get_mut(seg.0)
                 .pages_mut()
                 .expect("expandable")
                 .insert(at, n, page.handle);
-            self.core.stats.num_map += 1;
+            core.stats.num_map += 1;
             match page.counted_as {
-                None => self.core.stats.reserved_bytes.increase(kind, size),
-                Some(old) => self.core.stats.reserved_bytes.move_group(old, kind, size),
+                None => core.stats.reserved_bytes.increase(kind, size),
+                Some(old) => core.stats.reserved_bytes.move_group(old, kind, size),
             }
         }
-        self.core.high_water = self.core.high_water.max(self.core.reserved());
+        core.high_water = core.high_water.max(core.reserved());
         Ok(())
     }
 
@@ -558,12 +459,13 @@ impl<E> State<E> {
     /// pooled pages of sizes this request cannot use where they are in the way.
     fn gather_pages<D: Device<Event = E>>(
         &mut self,
+        core: &mut Core<E>,
         dev: &D,
         need: &[(u64, usize)],
         tail: Tail,
         out: &mut Vec<Page>,
     ) -> Result<(), AllocError> {
-        let (soft_limit, hard_limit, cap) = self.limits();
+        let (soft_limit, hard_limit, cap) = self.limits(core);
         // 0: nothing recycled yet; 1: quiescent idle pages taken; 2: waited
         // for the device; 3: device full after that, pooled pages given back.
         let mut stage = 0;
@@ -573,10 +475,10 @@ impl<E> State<E> {
             for &(size, count) in need {
                 let mut have = out.iter().filter(|p| p.size == size).count();
                 while have < count {
-                    let Some(i) = self.vmm.page_pool.iter().rposition(|p| p.2 == size) else {
+                    let Some(i) = self.page_pool.iter().rposition(|p| p.2 == size) else {
                         break;
                     };
-                    let (handle, kind, _) = self.vmm.page_pool.swap_remove(i);
+                    let (handle, kind, _) = self.page_pool.swap_remove(i);
                     out.push(Page {
                         handle,
                         size,
@@ -594,23 +496,23 @@ impl<E> State<E> {
             };
             // Past the soft limit, take idle pages no queued work can touch
             // (free): past the hard limit or the cap, wait for the device.
-            if stage < 1 && self.core.reserved() + grow > soft_limit.min(cap) {
-                self.recycle(dev, tail, grow, false)?;
+            if stage < 1 && core.reserved() + grow > soft_limit.min(cap) {
+                self.recycle(core, dev, tail, grow, false)?;
                 stage = 1;
                 continue;
             }
-            if stage < 2 && self.core.reserved() + grow > hard_limit.min(cap) {
+            if stage < 2 && core.reserved() + grow > hard_limit.min(cap) {
                 // Only the excess must come from idle pages; the rest may be
                 // created. Above the cap (lowered below use), idle pages go
                 // back until reserved memory plus the growth fits under it,
                 // which may be more than the growth itself.
-                let need = self.core.reserved() + grow;
+                let need = core.reserved() + grow;
                 let excess = if need > cap {
                     need - cap
                 } else {
                     (need - hard_limit).min(grow)
                 };
-                self.recycle(dev, tail, excess, true)?;
+                self.recycle(core, dev, tail, excess, true)?;
                 stage = 2;
                 continue;
             }
@@ -620,12 +522,12 @@ impl<E> State<E> {
             // held when it was last full.
             let room = soft_limit
                 .min(cap)
-                .min(self.vmm.device_full_at.unwrap_or(u64::MAX));
-            let over = (self.core.reserved() + grow).saturating_sub(room);
+                .min(self.device_full_at.unwrap_or(u64::MAX));
+            let over = (core.reserved() + grow).saturating_sub(room);
             if over > 0 {
-                self.release_pooled(dev, over)?;
+                self.release_pooled(core, dev, over)?;
             }
-            if self.core.reserved() + grow > cap {
+            if core.reserved() + grow > cap {
                 return Err(AllocError::OutOfMemory(Box::default()));
             }
             match dev.vmm_create_page(size) {
@@ -635,24 +537,24 @@ impl<E> State<E> {
                         size,
                         counted_as: None,
                     });
-                    self.core.stats.num_page_create += 1;
+                    core.stats.num_page_create += 1;
                     // The device had room for this much after all.
-                    let now = self.core.reserved() + out_new_bytes(out);
-                    if let Some(full) = self.vmm.device_full_at.as_mut() {
+                    let now = core.reserved() + out_new_bytes(out);
+                    if let Some(full) = self.device_full_at.as_mut() {
                         *full = (*full).max(now);
                     }
                 }
                 Err(DeviceError::OutOfMemory) if stage < 3 => {
-                    self.vmm.device_full_at = Some(self.core.reserved() + out_new_bytes(out));
+                    self.device_full_at = Some(core.reserved() + out_new_bytes(out));
                     if stage < 2 {
-                        self.recycle(dev, tail, grow, true)?;
+                        self.recycle(core, dev, tail, grow, true)?;
                     }
                     // Device full: pooled pages of other sizes make room.
-                    self.release_pooled(dev, grow)?;
+                    self.release_pooled(core, dev, grow)?;
                     stage = 3;
                 }
                 Err(DeviceError::OutOfMemory) => {
-                    self.vmm.device_full_at = Some(self.core.reserved() + out_new_bytes(out));
+                    self.device_full_at = Some(core.reserved() + out_new_bytes(out));
                     return Err(AllocError::OutOfMemory(Box::default()));
                 }
                 Err(e) => return Err(e.into()),
@@ -665,18 +567,19 @@ impl<E> State<E> {
     /// can use: what is left is of other sizes.
     fn release_pooled<D: Device<Event = E>>(
         &mut self,
+        core: &mut Core<E>,
         dev: &D,
         bytes: u64,
     ) -> Result<(), AllocError> {
         let mut freed = 0;
         while freed < bytes {
-            let Some(&(h, kind, size)) = self.vmm.page_pool.last() else {
+            let Some(&(h, kind, size)) = self.page_pool.last() else {
                 break;
             };
             dev.vmm_release_page(h)?;
-            self.vmm.page_pool.pop(); // only once released: a failure keeps it pooled
-            self.core.stats.num_page_release += 1;
-            self.core.stats.reserved_bytes.decrease(kind, size);
+            self.page_pool.pop(); // only once released: a failure keeps it pooled
+            core.stats.num_page_release += 1;
+            core.stats.reserved_bytes.decrease(kind, size);
             freed += size;
         }
         Ok(())
@@ -690,25 +593,26 @@ impl<E> State<E> {
     /// awaiting events, one at a time, until it is: never for the whole device.
     fn recycle<D: Device<Event = E>>(
         &mut self,
+        core: &mut Core<E>,
         dev: &D,
         tail: Tail,
         need: u64,
         wait: bool,
     ) -> Result<(), AllocError> {
-        let peak = self.core.stats.allocated_bytes.all().peak;
-        let batch = need.saturating_add((peak as f64 * self.core.config.recycle_batch) as u64);
-        let mut got = self.unmap_idle_pages(dev, Some(tail), batch, false)?;
+        let peak = core.stats.allocated_bytes.all().peak;
+        let batch = need.saturating_add((peak as f64 * core.config.recycle_batch) as u64);
+        let mut got = self.unmap_idle_pages(core, dev, Some(tail), batch, false)?;
         if !wait {
             return Ok(());
         }
         while got < need {
             // The longest idle page that is not quiescent yet: wait for its stream.
-            if let Some((since, slot)) = self.oldest_busy_idle(dev, tail)? {
-                self.wait_quiescent(dev, slot, since)?;
-            } else if !self.wait_one_pending(dev)? {
+            if let Some((since, slot)) = self.oldest_busy_idle(core, dev, tail)? {
+                self.wait_quiescent(core, dev, slot, since)?;
+            } else if !Self::wait_one_pending(core, dev)? {
                 break; // nothing left to wait for
             }
-            got += self.unmap_idle_pages(dev, Some(tail), batch - got, false)?;
+            got += self.unmap_idle_pages(core, dev, Some(tail), batch - got, false)?;
         }
         Ok(())
     }
@@ -716,10 +620,15 @@ impl<E> State<E> {
     /// Records a marker on the stream of `pool` as a block of it is freed:
     /// one per `MARKER_INTERVAL` operations, at most `MAX_MARKERS` outstanding
     /// (the oldest retired first if complete).
-    pub(super) fn mark_free<D: Device<Event = E>>(&mut self, dev: &D, pool: PoolId) {
+    pub(super) fn mark_free<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        pool: PoolId,
+    ) {
         let slot = pool.stream_slot();
-        let clock = self.core.clock;
-        let m = &mut self.vmm.marks[slot];
+        let clock = core.clock;
+        let m = &mut self.marks[slot];
         if !m.queue.is_empty() && clock < m.last + MARKER_INTERVAL {
             return;
         }
@@ -735,10 +644,10 @@ impl<E> State<E> {
             dev.release_event(e);
             m.quiescent_before = m.quiescent_before.max(c);
         }
-        if let Ok(e) = dev.record_event(self.core.stream_list[slot]) {
+        if let Ok(e) = dev.record_event(core.stream_list[slot]) {
             m.queue.push_back((clock + 1, e));
             m.last = clock;
-            self.core.stats.num_events_recorded += 1;
+            core.stats.num_events_recorded += 1;
         }
     }
 
@@ -750,7 +659,7 @@ impl<E> State<E> {
         slot: usize,
         since: u64,
     ) -> Result<bool, AllocError> {
-        let m = &mut self.vmm.marks[slot];
+        let m = &mut self.marks[slot];
         while since >= m.quiescent_before {
             let Some((_, e)) = m.queue.front() else {
                 return Ok(false);
@@ -770,13 +679,14 @@ impl<E> State<E> {
     /// recorded after `since` is left, for an event recorded now.
     fn wait_quiescent<D: Device<Event = E>>(
         &mut self,
+        core: &mut Core<E>,
         dev: &D,
         slot: usize,
         since: u64,
     ) -> Result<(), AllocError> {
-        let clock = self.core.clock;
-        let stream = self.core.stream_list[slot];
-        let m = &mut self.vmm.marks[slot];
+        let clock = core.clock;
+        let stream = core.stream_list[slot];
+        let m = &mut self.marks[slot];
         while since >= m.quiescent_before {
             let (c, e) = match m.queue.pop_front() {
                 Some(front) => front,
@@ -786,35 +696,43 @@ impl<E> State<E> {
             dev.release_event(e);
             waited?;
             m.quiescent_before = m.quiescent_before.max(c);
-            self.core.stats.num_event_waits += 1;
-            self.core.stats.num_marker_waits += 1;
+            core.stats.num_event_waits += 1;
+            core.stats.num_marker_waits += 1;
         }
         Ok(())
     }
 
     /// Waits for the oldest event guarding a block freed while other streams
-    /// used it, and recycles the block if that was its last; returns whether
-    /// there was one.
-    fn wait_one_pending<D: Device<Event = E>>(&mut self, dev: &D) -> Result<bool, AllocError> {
-        let Some(i) = self.core.pending.iter().position(|(_, q)| !q.is_empty()) else {
+    /// used it, and returns the block to the bins if that was its last;
+    /// returns whether there was one. (Expandable allocators have no slabs
+    /// and always cache: a freed block goes straight to the bins.)
+    fn wait_one_pending<D: Device<Event = E>>(
+        core: &mut Core<E>,
+        dev: &D,
+    ) -> Result<bool, AllocError> {
+        let Some(i) = core.pending.iter().position(|(_, q)| !q.is_empty()) else {
             return Ok(false);
         };
-        let (ev, id) = self.core.pending[i].1.pop_front().expect("not empty");
+        let (ev, id) = core.pending[i].1.pop_front().expect("not empty");
         if let Err(e) = dev.wait_event(&ev) {
-            self.core.pending[i].1.push_front((ev, id));
+            core.pending[i].1.push_front((ev, id));
             return Err(e.into());
         }
         dev.release_event(ev);
-        self.core.stats.num_event_waits += 1;
-        self.core.pending.retain(|(_, q)| !q.is_empty());
-        self.events_done(dev, vec![id])?;
+        core.stats.num_event_waits += 1;
+        core.pending.retain(|(_, q)| !q.is_empty());
+        if core.event_done(id) {
+            let (kind, slab) = core.release_block(id);
+            debug_assert!(!slab && core.config.caching);
+            core.merge_counted(id, kind);
+        }
         Ok(true)
     }
 
     /// After a device synchronize every marker has completed.
-    fn drop_markers<D: Device<Event = E>>(&mut self, dev: &D) {
-        let clock = self.core.clock;
-        for m in &mut self.vmm.marks {
+    fn drop_markers<D: Device<Event = E>>(&mut self, core: &mut Core<E>, dev: &D) {
+        let clock = core.clock;
+        for m in &mut self.marks {
             for (_, e) in m.queue.drain(..) {
                 dev.release_event(e);
             }
@@ -825,21 +743,20 @@ impl<E> State<E> {
     /// Puts gathered pages back after a failure: pooled ones to the pool, new ones to the device.
     fn return_pages<D: Device<Event = E>>(
         &mut self,
+        core: &mut Core<E>,
         dev: &D,
         pages: Vec<Page>,
     ) -> Result<(), AllocError> {
         let mut result = Ok(());
         for page in pages {
             match page.counted_as {
-                Some(kind) => self.vmm.page_pool.push((page.handle, kind, page.size)),
+                Some(kind) => self.page_pool.push((page.handle, kind, page.size)),
                 None => {
                     if let Err(e) = dev.vmm_release_page(page.handle) {
                         // Kept (pooled and counted) rather than lost.
-                        self.vmm
-                            .page_pool
+                        self.page_pool
                             .push((page.handle, PoolKind::Large, page.size));
-                        self.core
-                            .stats
+                        core.stats
                             .reserved_bytes
                             .increase(PoolKind::Large, page.size);
                         if result.is_ok() {
@@ -847,7 +764,7 @@ impl<E> State<E> {
                         }
                         continue;
                     }
-                    self.core.stats.num_page_release += 1;
+                    core.stats.num_page_release += 1;
                 }
             }
         }
@@ -858,15 +775,13 @@ impl<E> State<E> {
     /// if that is free) to `out`, as [`IdlePage`]s; returns their bytes.
     fn collect_idle(
         &self,
+        core: &Core<E>,
         (seg, start, end, since): Tail,
         block: Option<u32>,
         out: &mut Vec<IdlePage>,
     ) -> u64 {
-        let g = self
-            .core
-            .granularity
-            .expect("expandable mode has a granularity");
-        let s = self.core.segments.get(seg.0);
+        let g = core.granularity.expect("expandable mode has a granularity");
+        let s = core.segments.get(seg.0);
         let lo = (start - s.addr).div_ceil(g) as u32;
         let hi = ((end - s.addr) / g) as u32;
         if hi <= lo {
@@ -882,19 +797,15 @@ impl<E> State<E> {
     }
 
     /// The entry of the idle index after `cursor` (the first with `None`).
-    fn next_idle(&self, cursor: Option<(u64, u32)>) -> Option<(u64, u32)> {
+    fn next_idle(&self, core: &Core<E>, cursor: Option<(u64, u32)>) -> Option<(u64, u32)> {
         use std::ops::Bound::{Excluded, Unbounded};
         let from = cursor.map_or(Unbounded, Excluded);
-        self.core
-            .idle_index
-            .range((from, Unbounded))
-            .next()
-            .copied()
+        core.idle_index.range((from, Unbounded)).next().copied()
     }
 
     /// The free block `id` of the idle index as a [`Tail`]-like range.
-    fn idle_block(&self, since: u64, id: u32) -> Tail {
-        let b = self.core.blocks.get(id);
+    fn idle_block(&self, core: &Core<E>, since: u64, id: u32) -> Tail {
+        let b = core.blocks.get(id);
         (b.segment, b.addr, b.addr + b.size, since)
     }
 
@@ -902,16 +813,14 @@ impl<E> State<E> {
     /// queued work may still touch, if any.
     fn oldest_busy_idle<D: Device<Event = E>>(
         &mut self,
+        core: &mut Core<E>,
         dev: &D,
         tail: Tail,
     ) -> Result<Option<(u64, usize)>, AllocError> {
-        let g = self
-            .core
-            .granularity
-            .expect("expandable mode has a granularity");
+        let g = core.granularity.expect("expandable mode has a granularity");
         let (seg, start, end, since) = tail;
         let mut best: Option<(u64, usize)> = None;
-        let s = self.core.segments.get(seg.0);
+        let s = core.segments.get(seg.0);
         if holds_whole_page(s, g, start, end) {
             let slot = s.pool.stream_slot();
             if !self.quiescent(dev, slot, since)? {
@@ -920,13 +829,13 @@ impl<E> State<E> {
         }
         // The index is in idle order: the first busy entry is the oldest.
         let mut cursor = None;
-        while let Some((since, id)) = self.next_idle(cursor) {
+        while let Some((since, id)) = self.next_idle(core, cursor) {
             cursor = Some((since, id));
             if best.is_some_and(|b| b.0 <= since) {
                 break;
             }
-            let (seg, ..) = self.idle_block(since, id);
-            let slot = self.core.segments.get(seg.0).pool.stream_slot();
+            let (seg, ..) = self.idle_block(core, since, id);
+            let slot = core.segments.get(seg.0).pool.stream_slot();
             if !self.quiescent(dev, slot, since)? {
                 best = Some((since, slot));
                 break;
@@ -940,20 +849,18 @@ impl<E> State<E> {
     /// `max_bytes`, into the pool (they stay reserved); returns how many bytes.
     fn unmap_idle_pages<D: Device<Event = E>>(
         &mut self,
+        core: &mut Core<E>,
         dev: &D,
         extra: Option<Tail>,
         max_bytes: u64,
         all: bool,
     ) -> Result<u64, AllocError> {
-        let g = self
-            .core
-            .granularity
-            .expect("expandable mode has a granularity");
+        let g = core.granularity.expect("expandable mode has a granularity");
         let mut idle = Vec::new();
         if let Some(tail) = extra {
-            let slot = self.core.segments.get(tail.0 .0).pool.stream_slot();
+            let slot = core.segments.get(tail.0 .0).pool.stream_slot();
             if all || self.quiescent(dev, slot, tail.3)? {
-                self.collect_idle(tail, None, &mut idle);
+                self.collect_idle(core, tail, None, &mut idle);
             }
         }
         // Streams found busy in this call (their markers polled once).
@@ -961,19 +868,19 @@ impl<E> State<E> {
         let mut found = 0;
         let mut cursor = None;
         while found < max_bytes {
-            let Some((since, id)) = self.next_idle(cursor) else {
+            let Some((since, id)) = self.next_idle(core, cursor) else {
                 break;
             };
             cursor = Some((since, id));
-            let range = self.idle_block(since, id);
-            let slot = self.core.segments.get(range.0 .0).pool.stream_slot();
+            let range = self.idle_block(core, since, id);
+            let slot = core.segments.get(range.0 .0).pool.stream_slot();
             if !all && (busy.contains(&slot) || !self.quiescent(dev, slot, since)?) {
                 if !busy.contains(&slot) {
                     busy.push(slot);
                 }
                 continue;
             }
-            found += self.collect_idle(range, Some(id), &mut idle);
+            found += self.collect_idle(core, range, Some(id), &mut idle);
         }
         idle.sort_unstable_by_key(|&(since, seg, p, _)| (since, std::cmp::Reverse((seg, p))));
         let mut bytes = 0;
@@ -983,7 +890,7 @@ impl<E> State<E> {
             if bytes >= max_bytes {
                 break;
             }
-            let s = self.core.segments.get_mut(seg.0);
+            let s = core.segments.get_mut(seg.0);
             let seg_addr = s.addr;
             let pages = s.pages_mut().expect("expandable");
             let (h, n) = pages.remove(at).expect("page was mapped");
@@ -994,8 +901,8 @@ impl<E> State<E> {
                 failed = Some(e);
                 break;
             }
-            self.vmm.page_pool.push((h, s.pool.kind(), size));
-            self.core.stats.num_unmap += 1;
+            self.page_pool.push((h, s.pool.kind(), size));
+            core.stats.num_unmap += 1;
             bytes += size;
             if let Some(id) = block {
                 if emptied.last() != Some(&(since, id)) {
@@ -1005,9 +912,9 @@ impl<E> State<E> {
         }
         // Blocks left with no whole page leave the index.
         for (since, id) in emptied {
-            let (seg, start, end, _) = self.idle_block(since, id);
-            if !holds_whole_page(self.core.segments.get(seg.0), g, start, end) {
-                self.core.idle_index.remove(&(since, id));
+            let (seg, start, end, _) = self.idle_block(core, since, id);
+            if !holds_whole_page(core.segments.get(seg.0), g, start, end) {
+                core.idle_index.remove(&(since, id));
             }
         }
         match failed {
@@ -1021,23 +928,24 @@ impl<E> State<E> {
     /// no block and no page.
     pub(super) fn release_expandable<D: Device<Event = E>>(
         &mut self,
+        core: &mut Core<E>,
         dev: &D,
     ) -> Result<(), AllocError> {
         dev.synchronize()?;
-        self.drop_markers(dev);
-        self.vmm.device_full_at = None;
-        self.unmap_idle_pages(dev, None, u64::MAX, true)?;
-        while let Some(&(h, kind, size)) = self.vmm.page_pool.last() {
+        self.drop_markers(core, dev);
+        self.device_full_at = None;
+        self.unmap_idle_pages(core, dev, None, u64::MAX, true)?;
+        while let Some(&(h, kind, size)) = self.page_pool.last() {
             dev.vmm_release_page(h)?;
-            self.vmm.page_pool.pop(); // only once released: a failure keeps it pooled
-            self.core.stats.num_page_release += 1;
-            self.core.stats.reserved_bytes.decrease(kind, size);
+            self.page_pool.pop(); // only once released: a failure keeps it pooled
+            core.stats.num_page_release += 1;
+            core.stats.reserved_bytes.decrease(kind, size);
         }
-        for i in 0..self.vmm.ranges.len() {
-            let mut kept = Vec::with_capacity(self.vmm.ranges[i].len());
-            for seg in std::mem::take(&mut self.vmm.ranges[i]) {
-                let s = self.core.segments.get(seg.0);
-                let head = self.core.blocks.get(s.head.0);
+        for i in 0..self.ranges.len() {
+            let mut kept = Vec::with_capacity(self.ranges[i].len());
+            for seg in std::mem::take(&mut self.ranges[i]) {
+                let s = core.segments.get(seg.0);
+                let head = core.blocks.get(s.head.0);
                 if head.state != BlockState::Free
                     || head.next.is_some()
                     || !s.pages().is_some_and(|p| p.is_empty())
@@ -1049,17 +957,17 @@ impl<E> State<E> {
                     (s.addr, s.size, s.pool, s.head, head.freed_at);
                 if let Err(e) = dev.vmm_free_range(DevicePtr(addr), size) {
                     kept.push(seg);
-                    self.vmm.ranges[i] = kept;
+                    self.ranges[i] = kept;
                     return Err(e.into());
                 }
-                self.core.bins_mut(pool).remove(size, addr, head_id);
-                self.core.idle_index.remove(&(since, head_id.0));
-                self.core.blocks.discard(head_id.0);
-                self.core.segments.remove(seg.0);
-                self.core.segment_by_addr.remove(&addr);
-                self.core.stats.segment.decrease(pool.kind(), 1);
+                core.bins_mut(pool).remove(size, addr, head_id);
+                core.idle_index.remove(&(since, head_id.0));
+                core.blocks.discard(head_id.0);
+                core.segments.remove(seg.0);
+                core.segment_by_addr.remove(&addr);
+                core.stats.segment.decrease(pool.kind(), 1);
             }
-            self.vmm.ranges[i] = kept;
+            self.ranges[i] = kept;
         }
         Ok(())
     }
@@ -1067,20 +975,20 @@ impl<E> State<E> {
     /// Checks every expandable segment's page map (mappings of the
     /// granularity or of the segment's page size, inside the range, runs in
     /// step) and that no physical page is mapped twice or both mapped and pooled.
-    pub(super) fn check_pages(&self) -> Result<(), String> {
-        let Some(g) = self.core.granularity else {
+    pub(super) fn check_pages(&self, core: &Core<E>) -> Result<(), String> {
+        let Some(g) = core.granularity else {
             return Ok(());
         };
         let mut handles = std::collections::HashSet::new();
-        for &(h, _, size) in &self.vmm.page_pool {
+        for &(h, _, size) in &self.page_pool {
             if size == 0 || size % g != 0 || !handles.insert(h) {
                 return Err(format!(
                     "pooled page {h} of {size} bytes is bad or listed twice"
                 ));
             }
         }
-        for &seg in self.vmm.ranges.iter().flatten() {
-            let s = self.core.segments.get(seg.0);
+        for &seg in self.ranges.iter().flatten() {
+            let s = core.segments.get(seg.0);
             let pages = s.pages().ok_or("a range without a page map")?;
             let sizes = [1, (s.page_size() / g) as u32];
             pages
@@ -1097,10 +1005,10 @@ impl<E> State<E> {
             // The idle index holds exactly the free blocks with a whole page.
             let mut cur = Some(s.head);
             while let Some(id) = cur {
-                let b = self.core.blocks.get(id.0);
+                let b = core.blocks.get(id.0);
                 let idle =
                     b.state == BlockState::Free && holds_whole_page(s, g, b.addr, b.addr + b.size);
-                if idle != self.core.idle_index.contains(&(b.freed_at, id.0)) {
+                if idle != core.idle_index.contains(&(b.freed_at, id.0)) {
                     return Err(format!(
                         "block at {:#x} (free: {}) is {}in the idle index",
                         b.addr,
@@ -1112,25 +1020,24 @@ impl<E> State<E> {
             }
         }
         let blocks: usize = self
-            .vmm
             .ranges
             .iter()
             .flatten()
             .map(|seg| {
                 let mut n = 0;
-                let mut cur = Some(self.core.segments.get(seg.0).head);
+                let mut cur = Some(core.segments.get(seg.0).head);
                 while let Some(id) = cur {
-                    let b = self.core.blocks.get(id.0);
-                    n += usize::from(self.core.idle_index.contains(&(b.freed_at, id.0)));
+                    let b = core.blocks.get(id.0);
+                    n += usize::from(core.idle_index.contains(&(b.freed_at, id.0)));
                     cur = b.next;
                 }
                 n
             })
             .sum();
-        if blocks != self.core.idle_index.len() {
+        if blocks != core.idle_index.len() {
             return Err(format!(
                 "the idle index lists {} entries, {blocks} of them blocks",
-                self.core.idle_index.len()
+                core.idle_index.len()
             ));
         }
         Ok(())
@@ -1138,7 +1045,7 @@ impl<E> State<E> {
 
     /// Bytes held in the pool of unmapped pages.
     pub(super) fn pooled_bytes(&self) -> u64 {
-        self.vmm.page_pool.iter().map(|p| p.2).sum()
+        self.page_pool.iter().map(|p| p.2).sum()
     }
 }
 

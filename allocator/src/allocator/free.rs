@@ -56,7 +56,7 @@ impl<E> State<E> {
         let kind = pool.kind();
         self.core.count_allocated(kind, size, false);
         if self.core.granularity.is_some() {
-            self.mark_free(dev, pool);
+            self.vmm.mark_free(&mut self.core, dev, pool);
         }
         if let Some(r) = self.core.recorder.as_mut() {
             if let Some(tid) = r.ids.remove(&ptr.0) {
@@ -154,19 +154,8 @@ impl<E> State<E> {
     /// Returns a block to its pool, merging it with free neighbours (a
     /// slab's chunk goes back to its slab).
     pub(super) fn free_block(&mut self, id: BlockId) {
-        let expandable = self.core.granularity.is_some();
-        let (orig_size, requested, pool, slab) = {
-            let b = self.core.blocks.get_mut(id.0);
-            b.state = BlockState::Free;
-            if expandable {
-                // Idle from now (merging keeps the latest of the parts).
-                b.freed_at = self.core.clock;
-            }
-            (b.size, std::mem::take(&mut b.requested), b.pool, b.slab)
-        };
-        let kind = pool.kind();
+        let (kind, slab) = self.core.release_block(id);
         self.file_free(id, kind, slab);
-        self.core.count_active(kind, orig_size, requested, false);
     }
 
     /// Files the free block `id` where free blocks of its kind go: a slab's
@@ -213,10 +202,7 @@ impl<E> State<E> {
         // Every block is recycled even if the device refuses to free a
         // segment on the way (that segment stays cached).
         for id in done {
-            let b = self.core.blocks.get_mut(id.0);
-            b.pending_events -= 1;
-            if b.pending_events == 0 {
-                self.core.pending_blocks -= 1;
+            if self.core.event_done(id) {
                 self.free_block(id);
                 if !self.core.config.caching {
                     let seg = self.core.blocks.get(id.0).segment;
@@ -289,6 +275,40 @@ impl<E> State<E> {
 }
 
 impl<E> Core<E> {
+    /// Marks block `id` free and no longer active, for the caller to file it
+    /// (see `State::file_free`); returns its pool kind and whether it is a
+    /// slab's chunk.
+    pub(super) fn release_block(&mut self, id: BlockId) -> (PoolKind, bool) {
+        let expandable = self.granularity.is_some();
+        let b = self.blocks.get_mut(id.0);
+        b.state = BlockState::Free;
+        if expandable {
+            // Idle from now (merging keeps the latest of the parts).
+            b.freed_at = self.clock;
+        }
+        let (size, requested, kind, slab) = (
+            b.size,
+            std::mem::take(&mut b.requested),
+            b.pool.kind(),
+            b.slab,
+        );
+        self.count_active(kind, size, requested, false);
+        (kind, slab)
+    }
+
+    /// One event guarding block `id` completed; returns whether it was the
+    /// block's last (the block is then no longer awaiting events, and is to
+    /// be freed).
+    pub(super) fn event_done(&mut self, id: BlockId) -> bool {
+        let b = self.blocks.get_mut(id.0);
+        b.pending_events -= 1;
+        if b.pending_events > 0 {
+            return false;
+        }
+        self.pending_blocks -= 1;
+        true
+    }
+
     /// Tells apart a double free, an interior pointer and a foreign pointer.
     pub(super) fn classify_bad_pointer(&self, ptr: DevicePtr) -> AllocError {
         let Some((_, &seg)) = self.segment_by_addr.range(..=ptr.0).next_back() else {

@@ -230,7 +230,7 @@ impl<E> State<E> {
             self.release_segment(dev, seg)?;
         }
         if self.core.granularity.is_some() {
-            self.release_expandable(dev)?;
+            self.vmm.release_expandable(&mut self.core, dev)?;
         }
         Ok(Released {
             bytes: self.core.stats.reserved_bytes.all().freed - before.0,
@@ -414,6 +414,49 @@ impl<E> State<E> {
             candidates = keep;
         }
         Ok(())
+    }
+
+    /// Reserves a new range for `pool` that fits `rounded` bytes; returns
+    /// its free block as a bins entry (size, address, block). Out of
+    /// address space, releases what the cache can spare and tries once more.
+    #[cold]
+    pub(super) fn new_range<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        req: Request,
+    ) -> Result<(u64, u64, BlockId), AllocError> {
+        let Request {
+            pool,
+            stream,
+            size,
+            rounded,
+        } = req;
+        let seg = match self
+            .vmm
+            .reserve_range(&mut self.core, dev, pool, stream, rounded)
+        {
+            Ok(seg) => seg,
+            Err(AllocError::Device(DeviceError::OutOfMemory)) => {
+                self.core.stats.num_alloc_retries += 1;
+                self.release_cached(dev)?;
+                match self
+                    .vmm
+                    .reserve_range(&mut self.core, dev, pool, stream, rounded)
+                {
+                    Ok(seg) => seg,
+                    Err(AllocError::Device(DeviceError::OutOfMemory)) => {
+                        self.core.stats.num_ooms += 1;
+                        return Err(AllocError::OutOfMemory(Box::new(
+                            self.oom_report(dev, size, rounded),
+                        )));
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        let s = self.core.segments.get(seg.0);
+        Ok((s.size, s.addr, s.head))
     }
 }
 

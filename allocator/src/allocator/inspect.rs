@@ -75,7 +75,7 @@ impl<E> State<E> {
                 pool: s.pool.kind(),
             });
         }
-        releasable += self.pooled_bytes();
+        releasable += self.vmm.pooled_bytes();
         FragmentationReport {
             allocated: self.core.stats.allocated_bytes.all().current,
             reserved: self.core.reserved(),

@@ -26,7 +26,7 @@ struct Tally {
 
 impl<E> State<E> {
     pub(super) fn check_invariants(&self) -> Result<(), String> {
-        self.check_pages()?;
+        self.vmm.check_pages(&self.core)?;
         self.core.check_segment_map()?;
         let mut t = Tally {
             expect: MemoryStats::default(),

@@ -99,6 +99,66 @@ impl<E> State<E> {
         self.core.record_alloc(addr, size, pool);
         Ok(DevicePtr(addr))
     }
+
+    /// Takes a block of `rounded` bytes from the expandable segments of
+    /// `pool` (reserving a new range when none has room), its pages mapped.
+    pub(super) fn malloc_expandable<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        req: Request,
+    ) -> Result<BlockId, AllocError> {
+        let Request {
+            pool,
+            size,
+            rounded,
+            ..
+        } = req;
+        for attempt in 0..2 {
+            if attempt == 1 {
+                // Last rung: wait for every pending event, so that blocks other
+                // streams held become free and their pages idle, then retry.
+                self.core.stats.num_alloc_retries += 1;
+                self.wait_all_events(dev)?;
+            }
+            let pick = self.core.bins[pool.index()]
+                .as_ref()
+                .and_then(|b| b.best_fit(rounded));
+            let (bsize, addr, id) = match pick {
+                Some(p) => p,
+                None => self.new_range(dev, req)?,
+            };
+            // While its pages are gathered the block is out of the bins (so not
+            // idle) and marked in use (so a block freed meanwhile does not merge it).
+            self.core.bins_mut(pool).remove(bsize, addr, id);
+            let b = self.core.blocks.get_mut(id.0);
+            b.state = BlockState::Allocated;
+            let (since, seg) = (b.freed_at, b.segment);
+            self.core.idle_index.remove(&(since, id.0));
+            let mapped = self.vmm.map_range(
+                &mut self.core,
+                dev,
+                seg,
+                addr,
+                addr + rounded,
+                (addr + bsize, since),
+            );
+            if mapped.is_ok() {
+                return Ok(id);
+            }
+            // Back to the bins, merged with any neighbour a recycling round freed meanwhile.
+            self.core.blocks.get_mut(id.0).state = BlockState::Free;
+            self.core.merge_into_bins(id);
+            if let Err(e) = mapped {
+                if !matches!(e, AllocError::OutOfMemory(_)) {
+                    return Err(e);
+                }
+            }
+        }
+        self.core.stats.num_ooms += 1;
+        Err(AllocError::OutOfMemory(Box::new(
+            self.oom_report(dev, size, rounded),
+        )))
+    }
 }
 
 impl<E> Core<E> {
