@@ -27,7 +27,7 @@ use crate::pages::PageMap;
 use crate::report::{BlockSnapshot, FragmentationReport, SegmentSnapshot, SegmentUse, Snapshot};
 use crate::rounding::{round_size, Power2Divisions};
 use crate::stats::MemoryStats;
-use crate::thread_cache::{key_hash, with_slot, FastFree, Slot};
+use crate::thread_cache::{with_slot, FastFree, Slot};
 use crate::trace::TraceEvent;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
@@ -94,34 +94,6 @@ pub struct CachingAllocator<D: Device> {
     /// The rounding rule, for the thread caches' keys; `None` for plain
     /// 512-byte rounding (the common case, rounded without a table lookup).
     divisions: Option<Power2Divisions>,
-}
-
-/// A thread cache's recently missed request sizes: a block freed with one of
-/// these sizes is parked for the thread instead of going back to the bins,
-/// as long as parking pays (see `State::should_park`).
-#[derive(Clone, Copy)]
-struct Wanted {
-    keys: [u64; 8],
-    next: usize,
-    /// Parks still allowed before the slot must show hits (each hit earns
-    /// `thread_cache::CREDIT_PER_HIT`).
-    credit: u32,
-    /// The slot's hit count when last looked at.
-    hits_seen: u64,
-    /// Parks refused for lack of credit (every `thread_cache::PROBE_EVERY`th goes ahead).
-    refused: u32,
-}
-
-impl Default for Wanted {
-    fn default() -> Self {
-        Wanted {
-            keys: [0; 8],
-            next: 0,
-            credit: thread_cache::INITIAL_CREDIT,
-            hits_seen: 0,
-            refused: 0,
-        }
-    }
 }
 
 pub(super) struct Recorder {
@@ -217,12 +189,9 @@ impl<E> State<E> {
         self.core.streams.insert(stream, slot);
         let pools = crate::block::POOLS_PER_STREAM as usize * self.core.stream_list.len();
         self.core.bins.resize_with(pools, || None);
-        self.slabs.slab_lists.resize_with(pools, || None);
         self.core.lookups.resize(pools, 0);
-        self.vmm.ranges.resize_with(pools, Vec::new);
-        self.vmm
-            .marks
-            .resize_with(self.core.stream_list.len(), expandable::Marks::default);
+        self.slabs.add_pools(pools);
+        self.vmm.add_stream(pools);
         slot
     }
 }

@@ -330,7 +330,7 @@ impl<D: Device> CachingAllocator<D> {
     pub fn stop_recording(&self) -> bool {
         let st = &mut *self.state.lock();
         self.thread_cache_on.store(
-            self.thread_cache_enabled && st.caches.review.paying,
+            self.thread_cache_enabled && st.caches.paying(),
             Ordering::Relaxed,
         );
         st.core.recorder.take().is_some()

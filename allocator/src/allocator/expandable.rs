@@ -119,15 +119,15 @@ pub(super) struct Marks<E> {
 /// granularity and the idle index are the core's: see [`Core`]).
 pub(super) struct Expandable<E> {
     /// Per pool: its expandable segments (virtual ranges), oldest first.
-    pub(super) ranges: Vec<Vec<SegmentId>>,
+    ranges: Vec<Vec<SegmentId>>,
     /// Device memory in bytes (sizes the expandable ranges and the pressure limit).
-    pub(super) range_size: u64,
+    range_size: u64,
     /// Expandable, per stream slot: events recorded as blocks were freed there.
-    pub(super) marks: Vec<Marks<E>>,
+    marks: Vec<Marks<E>>,
     /// Physical pages unmapped but kept (reserved), with the pool kind their bytes are counted under.
-    pub(super) page_pool: Vec<(u64, PoolKind, u64)>,
+    page_pool: Vec<(u64, PoolKind, u64)>,
     /// Expandable: reserved bytes when the device last had no room for a new page.
-    pub(super) device_full_at: Option<u64>,
+    device_full_at: Option<u64>,
 }
 
 impl<E> Expandable<E> {
@@ -140,6 +140,23 @@ impl<E> Expandable<E> {
             page_pool: Vec::new(),
             device_full_at: None,
         }
+    }
+
+    /// Whether pool `i` has expandable segments.
+    pub(super) fn has_ranges(&self, i: usize) -> bool {
+        self.ranges.get(i).is_some_and(|r| !r.is_empty())
+    }
+
+    /// The unmapped physical pages kept, as (pool kind counted under, bytes).
+    pub(super) fn pooled_pages(&self) -> impl Iterator<Item = (PoolKind, u64)> + '_ {
+        self.page_pool.iter().map(|&(_, kind, size)| (kind, size))
+    }
+
+    /// Room for a new stream: its markers and its pools' ranges (`pools`
+    /// pools in all now).
+    pub(super) fn add_stream(&mut self, pools: usize) {
+        self.ranges.resize_with(pools, Vec::new);
+        self.marks.push(Marks::default());
     }
 }
 

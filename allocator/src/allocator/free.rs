@@ -144,7 +144,7 @@ impl<E> State<E> {
     /// Returns every parked block to the bins, and forgets the slots of
     /// threads that ended with nothing in them.
     pub(super) fn flush_thread_caches(&mut self) {
-        for i in 0..self.caches.slots.len() {
+        for i in 0..self.caches.slot_count() {
             for id in self.caches.take_parked(&mut self.core, i) {
                 self.unpark(id);
             }
@@ -276,7 +276,7 @@ impl<E> State<E> {
 
 impl<E> Core<E> {
     /// Marks block `id` free and no longer active, for the caller to file it
-    /// (see `State::file_free`); returns its pool kind and whether it is a
+    /// (see [`State::file_free`]); returns its pool kind and whether it is a
     /// slab's chunk.
     pub(super) fn release_block(&mut self, id: BlockId) -> (PoolKind, bool) {
         let expandable = self.granularity.is_some();

@@ -47,7 +47,7 @@ impl<E> State<E> {
             size,
             rounded,
         } = req;
-        if self.caches.cached_blocks > 0 {
+        if self.caches.cached_blocks() > 0 {
             // Blocks parked in thread caches go back before the device is asked.
             self.flush_thread_caches();
             if let Some(id) = retry(self) {

@@ -11,7 +11,7 @@ impl<E> State<E> {
         let mut largest = 0;
         for (i, bins) in self.core.bins.iter().enumerate() {
             let Some(bins) = bins else { continue };
-            match self.vmm.ranges.get(i).is_some_and(|r| !r.is_empty()) {
+            match self.vmm.has_ranges(i) {
                 true => {
                     for (size, addr, id) in bins.iter() {
                         let s = self.core.segments.get(self.core.blocks.get(id.0).segment.0);

@@ -41,7 +41,7 @@ impl<E> State<E> {
         for &seg in self.core.segment_by_addr.values() {
             self.check_segment(seg, &mut t)?;
         }
-        for &(_, kind, size) in &self.vmm.page_pool {
+        for (kind, size) in self.vmm.pooled_pages() {
             t.expect.reserved_bytes.increase(kind, size);
         }
         self.check_slab_lists(&t)?;
@@ -134,10 +134,11 @@ impl<E> State<E> {
 
     /// The thread caches' count of the blocks they hold.
     fn check_thread_caches(&self, t: &Tally) -> Result<(), String> {
-        if t.held != self.caches.cached_blocks {
+        if t.held != self.caches.cached_blocks() {
             return Err(format!(
                 "{} blocks held by thread caches but {} counted",
-                t.held, self.caches.cached_blocks
+                t.held,
+                self.caches.cached_blocks()
             ));
         }
         Ok(())

@@ -42,7 +42,7 @@ impl<E> State<E> {
             return Err("expandable segments cannot be restored to a layout".into());
         }
         let allocated = self.core.stats.allocated_bytes.all().current;
-        if allocated != 0 || self.core.pending_blocks != 0 || self.caches.cached_blocks != 0 {
+        if allocated != 0 || self.core.pending_blocks != 0 || self.caches.cached_blocks() != 0 {
             return Err(format!(
                 "{allocated} bytes are allocated and {} blocks await events: free them first",
                 self.core.pending_blocks

@@ -17,9 +17,7 @@ impl<E> State<E> {
         own: Option<SlotId>,
     ) -> Result<DevicePtr, AllocError> {
         if let Some(slot) = own {
-            let w = &mut self.caches.wanted[slot.0 as usize];
-            w.keys[w.next] = key_hash(rounded, stream);
-            w.next = (w.next + 1) % w.keys.len();
+            self.caches.note_miss(slot, rounded, stream);
         }
         self.caches.shadow_malloc(rounded);
         if self.core.pending_blocks > 0 {
@@ -41,7 +39,7 @@ impl<E> State<E> {
             size,
             rounded,
         };
-        if rounded <= self.slabs.slab_max {
+        if self.slabs.serves(rounded) {
             // (`slab_max` is at most the small-request limit.)
             return self.slab_malloc(dev, req);
         }

@@ -37,9 +37,9 @@ pub(super) struct SlabLists {
 /// and each pool's lists of slabs.
 pub(super) struct SlabPools {
     /// Small requests up to this size go to slabs (0: off; see `slabs`).
-    pub(super) slab_max: u64,
+    slab_max: u64,
     /// Per pool: its slabs, indexed by [`PoolId::index`]; created on first use.
-    pub(super) slab_lists: Vec<Option<Box<SlabLists>>>,
+    slab_lists: Vec<Option<Box<SlabLists>>>,
 }
 
 impl SlabPools {
@@ -49,6 +49,17 @@ impl SlabPools {
             slab_max,
             slab_lists: Vec::new(),
         }
+    }
+
+    /// Whether a request of `rounded` bytes takes a slab's chunk.
+    #[inline]
+    pub(super) fn serves(&self, rounded: u64) -> bool {
+        rounded <= self.slab_max
+    }
+
+    /// Room for the lists of `pools` pools (a new stream's pools were added).
+    pub(super) fn add_pools(&mut self, pools: usize) {
+        self.slab_lists.resize_with(pools, || None);
     }
 }
 

@@ -4,12 +4,12 @@
 //! missed is *parked* in the thread's slot (counted as freed, kept out of the
 //! bins). The slot then hands it out and takes it back on its own; those
 //! moves are tallied in the slot and folded into the statistics by
-//! [`State::sync_slot`], which also brings the blocks' states up to date.
+//! [`ThreadCaches::sync_slot`], which also brings the blocks' states up to date.
 //! Lock order: the allocator's state, then a slot.
 
-use super::{Core, Wanted};
+use super::Core;
 use crate::block::{BlockId, BlockState, PoolKind};
-use crate::device::DevicePtr;
+use crate::device::{DevicePtr, StreamId};
 use crate::error::AllocError;
 use crate::ids::SlotId;
 use crate::rounding::round_size;
@@ -18,6 +18,34 @@ use crate::thread_cache::{
     SPLIT, SPLIT_BYTES,
 };
 use std::sync::Arc;
+
+/// A thread cache's recently missed request sizes: a block freed with one of
+/// these sizes is parked for the thread instead of going back to the bins,
+/// as long as parking pays (see `ThreadCaches::should_park`).
+#[derive(Clone, Copy)]
+pub(super) struct Wanted {
+    keys: [u64; 8],
+    next: usize,
+    /// Parks still allowed before the slot must show hits (each hit earns
+    /// [`CREDIT_PER_HIT`]).
+    credit: u32,
+    /// The slot's hit count when last looked at.
+    hits_seen: u64,
+    /// Parks refused for lack of credit (every [`PROBE_EVERY`]th goes ahead).
+    refused: u32,
+}
+
+impl Default for Wanted {
+    fn default() -> Self {
+        Wanted {
+            keys: [0; 8],
+            next: 0,
+            credit: INITIAL_CREDIT,
+            hits_seen: 0,
+            refused: 0,
+        }
+    }
+}
 
 /// How to fold one tracked statistic: raise it by `.0` (the highest point
 /// the thread's own sequence reached), lower it by `.1` (to where it ended),
@@ -82,15 +110,15 @@ pub(super) struct ThreadCacheReview {
 /// recent misses, how many blocks they hold and whether they pay.
 pub(super) struct ThreadCaches {
     /// Thread caches by [`SlotId`] (`None`: index free for reuse).
-    pub(super) slots: Vec<Option<Arc<Slot>>>,
+    slots: Vec<Option<Arc<Slot>>>,
     /// Per thread cache: its recent misses.
-    pub(super) wanted: Vec<Wanted>,
+    wanted: Vec<Wanted>,
     /// Blocks held by thread caches (parked or handed out from one).
-    pub(super) cached_blocks: usize,
-    /// Whether the thread caches pay for themselves (see `State::review_thread_caches`).
-    pub(super) review: ThreadCacheReview,
+    cached_blocks: usize,
+    /// Whether the thread caches pay for themselves (see `ThreadCaches::review`).
+    review: ThreadCacheReview,
     /// Blocks parked per thread cache (0: thread caches off).
-    pub(super) thread_cache: usize,
+    thread_cache: usize,
 }
 
 impl ThreadCaches {
@@ -165,6 +193,31 @@ impl ThreadCaches {
             r.paying = true;
             Some(true)
         }
+    }
+
+    /// Thread cache slots so far (a slot's index is its [`SlotId`]).
+    pub(super) fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Blocks held by thread caches (parked or handed out from one).
+    #[inline]
+    pub(super) fn cached_blocks(&self) -> usize {
+        self.cached_blocks
+    }
+
+    /// Whether the caches pay for themselves (the last review's verdict).
+    pub(super) fn paying(&self) -> bool {
+        self.review.paying
+    }
+
+    /// Remembers that thread cache `slot` missed a request of `rounded`
+    /// bytes on `stream` (a block freed with that size may be parked for it).
+    #[inline]
+    pub(super) fn note_miss(&mut self, slot: SlotId, rounded: u64, stream: StreamId) {
+        let w = &mut self.wanted[slot.0 as usize];
+        w.keys[w.next] = key_hash(rounded, stream);
+        w.next = (w.next + 1) % w.keys.len();
     }
 
     /// While the caches are off: would a cache have served this malloc of
