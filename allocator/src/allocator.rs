@@ -4,13 +4,13 @@
 //! All state sits behind one `parking_lot` mutex per allocator (per device),
 //! as in PyTorch, with per-thread caches in front of it (`crate::thread_cache`): a
 //! thread's repeated request of one size takes back the block it freed
-//! without the allocator's lock. The state is split into plain records
-//! (blocks, segments, bins) so that page-backed growable segments can reuse
-//! the same block lists. This file holds the types and the state; the
-//! phases have files of their own (`api` for the public methods, `malloc`,
-//! `free`, `grow` for the ladder and the release rules, `inspect`,
-//! `invariants`), as do the features (`expandable`, `slabs`,
-//! `thread_cache`, `layout`).
+//! without the allocator's lock. The state is `Core` (plain records: blocks,
+//! segments, bins, the indexes over them, statistics) and the features, each
+//! a type that owns its data and works on a `&mut Core` it is handed
+//! (`expandable`, `slabs`, `thread_cache`). This file holds the types and
+//! the state; the phases have files of their own (`api` for the public
+//! methods, `malloc`, `free`, `grow` for the ladder and the release rules,
+//! `inspect`, `invariants`, `layout`), and they are what calls the features.
 
 use crate::addrmap::AddrMap;
 use crate::arena::Arena;
