@@ -49,8 +49,6 @@ pub mod rounding;
 pub mod sample;
 pub mod simulated;
 pub mod stats;
-#[cfg(feature = "testing")]
-pub mod testing;
 mod thread_cache;
 pub mod trace;
 

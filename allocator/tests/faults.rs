@@ -24,7 +24,7 @@
 
 use cachealloc_core::sample::XorShift64;
 use cachealloc_core::simulated::calls;
-use cachealloc_core::testing::{
+use cachealloc_model::{
     check_expandable_stats_against_snapshot, check_stats_against_snapshot,
 };
 use cachealloc_core::{

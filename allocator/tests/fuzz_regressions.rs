@@ -147,7 +147,7 @@ fn expandable_range_reservation_failure_is_not_a_bare_device_error() {
 /// CI smoke with the dictionary): a bug of the shared model checker, not of
 /// the allocator.
 ///
-/// Root cause (`allocator/src/testing.rs`, `Model::malloc`, the OOM
+/// Root cause (`model/src/lib.rs`, `Model::malloc`, the OOM
 /// branch): to bound the segment size an OOM report may name, the model
 /// computes `2 * own` where `own` is the request rounded up to
 /// `segment_round`; with a segment granule above 2^63 bytes (accepted by the
@@ -160,7 +160,7 @@ fn expandable_range_reservation_failure_is_not_a_bare_device_error() {
 /// built field by field.
 #[test]
 fn model_oom_bound_does_not_overflow_for_a_huge_segment_round() {
-    use cachealloc_core::testing::{self, Op, Setup};
+    use cachealloc_model::{self as model, Op, Setup};
     assert!(Config::parse("segment_round_mb:16661974306881").is_err());
     let setup = Setup {
         config: Config {
@@ -174,5 +174,5 @@ fn model_oom_bound_does_not_overflow_for_a_huge_segment_round() {
         size: 25 * MIB,
         stream: 0,
     }];
-    testing::run(&setup, &ops).unwrap();
+    model::run(&setup, &ops).unwrap();
 }

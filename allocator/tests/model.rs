@@ -1,12 +1,12 @@
 //! Property (model) tests: random sequences of allocator operations on a
 //! simulated device, every property checked after every step by
-//! `cachealloc_core::testing::Model` (see that module for the list).
+//! `cachealloc_model::Model` (see that module for the list).
 //!
 //! `PROPTEST_CASES=N` overrides the number of cases per configuration;
 //! `MODEL_SKIP_INTERNAL=1` leaves out `check_invariants`, so that only the
 //! model's own checks judge (used to show they catch a broken allocator).
 
-use cachealloc_core::testing::{self, log_size, Op, Setup, CAPACITIES};
+use cachealloc_model::{self as model, log_size, Op, Setup, CAPACITIES};
 use cachealloc_core::{Config, MemoryCap, MAX_REQUEST};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as PropConfig, TestRunner};
@@ -97,7 +97,7 @@ fn run_config_with(name: &str, config: Config, n_cases: u32, faults: u32) {
             capacity,
             streams,
         };
-        match testing::run(&setup, &ops) {
+        match model::run(&setup, &ops) {
             Ok(m) => {
                 ooms.set(ooms.get() + m.ooms);
                 mallocs.set(mallocs.get() + m.mallocs);
@@ -127,7 +127,7 @@ fn run_config_with(name: &str, config: Config, n_cases: u32, faults: u32) {
 }
 
 fn config(name: &str) -> Config {
-    testing::configs()
+    model::configs()
         .into_iter()
         .find(|(n, _)| *n == name)
         .expect("known config")
@@ -229,8 +229,8 @@ fn model_from_bytes() {
     });
     runner
         .run(&proptest::collection::vec(any::<u8>(), 0..1200), |data| {
-            let (setup, ops) = testing::decode(&data);
-            testing::run(&setup, &ops)
+            let (setup, ops) = model::decode(&data);
+            model::run(&setup, &ops)
                 .map(|_| ())
                 .map_err(|e| TestCaseError::fail(format!("config {}: {e}", setup.config.name)))
         })
@@ -269,7 +269,7 @@ fn guarded_block_waits_for_its_event() {
             stream: 0,
         },
     ];
-    let m = testing::run(&setup(Config::pytorch(), 1 << 30), &ops).unwrap();
+    let m = model::run(&setup(Config::pytorch(), 1 << 30), &ops).unwrap();
     assert_eq!(m.ooms, 0);
 }
 
@@ -298,7 +298,7 @@ fn oom_after_flush_with_pending_events() {
             stream: 0,
         },
     ];
-    let m = testing::run(&setup(Config::pytorch(), 64 * MIB), &ops).unwrap();
+    let m = model::run(&setup(Config::pytorch(), 64 * MIB), &ops).unwrap();
     assert_eq!(m.ooms, 1);
 }
 
@@ -329,7 +329,7 @@ fn misuse_changes_nothing() {
         Op::ForeignFree { seed: 12345 },
         Op::ForeignFree { seed: 2 << 17 },
     ];
-    testing::run(&setup(Config::default(), 1 << 30), &ops).unwrap();
+    model::run(&setup(Config::default(), 1 << 30), &ops).unwrap();
 }
 
 /// A lowered cap below live use: reserved stays above it, but grows no further.
@@ -360,7 +360,7 @@ fn cap_lowered_below_use() {
             stream: 0,
         },
     ];
-    let m = testing::run(&setup(Config::pytorch(), 1 << 30), &ops).unwrap();
+    let m = model::run(&setup(Config::pytorch(), 1 << 30), &ops).unwrap();
     assert_eq!(m.ooms, 2);
 }
 
@@ -383,7 +383,7 @@ fn strict_too_large_malloc_changes_nothing() {
             stream: 0,
         },
     ];
-    testing::run(&setup(Config::pytorch(), 1 << 30), &ops).unwrap();
+    model::run(&setup(Config::pytorch(), 1 << 30), &ops).unwrap();
 }
 
 /// Regression (fixed in f7943d0; once tolerated by a model flag):
@@ -400,7 +400,7 @@ fn strict_no_caching_empty_cache_reports_all_it_released() {
         Op::Free { slot: 0 },
         Op::EmptyCache,
     ];
-    testing::run(&setup(Config::no_caching(), 1 << 30), &ops).unwrap();
+    model::run(&setup(Config::no_caching(), 1 << 30), &ops).unwrap();
 }
 
 /// Found by `model_expandable`: with expandable segments, once the cap was
@@ -435,5 +435,5 @@ fn expandable_request_above_a_lowered_cap_releases_idle_pages() {
         capacity: 512 * MIB,
         streams: 3,
     };
-    testing::run(&setup, &ops).unwrap();
+    model::run(&setup, &ops).unwrap();
 }

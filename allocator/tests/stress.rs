@@ -7,7 +7,7 @@
 //! reserved and nothing outstanding on the device.
 
 use cachealloc_core::sample::XorShift64;
-use cachealloc_core::testing::{check_stats_against_snapshot, free_segments};
+use cachealloc_model::{check_stats_against_snapshot, free_segments};
 use cachealloc_core::{AllocError, CachingAllocator, Config, DevicePtr, SimulatedDevice, StreamId};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;

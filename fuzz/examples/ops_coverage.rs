@@ -3,7 +3,7 @@
 //! OOMs by cause, guarded frees, each misuse, ...), summed over the corpus.
 //! `cargo run --release --example ops_coverage -- fuzz/corpus/ops`
 
-use cachealloc_core::testing::{self, Op};
+use cachealloc_model::{self as model, Op};
 use cachealloc_fuzz::ops::{options, presets};
 use std::collections::BTreeMap;
 
@@ -40,7 +40,7 @@ fn main() {
         let Some((&choice, rest)) = data.split_first() else {
             continue;
         };
-        let (mut setup, decoded) = testing::decode(rest);
+        let (mut setup, decoded) = model::decode(rest);
         if choice >= 128 {
             let p = presets();
             setup.config = p[usize::from(choice) % p.len()].clone();
@@ -51,7 +51,7 @@ fn main() {
         for op in &decoded {
             *ops.entry(kind(op)).or_default() += 1;
         }
-        if let Ok(m) = testing::run_with(&setup, &decoded, options()) {
+        if let Ok(m) = model::run_with(&setup, &decoded, options()) {
             for (k, v) in m.coverage {
                 *situations.entry(k).or_default() += v;
             }

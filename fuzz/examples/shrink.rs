@@ -7,12 +7,12 @@
 //! fails with an error containing NEEDLE (default: the first failure's text
 //! after its step number, up to the first address or number).
 
-use cachealloc_core::testing::{self, Op, Setup};
+use cachealloc_model::{self as model, Op, Setup};
 use cachealloc_fuzz::ops::{presets, run_setup};
 
 fn decode(data: &[u8]) -> (Setup, Vec<Op>) {
     let (&choice, rest) = data.split_first().expect("a non-empty input");
-    let (mut setup, ops) = testing::decode(rest);
+    let (mut setup, ops) = model::decode(rest);
     if choice >= 128 {
         let p = presets();
         setup.config = p[usize::from(choice) % p.len()].clone();

@@ -24,7 +24,7 @@
 //! per configuration the parser accepted.
 
 use cachealloc_core::sample::XorShift64;
-use cachealloc_core::testing;
+use cachealloc_model as model;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -134,7 +134,7 @@ fn run_one(target: usize, d: &[u8]) -> Result<u64, String> {
         0 => {
             let n = d
                 .split_first()
-                .map_or(0, |(_, rest)| testing::decode(rest).1.len() as u64);
+                .map_or(0, |(_, rest)| model::decode(rest).1.len() as u64);
             cachealloc_fuzz::ops::run(d).map(|()| n)
         }
         1 => Ok(cachealloc_fuzz::trace::check_counted(d)),

@@ -14,7 +14,7 @@
 
 use crate::ops::run_setup;
 use cachealloc_core::config::{KeyKind, KEYS};
-use cachealloc_core::testing::{Op, Setup};
+use cachealloc_model::{Op, Setup};
 use cachealloc_core::{parse_size, Config, ConfigError};
 
 const MIB: u64 = 1 << 20;

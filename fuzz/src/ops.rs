@@ -1,13 +1,13 @@
 //! The `ops` target: arbitrary operation sequences on a simulated device.
 //!
 //! The op type, the byte decoder and every property check are the shared
-//! model checker's (`cachealloc_core::testing`, the one the proptest model
+//! model checker's (`cachealloc_model`, the one the proptest model
 //! tests use); this module only picks the preset. Every configuration,
-//! expandable segments included, runs under [`testing::run_with`]: every
+//! expandable segments included, runs under [`model::run_with`]: every
 //! property after every op, then the final free-everything / `empty_cache`
 //! / nothing-left check, by the strict contract.
 
-use cachealloc_core::testing::{self, Op, Options, Setup};
+use cachealloc_model::{self as model, Op, Options, Setup};
 use cachealloc_core::Config;
 
 /// The presets the `ops` target chooses from, by its first byte.
@@ -25,17 +25,17 @@ pub fn options() -> Options {
 }
 
 /// The whole body of the `ops` target: byte 0 picks how the preset is
-/// chosen, the rest is decoded by [`testing::decode`].
+/// chosen, the rest is decoded by [`model::decode`].
 ///
 /// Byte 0 below 128: the model's own choice of configuration (what
-/// `testing::run_bytes` does: one of `testing::configs()`, i.e. pytorch,
+/// `model::run_bytes` does: one of `model::configs()`, i.e. pytorch,
 /// default, no-caching, lowmem, expandable and variants).
 /// 128 and above: one of the named presets ([`presets`]).
 pub fn run(data: &[u8]) -> Result<(), String> {
     let Some((&choice, rest)) = data.split_first() else {
         return Ok(());
     };
-    let (mut setup, ops) = testing::decode(rest);
+    let (mut setup, ops) = model::decode(rest);
     if choice >= 128 {
         let presets = presets();
         setup.config = presets[usize::from(choice) % presets.len()].clone();
@@ -45,7 +45,7 @@ pub fn run(data: &[u8]) -> Result<(), String> {
 
 /// Runs `ops` from `setup` under the model (with [`options`]).
 pub fn run_setup(setup: &Setup, ops: &[Op]) -> Result<(), String> {
-    testing::run_with(setup, ops, options())
+    model::run_with(setup, ops, options())
         .map(|_| ())
         .map_err(|e| format!("config {}: {e}", setup.config.name))
 }

@@ -1,5 +1,5 @@
-//! Model-based checking of a [`CachingAllocator`] on a [`SimulatedDevice`]
-//! (cargo feature `testing`).
+//! Model-based checking of a [`CachingAllocator`] on a [`SimulatedDevice`]:
+//! the test-only crate `cachealloc-model`, never published.
 //!
 //! A [`Model`] owns an allocator and a handle to its simulated device. It
 //! applies one [`Op`] at a time and, after every step, checks every property
@@ -32,9 +32,11 @@
 //!
 //! The property tests (`allocator/tests/model.rs`) generate [`Op`]s with
 //! proptest; fuzz targets can feed raw bytes to [`run_bytes`], which decodes
-//! them with [`decode`]. Nothing here needs a dependency beyond the crate.
+//! them with [`decode`]. It depends on `cachealloc-core` alone.
 
-use crate::{
+#![forbid(unsafe_code)]
+
+use cachealloc_core::{
     round_size, AllocError, BlockState, CachingAllocator, Config, Device, DevicePtr, MemInfo,
     MemoryCap, MemoryStats, PoolKind, SimCounters, SimulatedDevice, Snapshot, StreamId,
     MAX_REQUEST, MIN_BLOCK,
@@ -265,7 +267,7 @@ pub struct Model {
 }
 
 /// Whether no block of the segment is in use (merged, that is one free block).
-fn is_free_segment(s: &crate::SegmentSnapshot) -> bool {
+fn is_free_segment(s: &cachealloc_core::SegmentSnapshot) -> bool {
     s.blocks.iter().all(|b| b.state == BlockState::Free)
 }
 
@@ -410,7 +412,7 @@ fn check_stats(
     }
     for (i, (name, got)) in stats.arrays().iter().enumerate() {
         let groups = got.stats();
-        for (g, group) in crate::stats::STAT_GROUPS.iter().enumerate() {
+        for (g, group) in cachealloc_core::stats::STAT_GROUPS.iter().enumerate() {
             let s = groups[g];
             let (c, w) = (s.current, expect[i][g]);
             let wrong = match pooled {
@@ -992,7 +994,7 @@ impl Model {
                 let own = rounded.div_ceil(c.segment_round) * c.segment_round;
                 let max_seg = c
                     .small_segment
-                    .max(crate::config::MEDIUM_SEGMENT)
+                    .max(cachealloc_core::config::MEDIUM_SEGMENT)
                     .max(own.saturating_mul(2));
                 if seg < rounded
                     || ((!c.caching || self.expandable) && seg != rounded)
@@ -1036,7 +1038,7 @@ impl Model {
                 let (need, largest_page) = if self.expandable {
                     let g = self.dev.vmm_granularity().ok_or("no granularity")?;
                     let page = self.config.expandable_page.div_ceil(g).max(1) * g;
-                    let edge = if self.config.expandable_edges == crate::EdgePages::Big {
+                    let edge = if self.config.expandable_edges == cachealloc_core::EdgePages::Big {
                         page
                     } else {
                         g
@@ -1193,7 +1195,7 @@ impl Model {
         }
 
         // Blocks by address, with their segment.
-        let mut blocks: BTreeMap<u64, (&crate::SegmentSnapshot, &crate::BlockSnapshot)> =
+        let mut blocks: BTreeMap<u64, (&cachealloc_core::SegmentSnapshot, &cachealloc_core::BlockSnapshot)> =
             BTreeMap::new();
         for s in &snap.segments {
             if !self.config.caching && (s.blocks.len() != 1 || is_free_segment(s)) {
@@ -1247,7 +1249,7 @@ impl Model {
                     l.addr, self.streams[l.stream], s.stream
                 ));
             }
-            let kind = if l.rounded <= crate::config::SMALL_SIZE {
+            let kind = if l.rounded <= cachealloc_core::config::SMALL_SIZE {
                 PoolKind::Small
             } else if l.rounded >= self.config.huge_size {
                 PoolKind::Huge
@@ -1527,7 +1529,7 @@ pub fn run_bytes(data: &[u8]) -> Result<(), String> {
 }
 
 /// The first block of a snapshot that still awaits events, if any.
-fn awaiting_block(snap: &crate::Snapshot) -> Option<&crate::BlockSnapshot> {
+fn awaiting_block(snap: &cachealloc_core::Snapshot) -> Option<&cachealloc_core::BlockSnapshot> {
     snap.segments
         .iter()
         .flat_map(|s| &s.blocks)
