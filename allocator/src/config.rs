@@ -19,6 +19,13 @@ const MIB: u64 = 1 << 20;
 
 /// Requests up to this size (rounded) go to the small pool (PyTorch's `kSmallSize`).
 pub const SMALL_SIZE: u64 = MIB;
+/// `default`'s medium segment: 1/64 of the peak reserved memory (at most
+/// [`MEDIUM_SEGMENT`]), so that a workload of a few hundred MiB does not
+/// strand 20 MiB per partly used segment while one of 1.3 GiB and more gets
+/// PyTorch's size.
+const DEFAULT_MEDIUM_DIVISOR: u64 = 64;
+/// Smallest medium segment (`medium_segment_divisor`).
+pub const MEDIUM_SEGMENT_MIN: u64 = 2 * MIB;
 /// Segment size for large requests below `large_threshold` (PyTorch's `kLargeBuffer`).
 pub const MEDIUM_SEGMENT: u64 = 20 * MIB;
 /// A request ≥ `max_split_size` takes a cached block only if it is less than
@@ -147,6 +154,12 @@ pub struct Config {
     /// Large requests at or above this get a segment of their own size (rounded);
     /// below it, a segment of [`MEDIUM_SEGMENT`].
     pub large_threshold: u64,
+    /// Medium segments (for large requests below `large_threshold`) are the
+    /// peak reserved memory divided by this, 2 to 20 MiB, and requests of at
+    /// least half a medium segment get their own (0: always
+    /// [`MEDIUM_SEGMENT`], PyTorch's). Segments then scale with the
+    /// workload: a 400 MiB inference server does not hold 20 MiB per stream.
+    pub medium_segment_divisor: u64,
     /// Granule that own-size large segments are rounded up to.
     pub segment_round: u64,
     /// Requests at or above this size go to the huge pool, whose blocks only
@@ -237,6 +250,7 @@ impl Config {
             caching: true,
             small_segment: 2 * MIB,
             large_threshold: 10 * MIB,
+            medium_segment_divisor: 0,
             segment_round: 2 * MIB,
             large_split_remainder: MIB,
             huge_size: u64::MAX,
@@ -835,6 +849,20 @@ pub static KEYS: &[Key] = &[
         set: |c, v| c.large_threshold = u(v),
     },
     Key {
+        name: "medium_segment_divisor",
+        aliases: &[],
+        kind: KeyKind::Count {
+            min: 0,
+            max: 65536,
+            pow2: false,
+        },
+        stability: Stability::Experimental,
+        doc: "medium segments are the peak reserved memory divided by this (2 to 20 MiB), and large requests from half of one on get their own (0: always 20 MiB)",
+        group: None,
+        get: |c| Some(Value::U64(c.medium_segment_divisor)),
+        set: |c, v| c.medium_segment_divisor = u(v),
+    },
+    Key {
         name: "segment_round_mb",
         aliases: &[],
         kind: mib(1, 1024, false),
@@ -1159,6 +1187,7 @@ impl Default for Config {
             release_idle_frac: 0.25,
             release_idle_slack: 0.1,
             slab_max: DEFAULT_SLAB_MAX,
+            medium_segment_divisor: DEFAULT_MEDIUM_DIVISOR,
             ..Self::pytorch()
         }
     }

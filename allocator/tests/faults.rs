@@ -24,13 +24,11 @@
 
 use cachealloc_core::sample::XorShift64;
 use cachealloc_core::simulated::calls;
-use cachealloc_model::{
-    check_expandable_stats_against_snapshot, check_stats_against_snapshot,
-};
 use cachealloc_core::{
     AllocError, CachingAllocator, Config, DevicePtr, FaultPlan, MemoryCap, SimulatedDevice,
     StreamId,
 };
+use cachealloc_model::{check_expandable_stats_against_snapshot, check_stats_against_snapshot};
 
 const MIB: u64 = 1 << 20;
 const STREAMS: [StreamId; 3] = [StreamId(0), StreamId(7), StreamId(9)];

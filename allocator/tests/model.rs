@@ -6,8 +6,8 @@
 //! `MODEL_SKIP_INTERNAL=1` leaves out `check_invariants`, so that only the
 //! model's own checks judge (used to show they catch a broken allocator).
 
-use cachealloc_model::{self as model, log_size, Op, Setup, CAPACITIES};
 use cachealloc_core::{Config, MemoryCap, MAX_REQUEST};
+use cachealloc_model::{self as model, log_size, Op, Setup, CAPACITIES};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as PropConfig, TestRunner};
 

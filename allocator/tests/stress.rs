@@ -7,8 +7,8 @@
 //! reserved and nothing outstanding on the device.
 
 use cachealloc_core::sample::XorShift64;
-use cachealloc_model::{check_stats_against_snapshot, free_segments};
 use cachealloc_core::{AllocError, CachingAllocator, Config, DevicePtr, SimulatedDevice, StreamId};
+use cachealloc_model::{check_stats_against_snapshot, free_segments};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::Arc;
