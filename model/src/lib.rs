@@ -1195,8 +1195,13 @@ impl Model {
         }
 
         // Blocks by address, with their segment.
-        let mut blocks: BTreeMap<u64, (&cachealloc_core::SegmentSnapshot, &cachealloc_core::BlockSnapshot)> =
-            BTreeMap::new();
+        let mut blocks: BTreeMap<
+            u64,
+            (
+                &cachealloc_core::SegmentSnapshot,
+                &cachealloc_core::BlockSnapshot,
+            ),
+        > = BTreeMap::new();
         for s in &snap.segments {
             if !self.config.caching && (s.blocks.len() != 1 || is_free_segment(s)) {
                 return Err(format!(
