@@ -87,6 +87,38 @@ fn segment_sizes_follow_pytorch() {
     ok(&a);
 }
 
+/// `medium_segment_divisor`: the segments that large requests below the
+/// threshold share are the peak reserved memory / N (2 to 20 MiB), and from
+/// half such a segment on a request gets its own.
+#[test]
+fn medium_segments_scale_with_the_peak() {
+    // The size of the segment the next malloc creates.
+    fn new_segment(dev: &SimulatedDevice, a: &CachingAllocator<SimulatedDevice>, size: u64) -> u64 {
+        let before: Vec<_> = dev.segments();
+        a.malloc(size, S0).unwrap();
+        let after = dev.segments();
+        let new: Vec<_> = after.iter().filter(|s| !before.contains(s)).collect();
+        assert_eq!(new.len(), 1, "malloc({size}) creates one segment");
+        new[0].1
+    }
+    let (dev, a) = new(Config::default());
+    assert_eq!(Config::default().medium_segment_divisor, 64);
+    // Nothing reserved yet: 2 MiB medium segments, so 3 MiB gets its own.
+    assert_eq!(new_segment(&dev, &a, 3 * MIB), 4 * MIB);
+    // 640 MiB reserved: 10 MiB medium segments, own ones from 5 MiB.
+    a.malloc(636 * MIB, S0).unwrap();
+    assert_eq!(new_segment(&dev, &a, 3 * MIB), 10 * MIB);
+    assert_eq!(new_segment(&dev, &a, 8 * MIB), 8 * MIB);
+    // 1.28 GiB and more: PyTorch's 20 MiB.
+    a.malloc(700 * MIB, S0).unwrap();
+    assert_eq!(new_segment(&dev, &a, 9 * MIB), 20 * MIB);
+    ok(&a);
+    // Divisor 0: always 20 MiB.
+    let (dev, a) = new(Config::parse("default,medium_segment_divisor:0").unwrap());
+    assert_eq!(new_segment(&dev, &a, 3 * MIB), 20 * MIB);
+    ok(&a);
+}
+
 #[test]
 fn split_and_merge_in_a_segment() {
     let (_, a) = new(Config::pytorch());
