@@ -225,3 +225,39 @@ fn scoreboard_reads_a_pytorch_memory_snapshot() {
     assert_eq!(row["trace"], "snapshot");
     assert!(row["peak_allocated_bytes"].as_f64().unwrap() > 0.0, "{row}");
 }
+
+#[test]
+fn scoreboard_scales_every_trace_down() {
+    // The same traces with every size divided by 8: peak allocated 1/8 of
+    // the recorded one (within the 512-byte rounding), for copies too.
+    let peaks = |lines: Vec<Value>| -> BTreeMap<String, f64> {
+        lines
+            .iter()
+            .filter(|v| v.get("summary").is_none())
+            .map(|v| {
+                let key = format!("{} {} {}", v["trace"], v["copy"], v["config"]);
+                (key, v["peak_allocated_bytes"].as_f64().unwrap())
+            })
+            .collect()
+    };
+    let recorded = peaks(scoreboard(&["--no-min-capacity"]));
+    let scaled = peaks(scoreboard(&["--no-min-capacity", "--scale-down", "8"]));
+    assert_eq!(recorded.len(), scaled.len());
+    assert!(!recorded.is_empty());
+    for (key, peak) in &recorded {
+        let small = scaled[key];
+        let r = small / peak;
+        assert!((0.12..=0.13).contains(&r), "{key}: {small} / {peak} = {r}");
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_cachealloc"))
+        .args(["scoreboard", "traces", "--scale-down", "0"])
+        .current_dir(root())
+        .output()
+        .expect("the binary runs");
+    assert_eq!(o.status.code(), Some(2), "0 is a usage error");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--scale-down"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}

@@ -162,6 +162,11 @@ struct ScoreboardArgs {
     /// Jittered copies of each trace (sizes ±5%, order shuffled within steps).
     #[arg(long, value_name = "N", default_value_t = 1)]
     jitter: u32,
+    /// Divide every request size by N (at least 1 byte): the same programs
+    /// with smaller models, to see whether a rule holds at another scale.
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    scale_down: u64,
     /// Configuration (repeat for several; default: pytorch,
     /// pytorch,expandable_segments:True, default, expandable, lowmem).
     #[arg(long = "config", short = 'c', value_name = "NAME|CONF", value_parser = parse_config)]

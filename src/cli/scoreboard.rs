@@ -10,6 +10,10 @@
 //! of its step and a free never before its allocation. Steps come from the
 //! trace's `# step N` comments; a trace without them is cut at the rhythm of
 //! its live bytes (see [`infer_steps`]).
+//!
+//! `--scale-down N` divides every request size of every trace (and so of
+//! its copies) by N first: a rule whose figures hold only at the recorded
+//! scale (a segment size fixed in bytes) shows up there.
 
 use super::format::trace_name;
 use super::min_capacity::{bisect, SearchError};
@@ -165,6 +169,16 @@ fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+/// Divides every request size by `n` (at least 1 byte); frees and
+/// `empty_cache` stay as they are.
+pub fn scale_down(events: &mut [TraceEvent], n: u64) {
+    for e in events {
+        if let TraceEvent::Alloc { bytes, .. } = e {
+            *bytes = (*bytes / n).max(1);
+        }
+    }
 }
 
 /// A jittered copy of a trace (see the module docs); `steps` are step ends
@@ -355,11 +369,16 @@ pub fn run(args: ScoreboardArgs) -> Result<(), CliError> {
     let files = trace_files(&args.dir).map_err(CliError::Message)?;
     let copies = args.jitter as usize + 1;
     let search = !args.no_min_capacity;
-    let loaded: Vec<Loaded> = files
+    let mut loaded: Vec<Loaded> = files
         .iter()
         .map(|f| load(f))
         .collect::<Result<_, _>>()
         .map_err(CliError::Message)?;
+    if args.scale_down > 1 {
+        for l in &mut loaded {
+            scale_down(&mut l.events, args.scale_down);
+        }
+    }
     // Jobs: (trace, copy, config); copy 0 is the recorded trace.
     let n_configs = configs.len();
     let items: Vec<(usize, usize, usize)> = (0..loaded.len())
@@ -617,6 +636,44 @@ mod tests {
             }
         }
         assert_eq!(jitter(&t, &steps, 3), jitter(&t, &steps, 3), "seeded");
+    }
+
+    #[test]
+    fn scale_down_divides_allocations_only() {
+        let mut t = vec![
+            TraceEvent::Alloc {
+                id: 0,
+                bytes: 8000,
+                stream: 0,
+            },
+            TraceEvent::Alloc {
+                id: 1,
+                bytes: 3,
+                stream: 1,
+            },
+            TraceEvent::Free { id: 0 },
+            TraceEvent::EmptyCache,
+        ];
+        let before = t.clone();
+        scale_down(&mut t, 8);
+        assert_eq!(
+            t[0],
+            TraceEvent::Alloc {
+                id: 0,
+                bytes: 1000,
+                stream: 0
+            }
+        );
+        assert_eq!(
+            t[1],
+            TraceEvent::Alloc {
+                id: 1,
+                bytes: 1,
+                stream: 1
+            },
+            "at least one byte"
+        );
+        assert_eq!(t[2..], before[2..]);
     }
 
     #[test]
