@@ -339,8 +339,10 @@ mod exports {
 
     /// A new private pool allocator on `device` (own segments; same
     /// configuration, without thread caches, slabs or expandable segments,
-    /// so that nothing records stream events behind a CUDA graph capture),
-    /// or NULL. It never gives segments back on its own (no release before
+    /// so that nothing records stream events behind a CUDA graph capture,
+    /// and with PyTorch's 20 MiB medium segments: a pool's peak starts at
+    /// zero with the capture, so segments sized from it would be 2 MiB for
+    /// all it holds), or NULL. It never gives segments back on its own (no release before
     /// growing, no garbage collection, no release on out-of-memory): a captured graph keeps using the pool's free blocks, so only
     /// `empty_cache` or dropping the pool, once nobody uses it, releases them.
     #[no_mangle]
@@ -353,6 +355,7 @@ mod exports {
                 config.release_before_grow = false;
                 config.garbage_collection_threshold = None;
                 config.oom_flush = false;
+                config.medium_segment_divisor = 0;
                 Ok(CachingAllocator::new(CudaDevice::new(device)?, config))
             });
             match made {

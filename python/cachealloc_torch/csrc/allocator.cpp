@@ -324,6 +324,22 @@ class CacheallocAllocator final
     return nullptr;
   }
 
+  // Registers `ptr` as a live block of private pool `p`, so that a free
+  // finds its pool (the caller holds pools_mutex_).
+  void track(Pool* p, void* ptr) {
+    p->live.insert(ptr);
+    pool_of_[ptr] = p;
+    pool_live_.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // Forgets the live block `ptr` of private pool `p` (the caller holds
+  // pools_mutex_).
+  void untrack(Pool* p, void* ptr) {
+    p->live.erase(ptr);
+    pool_of_.erase(ptr);
+    pool_live_.fetch_sub(1, std::memory_order_relaxed);
+  }
+
   void* alloc_pool(Pool* p, c10::DeviceIndex dev, size_t size,
                    cudaStream_t stream) {
     int kind = 0;
@@ -340,9 +356,7 @@ class CacheallocAllocator final
            ptr, size, (void*)stream);
     {
       std::lock_guard<std::mutex> g(pools_mutex_);
-      p->live.insert(ptr);
-      pool_of_[ptr] = p;
-      pool_live_.fetch_add(1, std::memory_order_relaxed);
+      track(p, ptr);
     }
     if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
       record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, p->id, true);
@@ -420,9 +434,7 @@ class CacheallocAllocator final
       auto it = pool_of_.find(ptr);
       if (it != pool_of_.end()) {
         Pool* p = it->second;
-        pool_of_.erase(it);
-        p->live.erase(ptr);
-        pool_live_.fetch_sub(1, std::memory_order_relaxed);
+        untrack(p, ptr);
         int rc;
         uint64_t size = 0;
         {
@@ -1206,9 +1218,7 @@ class CacheallocAllocator final
     for (void* ptr : live) {
       TORCH_CHECK(cachealloc_torch_free(p->handle, ptr, nullptr) == 0,
                   "cachealloc: setCheckpointPoolState: ", last_error());
-      p->live.erase(ptr);
-      pool_of_.erase(ptr);
-      pool_live_.fetch_sub(1, std::memory_order_relaxed);
+      untrack(p, ptr);
       delta.ptrs_freed.push_back(ptr);
     }
     std::vector<uint64_t> out(st->words.size() / kBlockWords + 1);
@@ -1217,9 +1227,7 @@ class CacheallocAllocator final
     TORCH_CHECK(n >= 0, "cachealloc: setCheckpointPoolState: ", last_error());
     for (int64_t i = 0; i < n; ++i) {
       void* ptr = reinterpret_cast<void*>(out[i]);
-      p->live.insert(ptr);
-      pool_of_[ptr] = p;
-      pool_live_.fetch_add(1, std::memory_order_relaxed);
+      track(p, ptr);
       delta.dataptrs_allocd.emplace_back(ptr, ptr, &raw_delete_fn,
                                          c10::Device(c10::DeviceType::CUDA, dev));
     }
