@@ -231,7 +231,7 @@ impl<E> Core<E> {
             rounded
         } else if rounded <= SMALL_SIZE {
             c.small_segment
-        } else if rounded < c.large_threshold.min(medium / 2).max(SMALL_SIZE + 1) {
+        } else if rounded < c.large_threshold.min(medium / 2) {
             medium
         } else {
             let mut size = rounded;

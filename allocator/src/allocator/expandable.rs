@@ -747,7 +747,7 @@ impl<E> Expandable<E> {
     }
 
     /// After a device synchronize every marker has completed.
-    fn drop_markers<D: Device<Event = E>>(&mut self, core: &mut Core<E>, dev: &D) {
+    fn drop_markers<D: Device<Event = E>>(&mut self, core: &Core<E>, dev: &D) {
         let clock = core.clock;
         for m in &mut self.marks {
             for (_, e) in m.queue.drain(..) {
@@ -830,7 +830,7 @@ impl<E> Expandable<E> {
     /// queued work may still touch, if any.
     fn oldest_busy_idle<D: Device<Event = E>>(
         &mut self,
-        core: &mut Core<E>,
+        core: &Core<E>,
         dev: &D,
         tail: Tail,
     ) -> Result<Option<(u64, usize)>, AllocError> {

@@ -32,7 +32,7 @@ impl<E> State<E> {
         // (Taking the block back synced its requested size from the thread cache.)
         let requested = self.core.blocks.get(id.0).requested;
         if let Some(slot) = own {
-            if self.caches.should_park(&mut self.core, slot, id) {
+            if self.caches.should_park(&self.core, slot, id) {
                 self.core.live.insert(ptr.0, id);
                 self.park(slot, id);
                 return Ok(requested);

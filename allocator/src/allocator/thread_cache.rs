@@ -277,7 +277,7 @@ impl ThreadCaches {
     /// hands out earns [`CREDIT_PER_HIT`]; without credit a thread (whose
     /// sizes do not repeat, as in a random mix) considers only one free in
     /// [`PROBE_EVERY`], so that a hit can restore it.
-    pub(super) fn should_park<E>(&mut self, core: &mut Core<E>, slot: SlotId, id: BlockId) -> bool {
+    pub(super) fn should_park<E>(&mut self, core: &Core<E>, slot: SlotId, id: BlockId) -> bool {
         if self.thread_cache == 0 || core.recorder.is_some() {
             return false;
         }
