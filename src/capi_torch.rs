@@ -37,8 +37,8 @@
 //! errors are return values plus the calling thread's last error.
 
 use cachealloc_core::{
-    AllocError, BlockState, CachingAllocator, Device, DevicePtr, MemoryStats, PoolKind, Snapshot,
-    StreamId,
+    AllocError, BlockState, CachingAllocator, Config, Device, DevicePtr, MemoryStats, PoolKind,
+    Snapshot, StreamId,
 };
 
 /// Length of the statistics vector ([`stats_vector`]).
@@ -287,6 +287,23 @@ pub fn last_error() -> String {
 #[cfg(feature = "cuda")]
 pub use exports::*;
 
+/// The configuration of a private pool's allocator, from the device's
+/// `config` (see `cachealloc_torch_pool_new`): no thread caches, slabs or
+/// expandable segments (nothing records stream events behind a capture),
+/// nothing given back on its own (no release before growing, no garbage
+/// collection, no release on out-of-memory), and PyTorch's 20 MiB medium
+/// segments (a pool's peak starts at zero with its capture).
+pub fn pool_config(mut config: Config) -> Config {
+    config.thread_cache = 0;
+    config.slab_max = 0;
+    config.expandable_segments = false;
+    config.release_before_grow = false;
+    config.garbage_collection_threshold = None;
+    config.oom_flush = false;
+    config.medium_segment_divisor = 0;
+    config
+}
+
 #[cfg(feature = "cuda")]
 mod exports {
     //! The exported functions over [`crate::cuda`]'s allocators.
@@ -348,15 +365,11 @@ mod exports {
     #[no_mangle]
     pub extern "C" fn cachealloc_torch_pool_new(device: c_int) -> *mut c_void {
         guard(std::ptr::null_mut(), || {
-            let made = crate::cuda::config_from_env().and_then(|mut config| {
-                config.thread_cache = 0;
-                config.slab_max = 0;
-                config.expandable_segments = false;
-                config.release_before_grow = false;
-                config.garbage_collection_threshold = None;
-                config.oom_flush = false;
-                config.medium_segment_divisor = 0;
-                Ok(CachingAllocator::new(CudaDevice::new(device)?, config))
+            let made = crate::cuda::config_from_env().and_then(|config| {
+                Ok(CachingAllocator::new(
+                    CudaDevice::new(device)?,
+                    pool_config(config),
+                ))
             });
             match made {
                 Ok(a) => {
@@ -722,10 +735,27 @@ mod exports {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cachealloc_core::{Config, MemoryCap, SimulatedDevice};
+    use cachealloc_core::{MemoryCap, SimulatedDevice};
 
     fn alloc_1g() -> CachingAllocator<SimulatedDevice> {
         CachingAllocator::new(SimulatedDevice::new(1 << 30), Config::default())
+    }
+
+    #[test]
+    fn a_private_pool_keeps_pytorchs_segment_sizes_and_its_segments() {
+        let c = pool_config(Config::default());
+        assert_eq!(
+            (c.thread_cache, c.slab_max, c.expandable_segments),
+            (0, 0, false)
+        );
+        assert!(!c.release_before_grow && !c.oom_flush);
+        assert!(c.garbage_collection_threshold.is_none());
+        // A fresh pool's first medium request takes a 20 MiB segment, as
+        // PyTorch's graph pools do (`default` alone would make it 4 MiB).
+        let dev = SimulatedDevice::new(1 << 30);
+        let a = CachingAllocator::new(dev.clone(), c);
+        a.malloc(3 << 20, StreamId(0)).unwrap();
+        assert_eq!(dev.segments()[0].1, 20 << 20);
     }
 
     #[test]
