@@ -228,6 +228,10 @@ pub struct Config {
     /// Expandable segments: page size at the edges of a block, where a big
     /// page would lie only partly under it.
     pub expandable_edges: EdgePages,
+    /// Expandable segments: a block whose best fit lacks pages goes where
+    /// idle mapped pages are instead, so that pages move less (half the map
+    /// calls on the corpus) at some memory (docs/POLICY.md). Off by default.
+    pub expandable_place: bool,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
     /// Freed blocks each thread keeps for its own next request of the same
@@ -274,6 +278,7 @@ impl Config {
             recycle_batch: RECYCLE_BATCH,
             expandable_page: 8 * MIB,
             expandable_edges: EdgePages::Pressure,
+            expandable_place: false,
             expandable_segments: false,
         }
     }
@@ -1013,6 +1018,16 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::Word(c.expandable_edges.word())),
         set: |c, v| c.expandable_edges = EdgePages::from_word(w(v)).expect("a word of the table"),
+    },
+    Key {
+        name: "expandable_place",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Experimental,
+        doc: "expandable segments: a block whose best fit lacks mapped pages goes over idle mapped pages instead, so that fewer pages move (off: best fit, as PyTorch)",
+        group: None,
+        get: |c| Some(Value::Bool(c.expandable_place)),
+        set: |c, v| c.expandable_place = b(v),
     },
     Key {
         name: "thread_cache",

@@ -110,7 +110,6 @@ impl PageMap {
     }
 
     /// Number of mapped granules in `first..last`.
-    #[cfg(test)]
     pub fn mapped_granules(&self, first: u32, last: u32) -> u32 {
         self.runs_overlapping(first, last)
             .map(|(s, e)| e.min(last) - s.max(first))

@@ -151,12 +151,18 @@ pub fn configs() -> Vec<(&'static str, Config)> {
             "expandable-big-edges",
             parse("expandable,expandable_edges:big,expandable_page_mb:4,slab_max_kb:64"),
         ),
-        // Granule pages everywhere, recycling before growing past the peak.
+        // Granule pages everywhere, recycling before growing past the peak;
+        // blocks placed over idle pages (free blocks split in the middle).
         (
             "expandable-small-pages",
             parse(
-                "expandable,expandable_edges:small,expandable_page_mb:2,release_before_grow:true",
+                "expandable,expandable_edges:small,expandable_page_mb:2,release_before_grow:true,expandable_place:true",
             ),
+        ),
+        // Big edge pages and placement over idle pages.
+        (
+            "expandable-place",
+            parse("expandable,expandable_page_mb:8,expandable_place:true"),
         ),
         // A CUDA graph pool's allocator: never gives segments back on its own.
         (

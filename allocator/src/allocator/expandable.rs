@@ -18,7 +18,8 @@
 //! page and releases the pool.
 
 use super::Core;
-use crate::block::{BlockState, PoolId, PoolKind, Segment, SegmentId};
+use crate::bins::Entry;
+use crate::block::{BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId};
 use crate::config::EdgePages;
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::AllocError;
@@ -209,6 +210,76 @@ impl<E> Expandable<E> {
             PoolKind::Small => g,
             PoolKind::Large | PoolKind::Huge => core.config.expandable_page.div_ceil(g).max(1) * g,
         }
+    }
+
+    /// Where a block of `rounded` bytes of `pool` goes: the best fit `fit`
+    /// (size, address, block) of the bins if its pages are all mapped;
+    /// otherwise the place among free blocks holding idle pages (the idle
+    /// index) that needs the fewest granules mapped — the start of the
+    /// block, the start of a run of mapped pages in it, or where the block
+    /// would end at the end of such a run (aligned down to a big page).
+    /// Returns the free block and the address in it.
+    ///
+    /// Best fit alone moves pages after the blocks: a block carved at the
+    /// unmapped start of a free block takes the idle pages further on,
+    /// which the next request then lacks (replay, gpt2_finetune: 32,522
+    /// maps; placed over idle pages: 14,740). docs/POLICY.md has the table.
+    #[cold]
+    pub(super) fn place(
+        &self,
+        core: &Core<E>,
+        pool: PoolId,
+        rounded: u64,
+        fit: Entry,
+    ) -> (Entry, u64) {
+        let g = core.granularity.expect("expandable mode has a granularity");
+        let unmapped = |id: BlockId, at: u64| -> u64 {
+            let s = core.segments.get(core.blocks.get(id.0).segment.0);
+            let first = ((at - s.addr) / g) as u32;
+            let last = (at + rounded - s.addr).div_ceil(g) as u32;
+            let pages = s.pages().expect("expandable");
+            u64::from(last - first - pages.mapped_granules(first, last))
+        };
+        // (granules to map, block size, address): the lowest wins.
+        let mut best = (unmapped(fit.2, fit.1), fit.0, fit.1);
+        let mut choice = (fit, fit.1);
+        if best.0 == 0 || !core.config.expandable_place {
+            return choice;
+        }
+        for &(_, raw) in &core.idle_index {
+            let id = BlockId(raw);
+            let b = core.blocks.get(id.0);
+            if b.pool != pool || b.size < rounded {
+                continue;
+            }
+            let (start, end) = (b.addr, b.addr + b.size);
+            let s = core.segments.get(b.segment.0);
+            let big = s.page_size();
+            let first = (start - s.addr).div_ceil(g) as u32;
+            let last = ((end - s.addr) / g) as u32;
+            let runs = s.pages().expect("expandable").runs_overlapping(first, last);
+            let starts = runs.flat_map(|(a, z)| {
+                let a = s.addr + u64::from(a.max(first)) * g;
+                let z = s.addr + u64::from(z.min(last)) * g;
+                // Ending at the run's end, the block's start aligned down to a big page.
+                let back = z
+                    .checked_sub(rounded)
+                    .filter(|&x| x >= start)
+                    .map(|x| s.addr + (x - s.addr) / big * big);
+                [Some(a), back]
+            });
+            for at in std::iter::once(start).chain(starts.flatten()) {
+                if at < start || at + rounded > end {
+                    continue;
+                }
+                let key = (unmapped(id, at), b.size, at);
+                if key < best {
+                    best = key;
+                    choice = ((b.size, b.addr, id), at);
+                }
+            }
+        }
+        choice
     }
 
     /// Reserves a range for `pool` big enough for `rounded` bytes: the first

@@ -118,11 +118,16 @@ impl<E> State<E> {
                 self.core.stats.num_alloc_retries += 1;
                 self.wait_all_events(dev)?;
             }
-            let pick = self.core.bins[pool.index()]
+            let fit = self.core.bins[pool.index()]
                 .as_ref()
                 .and_then(|b| b.best_fit(rounded));
-            let (bsize, addr, id) = match pick {
-                Some(p) => p,
+            let (bsize, addr, id) = match fit {
+                Some(fit) => match self.vmm.place(&self.core, pool, rounded, fit) {
+                    (entry, at) if at == entry.1 => entry,
+                    ((size, start, id), at) => {
+                        (start + size - at, at, self.core.split_free(id, at))
+                    }
+                },
                 None => self.new_range(dev, req)?,
             };
             // While its pages are gathered the block is out of the bins (so not
@@ -160,6 +165,43 @@ impl<E> State<E> {
 }
 
 impl<E> Core<E> {
+    /// Splits the free block `id` of an expandable segment at `at` (a
+    /// granule boundary inside it), both parts free and filed; returns the
+    /// back part. Used to place a block over idle pages in the middle of a
+    /// free block ([`Expandable::place`]).
+    #[cold]
+    pub(super) fn split_free(&mut self, id: BlockId, at: u64) -> BlockId {
+        let g = self.granularity.expect("expandable mode has a granularity");
+        let b = self.blocks.get(id.0);
+        let (addr, size, seg, pool, since, next) =
+            (b.addr, b.size, b.segment, b.pool, b.freed_at, b.next);
+        debug_assert!(b.state == BlockState::Free && addr < at && at < addr + size);
+        debug_assert_eq!((at - self.segments.get(seg.0).addr) % g, 0);
+        if !b.is_split() {
+            self.free_candidates[pool.kind() as usize].remove(&(since, addr, seg.0));
+        }
+        self.bins_mut(pool).remove(size, addr, id);
+        self.idle_index.remove(&(since, id.0));
+        let back = BlockId(self.blocks.insert(Block {
+            prev: Some(id),
+            next,
+            ..Block::free(at, addr + size - at, seg, pool, since)
+        }));
+        if let Some(n) = next {
+            self.blocks.get_mut(n.0).prev = Some(back);
+        }
+        let b = self.blocks.get_mut(id.0);
+        b.next = Some(back);
+        b.size = at - addr;
+        for (part, start, end) in [(id, addr, at), (back, at, addr + size)] {
+            self.bins_mut(pool).insert(end - start, start, part);
+            if expandable::holds_whole_page(self.segments.get(seg.0), g, start, end) {
+                self.idle_index.insert((since, part.0));
+            }
+        }
+        back
+    }
+
     /// PyTorch's `get_free_block`: the best fit of the pool, unless it is oversize.
     #[inline(always)]
     pub(super) fn get_free_block(&mut self, pool: PoolId, size: u64) -> Option<BlockId> {

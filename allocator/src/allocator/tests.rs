@@ -719,6 +719,41 @@ mod expandable {
         ok(&a);
     }
 
+    /// With `expandable_place`, a block whose best fit lacks pages goes over
+    /// idle mapped pages in the middle of a free block (split there); with
+    /// best fit alone it lands on the unmapped start and pages are mapped.
+    #[test]
+    fn placement_goes_over_idle_pages() {
+        let run = |place: bool| {
+            let (dev, a) = new(Config {
+                expandable_place: place,
+                ..small_pages()
+            });
+            let x = a.malloc(4 * MIB, S0).unwrap(); // [0, 4)
+            let k1 = a.malloc(2 * MIB, S0).unwrap(); // [4, 6)
+            a.free(x).unwrap();
+            a.empty_cache().unwrap(); // x's two pages unmapped; k1 keeps the range
+            let b = a.malloc(6 * MIB, S0).unwrap(); // [6, 12)
+            let k2 = a.malloc(2 * MIB, S0).unwrap(); // best fit: x's hole, [0, 2)
+            assert_eq!(k2, x);
+            a.free(b).unwrap();
+            a.free(k1).unwrap(); // free [2, 12), mapped over [4, 12)
+            ok(&a);
+            let maps = dev.counters().vmm_maps;
+            let p = a.malloc(4 * MIB, S0).unwrap();
+            ok(&a);
+            a.free(p).unwrap();
+            ok(&a);
+            (p.0 - x.0, dev.counters().vmm_maps - maps)
+        };
+        assert_eq!(run(true), (4 * MIB, 0), "over k1's and b's idle pages");
+        assert_eq!(
+            run(false),
+            (2 * MIB, 1),
+            "best fit: the free block's unmapped start"
+        );
+    }
+
     #[test]
     fn pages_are_mapped_under_blocks_only() {
         let (dev, a) = new(small_pages());
