@@ -176,6 +176,66 @@ def main():
         torch.cuda.synchronize()
         return took, still
 
+    def gpu_stall(moves):
+        """GPU time of a queue of matmuls while the host maps and unmaps
+        `moves` pages (none of them touched by the matmuls): ms."""
+        x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(1500):
+            x = x @ x
+            x = x * 1e-3
+        end.record()
+        done = 0
+        while done < moves:
+            for i, h in enumerate(handles[: min(n, moves - done)]):
+                check(cu.cuMemMap(base + i * page, page, 0, h, 0), "map")
+                check(cu.cuMemSetAccess(base + i * page, page, C.byref(access), 1), "access")
+            for i in range(min(n, moves - done)):
+                check(cu.cuMemUnmap(base + i * page, page), "unmap")
+            done += min(n, moves - done)
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    gpu_stall(0)
+    stall = [(m, round(gpu_stall(m), 1)) for m in (0, 4 * n, 0, 4 * n, 0, 8 * n)]
+
+    def launches_beside(background):
+        """Host µs per kernel launch (a small add) over 4,000 launches while
+        another thread maps and unmaps pages in a loop (or does nothing)."""
+        import threading
+
+        y = torch.zeros(1024, device="cuda")
+        stop = threading.Event()
+        moved = [0]
+
+        def mover():
+            while not stop.is_set():
+                for i, h in enumerate(handles):
+                    check(cu.cuMemMap(base + i * page, page, 0, h, 0), "map")
+                    check(cu.cuMemSetAccess(base + i * page, page, C.byref(access), 1), "access")
+                for i in range(n):
+                    check(cu.cuMemUnmap(base + i * page, page), "unmap")
+                moved[0] += n
+
+        torch.cuda.synchronize()
+        t = threading.Thread(target=mover) if background else None
+        if t:
+            t.start()
+            time.sleep(0.01)
+        t0 = time.perf_counter()
+        for _ in range(4000):
+            y.add_(1.0)
+        us = (time.perf_counter() - t0) * 1e6 / 4000
+        stop.set()
+        if t:
+            t.join()
+        torch.cuda.synchronize()
+        return round(us, 2), moved[0]
+
+    launch = [launches_beside(b) for b in (False, True, False, True)]
+
     idle = [rounds(False) for _ in range(3)]
     busy_r = [rounds(True) for _ in range(3)]
 
@@ -235,6 +295,8 @@ def main():
     for k, (ms, still) in probes.items():
         print(f"  {k:24} {ms:8.3f} ms  still running: {still}")
     print("one page mapped at two addresses:", double)
+    print(f"host µs per kernel launch, alone / beside a thread moving pages (µs, pages moved): {launch}")
+    print(f"GPU time of 1500 queued matmul pairs, ms, while the host moves (maps + unmaps) k pages, as (k, ms): {stall}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(
@@ -246,6 +308,8 @@ def main():
                     "busy": busy_r,
                     "probes": probes,
                     "double_map": double,
+                    "gpu_ms_while_moving": stall,
+                    "launch_us_beside_mover": launch,
                 },
                 f,
                 indent=1,
