@@ -291,8 +291,9 @@ pub use exports::*;
 /// `config` (see `cachealloc_torch_pool_new`): no thread caches, slabs or
 /// expandable segments (nothing records stream events behind a capture),
 /// nothing given back on its own (no release before growing, no garbage
-/// collection, no release on out-of-memory), and PyTorch's 20 MiB medium
-/// segments (a pool's peak starts at zero with its capture).
+/// collection, no release on out-of-memory, no oversize segment given back
+/// for a smaller request), and PyTorch's 20 MiB medium segments (a pool's
+/// peak starts at zero with its capture).
 pub fn pool_config(mut config: Config) -> Config {
     config.thread_cache = 0;
     config.slab_max = 0;
@@ -301,6 +302,7 @@ pub fn pool_config(mut config: Config) -> Config {
     config.garbage_collection_threshold = None;
     config.oom_flush = false;
     config.medium_segment_divisor = 0;
+    config.oversize_ratio = 0;
     config
 }
 
@@ -756,6 +758,13 @@ mod tests {
         let a = CachingAllocator::new(dev.clone(), c);
         a.malloc(3 << 20, StreamId(0)).unwrap();
         assert_eq!(dev.segments()[0].1, 20 << 20);
+        // A free huge segment serves a request under half its size: a
+        // captured graph may still use the segment, so it is not given back.
+        let big = a.malloc(600 << 20, StreamId(0)).unwrap();
+        a.free(big).unwrap();
+        let p = a.malloc(280 << 20, StreamId(0)).unwrap();
+        assert_eq!(p, big);
+        assert_eq!(dev.segments().len(), 2);
     }
 
     #[test]

@@ -151,6 +151,10 @@ pub(super) struct Core<E> {
     /// Expandable segments: free blocks in the bins that hold a whole mapped
     /// page, as (idle since, block), longest idle first.
     pub(super) idle_index: std::collections::BTreeSet<(u64, u32)>,
+    /// The whole free segment the last lookup refused as more than
+    /// `oversize_ratio` times the request: growing for that request gives
+    /// it back first ([`State::grow`]).
+    pub(super) oversize_refused: Option<SegmentId>,
 }
 
 /// An allocator's state under its lock: the shared records and the

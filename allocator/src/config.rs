@@ -184,8 +184,9 @@ pub struct Config {
     /// peak, release entirely free cached segments first.
     pub release_before_grow: bool,
     /// A huge request does not take an entirely free segment more than this
-    /// many times its size (0: no limit); it gets a segment of its own, so
-    /// big segments are not carved up by smaller, longer-lived blocks.
+    /// many times its size (0: no limit); that segment is given back and the
+    /// request gets a segment of its own, so big segments are not carved up
+    /// by smaller, longer-lived blocks.
     pub oversize_ratio: u64,
     /// Before growing, release only segments idle for at least this many
     /// allocator operations (mallocs and frees).
@@ -920,7 +921,7 @@ pub static KEYS: &[Key] = &[
             pow2: false,
         },
         stability: Stability::Experimental,
-        doc: "a huge request does not take a free huge segment more than this many times its size (0: off)",
+        doc: "a huge request does not take a free huge segment more than this many times its size, which is given back instead (0: off)",
         group: None,
         get: |c| Some(Value::U64(c.oversize_ratio)),
         set: |c, v| c.oversize_ratio = u(v),
@@ -1203,6 +1204,7 @@ impl Default for Config {
             release_idle_slack: 0.1,
             slab_max: DEFAULT_SLAB_MAX,
             medium_segment_divisor: DEFAULT_MEDIUM_DIVISOR,
+            oversize_ratio: 2,
             ..Self::pytorch()
         }
     }

@@ -75,6 +75,7 @@ impl<D: Device> CachingAllocator<D> {
                     notices,
                     granularity,
                     idle_index: Default::default(),
+                    oversize_refused: None,
                 },
                 vmm: expandable::Expandable::<D::Event>::new(range_size),
                 caches: thread_cache::ThreadCaches::new(thread_cache),

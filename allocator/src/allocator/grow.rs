@@ -13,6 +13,14 @@ impl<E> State<E> {
         req: Request,
     ) -> Result<BlockId, AllocError> {
         let Request { pool, rounded, .. } = req;
+        if let Some(seg) = self.core.oversize_refused.take() {
+            // The free segment this request was refused (oversize) makes room
+            // for the one it gets instead, whatever its idle age (not in an
+            // allocator that never gives segments back on its own).
+            if self.core.config.release_before_grow && self.core.segment_is_free(seg) {
+                self.release_segment(dev, seg)?;
+            }
+        }
         if pool.kind() == PoolKind::Small && self.slabs.unslab_empty(&mut self.core, pool) {
             if let Some(id) = self.core.get_free_block(pool, rounded) {
                 return Ok(id);
@@ -27,7 +35,10 @@ impl<E> State<E> {
                 None
             }
         };
-        self.grow_with(dev, req, seg_size, retry)
+        let grown = self.grow_with(dev, req, seg_size, retry);
+        // A refusal by the retries above concerns this request only.
+        self.core.oversize_refused = None;
+        grown
     }
 
     /// [`State::grow`] for a segment of `seg_size`, where `retry` looks in

@@ -224,6 +224,7 @@ impl<E> Core<E> {
             && bsize / ratio > size
             && !self.blocks.get(id.0).is_split()
         {
+            self.oversize_refused = Some(self.blocks.get(id.0).segment);
             return None;
         }
         self.bins[pool.index()].as_mut()?.take(found);

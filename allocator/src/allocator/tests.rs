@@ -553,6 +553,26 @@ fn huge_pool_is_kept_for_huge_requests() {
 }
 
 #[test]
+fn an_oversize_free_huge_segment_goes_back_for_one_that_fits() {
+    let run = |oversize_ratio: u64| {
+        let (dev, a) = new(Config {
+            oversize_ratio,
+            ..Config::default()
+        });
+        let big = a.malloc(700 * MIB, S0).unwrap();
+        a.free(big).unwrap();
+        let p = a.malloc(300 * MIB, S0).unwrap();
+        ok(&a);
+        let segments: Vec<u64> = dev.segments().iter().map(|&(_, size)| size).collect();
+        (p == big, segments, a.usage().reserved)
+    };
+    // Under half the free segment: given back, a segment of its own made.
+    assert_eq!(run(2), (false, vec![300 * MIB], 300 * MIB));
+    // Without the rule, the request is carved from the 700 MiB segment.
+    assert_eq!(run(0), (true, vec![700 * MIB], 700 * MIB));
+}
+
+#[test]
 fn release_before_grow_releases_the_longest_idle_segment_first() {
     let config = Config {
         release_order: crate::config::ReleaseOrder::Oldest,
