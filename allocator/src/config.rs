@@ -233,6 +233,11 @@ pub struct Config {
     /// idle mapped pages are instead, so that pages move less (half the map
     /// calls on the corpus) at some memory (docs/POLICY.md). Off by default.
     pub expandable_place: bool,
+    /// Expandable segments: past the hard limit, idle pages of the
+    /// requesting stream serve it at once (stream order makes that safe),
+    /// their old mappings dropped once the stream is past them, instead of
+    /// the host waiting for the stream's marker.
+    pub expandable_lend: bool,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
     /// Freed blocks each thread keeps for its own next request of the same
@@ -280,6 +285,7 @@ impl Config {
             expandable_page: 8 * MIB,
             expandable_edges: EdgePages::Pressure,
             expandable_place: false,
+            expandable_lend: true,
             expandable_segments: false,
         }
     }
@@ -1029,6 +1035,16 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::Bool(c.expandable_place)),
         set: |c, v| c.expandable_place = b(v),
+    },
+    Key {
+        name: "expandable_lend",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Experimental,
+        doc: "expandable segments: past the hard limit, idle pages of the requesting stream are mapped under its block at once and their old mappings dropped once the stream is past them (off: wait for the stream's marker)",
+        group: None,
+        get: |c| Some(Value::Bool(c.expandable_lend)),
+        set: |c, v| c.expandable_lend = b(v),
     },
     Key {
         name: "thread_cache",

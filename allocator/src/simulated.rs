@@ -315,8 +315,13 @@ impl SimulatedDevice {
     /// Bytes of created physical pages that are not mapped anywhere.
     pub fn unmapped_page_bytes(&self) -> u64 {
         let s = self.state.lock();
-        let mapped: u64 = s.mapped.values().map(|&(_, n)| n).sum();
-        s.pages.values().sum::<u64>() - mapped
+        // A page may be mapped at several addresses at once.
+        let mapped: std::collections::HashSet<u64> = s.mapped.values().map(|&(p, _)| p).collect();
+        s.pages
+            .iter()
+            .filter(|(id, _)| !mapped.contains(id))
+            .map(|(_, &n)| n)
+            .sum()
     }
 
     /// Bytes of `[ptr, ptr+bytes)` backed by mapped pages.

@@ -229,6 +229,10 @@ pub struct MemoryStats {
     /// Expandable segments: markers waited for instead of synchronizing the
     /// whole device (work queued after a marker keeps running).
     pub num_marker_waits: u64,
+    /// Expandable segments: idle pages lent to a block of their own stream
+    /// before the stream was past them (mapped again at once, their old
+    /// mapping dropped later) instead of waiting for a marker.
+    pub num_pages_lent: u64,
     /// Blocking waits for one event (a stream's marker, or an event guarding
     /// a block another stream used), outside `empty_cache` and out-of-memory
     /// handling, where the wait is for every stream (`num_sync_all_streams`).
@@ -344,6 +348,7 @@ impl MemoryStats {
         out.push(("num_ooms".into(), v(self.num_ooms)));
         out.push(("num_sync_all_streams".into(), v(self.num_sync_all_streams)));
         out.push(("num_marker_waits".into(), v(self.num_marker_waits)));
+        out.push(("num_pages_lent".into(), v(self.num_pages_lent)));
         out.push(("num_event_waits".into(), v(self.num_event_waits)));
         out.push(("num_events_recorded".into(), v(self.num_events_recorded)));
         out.push(("num_device_alloc".into(), v(self.num_device_alloc)));
@@ -530,6 +535,6 @@ mod tests {
             assert!(keys.contains(&k), "missing {k}");
         }
         assert!(e.contains(&("max_split_size".to_string(), -1)));
-        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 14);
+        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 15);
     }
 }

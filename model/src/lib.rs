@@ -531,23 +531,37 @@ impl Model {
     }
 
     /// Expandable segments: the pages under the blocks, as the device maps them.
-    /// Every segment's `mapped_size` is what the device maps in its range;
-    /// every block in use or awaiting events (queued work may still touch
-    /// it) is wholly mapped.
+    /// Every segment's `mapped_size`, plus the old mappings of lent pages
+    /// there, is what the device maps in its range; every block in use or
+    /// awaiting events (queued work may still touch it) is wholly mapped,
+    /// and no old mapping lies under one.
     fn check_pages(&self, snap: &Snapshot) -> Result<(), String> {
+        let stale = self.alloc.stale_mappings();
+        let stale_in = |lo: u64, hi: u64| -> u64 {
+            stale
+                .iter()
+                .filter(|(a, n, _)| a.0 >= lo && a.0 + n <= hi)
+                .map(|m| m.1)
+                .sum()
+        };
         let mut mapped = 0;
         for s in &snap.segments {
             let dev = self.dev.mapped_bytes_in(s.address, s.total_size);
-            if dev != s.mapped_size {
+            let old = stale_in(s.address.0, s.address.0 + s.total_size);
+            if dev != s.mapped_size + old {
                 return Err(format!(
-                    "segment {} says {} bytes mapped, the device maps {dev} in it",
+                    "segment {} says {} bytes mapped and {old} bytes of old mappings, the device maps {dev} in it",
                     s.address, s.mapped_size
                 ));
             }
             mapped += dev;
             for b in &s.blocks {
+                let lo = b.address.0;
+                let under = stale
+                    .iter()
+                    .any(|(a, n, _)| a.0 < lo + b.size && a.0 + n > lo);
                 if matches!(b.state, BlockState::Allocated | BlockState::AwaitingEvents)
-                    && self.dev.mapped_bytes_in(b.address, b.size) != b.size
+                    && (self.dev.mapped_bytes_in(b.address, b.size) != b.size || under)
                 {
                     return Err(format!(
                         "{:?} block {}+{} is not wholly mapped ({} bytes are)",
@@ -568,10 +582,26 @@ impl Model {
         Ok(())
     }
 
+    /// Bytes of pages the allocator holds unmapped under no block: the
+    /// device's unmapped pages and lent pages pooled with only their old
+    /// mapping left.
+    fn pooled_bytes(&self) -> u64 {
+        let lent: u64 = self
+            .alloc
+            .stale_mappings()
+            .iter()
+            .filter(|m| m.2)
+            .map(|m| m.1)
+            .sum();
+        self.dev.unmapped_page_bytes() + lent
+    }
+
     /// Bytes of whole mapped pages lying inside free blocks (pages a
-    /// recycling round can move).
+    /// recycling round can move), old mappings of lent pages left out.
     fn idle_page_bytes(&self, snap: &Snapshot) -> u64 {
-        let mappings = self.dev.mappings();
+        let stale = self.alloc.stale_mappings();
+        let mut mappings = self.dev.mappings();
+        mappings.retain(|(a, _)| !stale.iter().any(|m| m.0 == *a));
         let mut idle = 0;
         for s in &snap.segments {
             for b in s.blocks.iter().filter(|b| b.state == BlockState::Free) {
@@ -891,7 +921,7 @@ impl Model {
             ));
         }
         if self.expandable && release {
-            let (idle, pooled) = (self.idle_page_bytes(&snap), self.dev.unmapped_page_bytes());
+            let (idle, pooled) = (self.idle_page_bytes(&snap), self.pooled_bytes());
             if idle != 0 || pooled != 0 {
                 return Err(format!(
                     "after {what}, {idle} bytes of idle pages are still mapped and {pooled} bytes of pages pooled"
@@ -969,6 +999,9 @@ impl Model {
                     }
                     if c.vmm_reserves > before.counters.vmm_reserves {
                         self.saw("malloc reserved a range");
+                    }
+                    if st.num_pages_lent > before.stats.num_pages_lent {
+                        self.saw("malloc lent pages of its stream");
                     }
                 } else if st.num_device_alloc == before.stats.num_device_alloc {
                     self.saw("malloc from the cache");
@@ -1049,8 +1082,7 @@ impl Model {
                     } else {
                         g
                     };
-                    let spare = self.dev.unmapped_page_bytes()
-                        + self.idle_page_bytes(&self.alloc.snapshot());
+                    let spare = self.pooled_bytes() + self.idle_page_bytes(&self.alloc.snapshot());
                     ((rounded + 2 * edge).saturating_sub(spare), page)
                 } else {
                     (seg, seg)
@@ -1143,7 +1175,7 @@ impl Model {
         }
         if self.expandable {
             self.check_pages(&snap)?;
-            let pooled = self.dev.unmapped_page_bytes();
+            let pooled = self.pooled_bytes();
             check_expandable_stats_against_snapshot(
                 &stats,
                 &snap,

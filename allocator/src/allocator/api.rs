@@ -95,6 +95,21 @@ impl<D: Device> CachingAllocator<D> {
         self.state.lock().core.notices.clone()
     }
 
+    /// Expandable segments: the old mappings of pages lent to a block of
+    /// their own stream that are not unmapped yet (they go once the stream
+    /// is past them, or in `empty_cache`), as (address, bytes, whether the
+    /// page is pooled rather than mapped under a block, told once per page).
+    /// They hold no memory
+    /// of their own: the page is counted once, where it is mapped or pooled.
+    pub fn stale_mappings(&self) -> Vec<(DevicePtr, u64, bool)> {
+        let st = self.state.lock();
+        st.vmm
+            .stale_mappings(&st.core)
+            .into_iter()
+            .map(|(a, n, pooled)| (DevicePtr(a), n, pooled))
+            .collect()
+    }
+
     /// Whether expandable (page-backed) segments are in use.
     pub fn is_expandable(&self) -> bool {
         self.state.lock().core.granularity.is_some()

@@ -129,6 +129,25 @@ pub(super) struct Expandable<E> {
     page_pool: Vec<(u64, PoolKind, u64)>,
     /// Expandable: reserved bytes when the device last had no room for a new page.
     device_full_at: Option<u64>,
+    /// Lent pages' old mappings, unmapped once their stream passes a marker.
+    stale: Vec<Stale>,
+}
+
+/// The old mapping of a page lent to a block of the same stream before the
+/// stream's queued work was done with it: the page was mapped again at the
+/// block (stream order makes that safe) and this address is unmapped once a
+/// marker of the stream recorded after `since` completed. The allocator
+/// treats the granules as unmapped: none is mapped again before this goes.
+#[derive(Copy, Clone, Debug)]
+struct Stale {
+    seg: SegmentId,
+    /// First granule and length in granules.
+    at: u32,
+    len: u32,
+    handle: u64,
+    slot: usize,
+    /// When the free block holding the page became free.
+    since: u64,
 }
 
 impl<E> Expandable<E> {
@@ -140,6 +159,7 @@ impl<E> Expandable<E> {
             marks: Vec::new(),
             page_pool: Vec::new(),
             device_full_at: None,
+            stale: Vec::new(),
         }
     }
 
@@ -520,6 +540,18 @@ impl<E> Expandable<E> {
                 .rposition(|p| p.size == size)
                 .expect("one page per planned page");
             let page = gathered.swap_remove(j);
+            // An old mapping of a lent page there (the tail of this very block
+            // may have lent it) goes first.
+            if !self.stale.is_empty() {
+                let cleared = self.clear_stale(core, dev, |st| {
+                    st.seg == seg && st.at < at + n && st.at + st.len > at
+                });
+                if let Err(e) = cleared {
+                    gathered.push(page);
+                    self.return_pages(core, dev, gathered)?;
+                    return Err(e);
+                }
+            }
             if let Err(e) = dev.vmm_map(DevicePtr(base + u64::from(at) * g), page.handle, size) {
                 gathered.push(page);
                 self.return_pages(core, dev, gathered)?;
@@ -664,6 +696,7 @@ impl<E> Expandable<E> {
             let Some(&(h, kind, size)) = self.page_pool.last() else {
                 break;
             };
+            self.clear_stale(core, dev, |st| st.handle == h)?;
             dev.vmm_release_page(h)?;
             self.page_pool.pop(); // only once released: a failure keeps it pooled
             core.stats.num_page_release += 1;
@@ -689,9 +722,16 @@ impl<E> Expandable<E> {
     ) -> Result<(), AllocError> {
         let peak = core.stats.allocated_bytes.all().peak;
         let batch = need.saturating_add((peak as f64 * core.config.recycle_batch) as u64);
-        let mut got = self.unmap_idle_pages(core, dev, Some(tail), batch, false)?;
+        self.retire_stale(core, dev, false)?;
+        let mut got = self.unmap_idle_pages(core, dev, Some(tail), batch, false, None)?;
         if !wait {
             return Ok(());
+        }
+        if got < need && core.config.expandable_lend {
+            // Pages of this stream's own free blocks serve it in stream order:
+            // lent now, their old mappings dropped once the stream is past them.
+            let slot = core.segments.get(tail.0 .0).pool.stream_slot();
+            got += self.unmap_idle_pages(core, dev, Some(tail), batch - got, false, Some(slot))?;
         }
         while got < need {
             // The longest idle page that is not quiescent yet: wait for its stream.
@@ -700,7 +740,7 @@ impl<E> Expandable<E> {
             } else if !Self::wait_one_pending(core, dev)? {
                 break; // nothing left to wait for
             }
-            got += self.unmap_idle_pages(core, dev, Some(tail), batch - got, false)?;
+            got += self.unmap_idle_pages(core, dev, Some(tail), batch - got, false, None)?;
         }
         Ok(())
     }
@@ -935,6 +975,9 @@ impl<E> Expandable<E> {
     /// Unmaps idle pages no queued work can touch (every idle page with
     /// `all`, after the device was synchronized), longest idle first, up to
     /// `max_bytes`, into the pool (they stay reserved); returns how many bytes.
+    /// With `lend`, the idle pages of that stream slot are taken too while
+    /// its queued work may still touch them: each keeps its old mapping
+    /// ([`Stale`]) until the stream is past it.
     fn unmap_idle_pages<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
@@ -942,12 +985,13 @@ impl<E> Expandable<E> {
         extra: Option<Tail>,
         max_bytes: u64,
         all: bool,
+        lend: Option<usize>,
     ) -> Result<u64, AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
         let mut idle = Vec::new();
         if let Some(tail) = extra {
             let slot = core.segments.get(tail.0 .0).pool.stream_slot();
-            if all || self.quiescent(dev, slot, tail.3)? {
+            if all || lend == Some(slot) || self.quiescent(dev, slot, tail.3)? {
                 self.collect_idle(core, tail, None, &mut idle);
             }
         }
@@ -962,7 +1006,10 @@ impl<E> Expandable<E> {
             cursor = Some((since, id));
             let range = self.idle_block(core, since, id);
             let slot = core.segments.get(range.0 .0).pool.stream_slot();
-            if !all && (busy.contains(&slot) || !self.quiescent(dev, slot, since)?) {
+            if !all
+                && lend != Some(slot)
+                && (busy.contains(&slot) || !self.quiescent(dev, slot, since)?)
+            {
                 if !busy.contains(&slot) {
                     busy.push(slot);
                 }
@@ -978,19 +1025,32 @@ impl<E> Expandable<E> {
             if bytes >= max_bytes {
                 break;
             }
+            let slot = core.segments.get(seg.0).pool.stream_slot();
+            let lent = !all && lend == Some(slot) && !self.quiescent(dev, slot, since)?;
             let s = core.segments.get_mut(seg.0);
             let seg_addr = s.addr;
             let pages = s.pages_mut().expect("expandable");
             let (h, n) = pages.remove(at).expect("page was mapped");
             let size = u64::from(n) * g;
-            if let Err(e) = dev.vmm_unmap(DevicePtr(seg_addr + u64::from(at) * g), size) {
+            if lent {
+                self.stale.push(Stale {
+                    seg,
+                    at,
+                    len: n,
+                    handle: h,
+                    slot,
+                    since,
+                });
+                core.stats.num_pages_lent += 1;
+            } else if let Err(e) = dev.vmm_unmap(DevicePtr(seg_addr + u64::from(at) * g), size) {
                 pages.insert(at, n, h);
                 // The pages unmapped so far stay unmapped: index them below first.
                 failed = Some(e);
                 break;
+            } else {
+                core.stats.num_unmap += 1;
             }
             self.page_pool.push((h, s.pool.kind(), size));
-            core.stats.num_unmap += 1;
             bytes += size;
             if let Some(id) = block {
                 if emptied.last() != Some(&(since, id)) {
@@ -1022,7 +1082,8 @@ impl<E> Expandable<E> {
         dev.synchronize()?;
         self.drop_markers(core, dev);
         self.device_full_at = None;
-        self.unmap_idle_pages(core, dev, None, u64::MAX, true)?;
+        self.retire_stale(core, dev, true)?;
+        self.unmap_idle_pages(core, dev, None, u64::MAX, true, None)?;
         while let Some(&(h, kind, size)) = self.page_pool.last() {
             dev.vmm_release_page(h)?;
             self.page_pool.pop(); // only once released: a failure keeps it pooled
@@ -1129,6 +1190,81 @@ impl<E> Expandable<E> {
             ));
         }
         Ok(())
+    }
+
+    /// Unmaps the old mappings of lent pages whose stream is past them; with
+    /// `wait`, all of them, waiting for their streams' markers.
+    pub(super) fn retire_stale<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        wait: bool,
+    ) -> Result<(), AllocError> {
+        let mut i = 0;
+        while i < self.stale.len() {
+            let st = self.stale[i];
+            if wait {
+                self.wait_quiescent(core, dev, st.slot, st.since)?;
+            } else if !self.quiescent(dev, st.slot, st.since)? {
+                i += 1;
+                continue;
+            }
+            self.unmap_stale(core, dev, i)?;
+        }
+        Ok(())
+    }
+
+    /// Unmaps stale entry `i` (its stream is past it) and forgets it.
+    fn unmap_stale<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        i: usize,
+    ) -> Result<(), AllocError> {
+        let g = core.granularity.expect("expandable mode has a granularity");
+        let st = self.stale[i];
+        let addr = core.segments.get(st.seg.0).addr + u64::from(st.at) * g;
+        dev.vmm_unmap(DevicePtr(addr), u64::from(st.len) * g)?;
+        self.stale.swap_remove(i);
+        core.stats.num_unmap += 1;
+        Ok(())
+    }
+
+    /// Before granules `first..last` of `seg` are mapped, or page `handle`
+    /// released: the old mappings there (of it) go, after their stream's
+    /// marker if it is not past them yet.
+    fn clear_stale<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        hit: impl Fn(&Stale) -> bool,
+    ) -> Result<(), AllocError> {
+        while let Some(i) = self.stale.iter().position(&hit) {
+            let st = self.stale[i];
+            self.wait_quiescent(core, dev, st.slot, st.since)?;
+            self.unmap_stale(core, dev, i)?;
+        }
+        Ok(())
+    }
+
+    /// The old mappings of lent pages not yet unmapped, as (address, bytes,
+    /// whether the page is pooled rather than mapped under a block; for a
+    /// page lent twice, on its first old mapping only).
+    pub(super) fn stale_mappings(&self, core: &Core<E>) -> Vec<(u64, u64, bool)> {
+        let Some(g) = core.granularity else {
+            return Vec::new();
+        };
+        // A page lent twice has two old mappings: it counts as pooled once.
+        self.stale
+            .iter()
+            .enumerate()
+            .map(|(i, st)| {
+                let addr = core.segments.get(st.seg.0).addr + u64::from(st.at) * g;
+                let pooled = self.page_pool.iter().any(|p| p.0 == st.handle)
+                    && !self.stale[..i].iter().any(|o| o.handle == st.handle);
+                (addr, u64::from(st.len) * g, pooled)
+            })
+            .collect()
     }
 
     /// Bytes held in the pool of unmapped pages.

@@ -818,7 +818,11 @@ mod expandable {
 
     #[test]
     fn idle_pages_move_instead_of_growing_past_the_peak() {
-        let (dev, a) = new(small_pages());
+        // Lending off: the pages are unmapped where they were before they move.
+        let (dev, a) = new(Config {
+            expandable_lend: false,
+            ..small_pages()
+        });
         let x = a.malloc(10 * MIB, S0).unwrap();
         let y = a.malloc(10 * MIB, S0).unwrap();
         a.free(x).unwrap();
@@ -1032,14 +1036,17 @@ fn expandable_ranges_of_thousands_of_streams_fit_the_address_space() {
 }
 
 /// An expandable allocator (2 MiB pages, soft limit at the peak, no hard
-/// limit) with a 4 MiB hole (2 pages) behind a live block, freed before
-/// `small_ops` small-pool operations that record markers (left pending
-/// unless the caller completes them). Returns the live block too.
+/// limit; lending pages as `lend` says) with a 4 MiB hole (2 pages) behind a
+/// live block, freed before `small_ops` small-pool operations that record
+/// markers (left pending unless the caller completes them). Returns the live
+/// block too.
 fn hole_behind_markers(
     dev: &SimulatedDevice,
     small_ops: u32,
+    lend: bool,
 ) -> (CachingAllocator<SimulatedDevice>, DevicePtr) {
     let config = Config {
+        expandable_lend: lend,
         expandable_page: 2 * MIB,
         idle_slack: 0.0,
         idle_slack_hard: 10.0,
@@ -1063,7 +1070,7 @@ fn expandable_moves_quiescent_pages_without_waiting_for_the_device() {
     // touch may move, and nothing ever waits for the device.
     let run = |complete_markers: bool| {
         let dev = SimulatedDevice::new(1 << 30);
-        let (a, keep) = hole_behind_markers(&dev, 200);
+        let (a, keep) = hole_behind_markers(&dev, 200, false);
         if complete_markers {
             dev.complete_all_events();
         }
@@ -1104,7 +1111,7 @@ fn expandable_waits_for_a_marker_before_the_whole_device() {
     // A cap two pages short: pages must move. x was freed before the first
     // marker, so waiting for that marker suffices; the device is not drained.
     let dev = SimulatedDevice::new(1 << 30);
-    let (a, keep) = hole_behind_markers(&dev, 300);
+    let (a, keep) = hole_behind_markers(&dev, 300, false);
     let reserved = a.usage().reserved;
     a.set_memory_cap(Some(crate::config::MemoryCap::Bytes(reserved + 2 * MIB)))
         .unwrap();
@@ -1132,6 +1139,41 @@ fn expandable_waits_for_a_marker_before_the_whole_device() {
     assert_eq!(a.stats().num_marker_waits, 1, "the first marker was enough");
     a.free(y).unwrap();
     a.free(keep).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn expandable_lends_its_own_streams_pages_without_waiting() {
+    // The same cap two pages short, lending on: x's pages serve y on x's
+    // stream at once, mapped again there; their old mappings stay until the
+    // stream is past them, and `empty_cache` drops them.
+    let dev = SimulatedDevice::new(1 << 30);
+    let (a, keep) = hole_behind_markers(&dev, 300, true);
+    let reserved = a.usage().reserved;
+    a.set_memory_cap(Some(crate::config::MemoryCap::Bytes(reserved + 2 * MIB)))
+        .unwrap();
+    let before = dev.counters();
+    let y = a.malloc(6 * MIB, S0).unwrap();
+    let after = dev.counters();
+    assert_eq!(after.event_waits, before.event_waits, "no wait at all");
+    assert_eq!(after.synchronizes, before.synchronizes);
+    assert_eq!(after.vmm_unmaps, before.vmm_unmaps, "nothing unmapped yet");
+    assert_eq!(a.stats().num_pages_lent, 2);
+    let stale = a.stale_mappings();
+    assert_eq!(stale.len(), 2, "x's two old mappings: {stale:?}");
+    assert!(stale
+        .iter()
+        .all(|&(p, n, pooled)| n == 2 * MIB && !pooled && p.0 < keep.0));
+    assert!(a.usage().reserved <= reserved + 2 * MIB, "within the cap");
+    a.check_invariants().unwrap();
+    // A block placed over x's old place waits for the stream and unmaps
+    // the old mappings first.
+    a.free(y).unwrap();
+    a.free(keep).unwrap();
+    a.empty_cache().unwrap();
+    assert!(a.stale_mappings().is_empty());
+    assert_eq!(a.usage().reserved, 0);
+    assert!(dev.mappings().is_empty());
     a.check_invariants().unwrap();
 }
 
