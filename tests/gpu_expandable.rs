@@ -68,10 +68,12 @@ fn idle_pages_move_under_a_cap() {
         bad += mismatches(*p, 4 * MIB, s.id(), 0xC0DE_0000 + i as u32);
     }
     println!(
-        "cap {} MiB: 128 MiB served with {} pages unmapped from holes and re-mapped, \
-         {} pages created ({} before), {} device syncs; reserved {} MiB; {bad} bad words",
+        "cap {} MiB: 128 MiB served with {} pages unmapped from holes and {} lent \
+         (re-mapped at once, old mapping dropped later), {} pages created ({} before), \
+         {} device syncs; reserved {} MiB; {bad} bad words",
         cap / MIB,
         after.num_unmap - before.num_unmap,
+        after.num_pages_lent - before.num_pages_lent,
         after.num_page_create,
         before.num_page_create,
         after.num_sync_all_streams,
@@ -79,8 +81,8 @@ fn idle_pages_move_under_a_cap() {
     );
     assert_eq!(bad, 0, "live data changed when pages moved");
     assert!(
-        after.num_unmap > before.num_unmap,
-        "idle pages were unmapped"
+        after.num_unmap + after.num_pages_lent > before.num_unmap + before.num_pages_lent,
+        "idle pages moved"
     );
     assert!(
         after.num_page_create <= cap / g,
@@ -97,9 +99,11 @@ fn idle_pages_move_under_a_cap() {
     alloc.check_invariants().unwrap();
     let dev = CudaDevice::new(0).unwrap();
 
-    // The same sequence on plain segments: every 20 MiB segment keeps live
-    // blocks, nothing can be released, and the cap is hit.
-    let plain = CachingAllocator::new(dev, capped(Config::default(), cap));
+    // The same sequence on PyTorch's plain segments: every 20 MiB segment
+    // keeps live blocks, nothing can be released, and the cap is hit.
+    // (`default` sizes medium segments to the workload: there 4 MiB blocks
+    // get segments of their own, which go back when freed.)
+    let plain = CachingAllocator::new(dev, capped(Config::pytorch(), cap));
     let blocks: Vec<DevicePtr> = (0..50)
         .map(|_| plain.malloc(4 * MIB, s.id()).unwrap())
         .collect();
