@@ -231,7 +231,9 @@ pub struct Config {
     pub expandable_edges: EdgePages,
     /// Expandable segments: a block whose best fit lacks pages goes where
     /// idle mapped pages are instead, so that pages move less (half the map
-    /// calls on the corpus) at some memory (docs/POLICY.md). Off by default.
+    /// calls on the corpus), while the workload is well short of the device's
+    /// memory or the cap; it costs reserved memory there (docs/POLICY.md).
+    /// Off by default.
     pub expandable_place: bool,
     /// Expandable segments: past the hard limit, idle pages of the
     /// requesting stream serve it at once (stream order makes that safe),
