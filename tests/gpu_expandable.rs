@@ -68,12 +68,12 @@ fn idle_pages_move_under_a_cap() {
         bad += mismatches(*p, 4 * MIB, s.id(), 0xC0DE_0000 + i as u32);
     }
     println!(
-        "cap {} MiB: 128 MiB served with {} pages unmapped from holes and {} lent \
+        "cap {} MiB: 128 MiB served with {} pages unmapped from holes and {} reused early \
          (re-mapped at once, old mapping dropped later), {} pages created ({} before), \
          {} device syncs; reserved {} MiB; {bad} bad words",
         cap / MIB,
         after.num_unmap - before.num_unmap,
-        after.num_pages_lent - before.num_pages_lent,
+        after.num_pages_reused_early - before.num_pages_reused_early,
         after.num_page_create,
         before.num_page_create,
         after.num_sync_all_streams,
@@ -81,7 +81,8 @@ fn idle_pages_move_under_a_cap() {
     );
     assert_eq!(bad, 0, "live data changed when pages moved");
     assert!(
-        after.num_unmap + after.num_pages_lent > before.num_unmap + before.num_pages_lent,
+        after.num_unmap + after.num_pages_reused_early
+            > before.num_unmap + before.num_pages_reused_early,
         "idle pages moved"
     );
     assert!(

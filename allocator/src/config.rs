@@ -239,7 +239,7 @@ pub struct Config {
     /// requesting stream serve it at once (stream order makes that safe),
     /// their old mappings dropped once the stream is past them, instead of
     /// the host waiting for the stream's marker.
-    pub expandable_lend: bool,
+    pub expandable_early_reuse: bool,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
     /// Freed blocks each thread keeps for its own next request of the same
@@ -287,7 +287,7 @@ impl Config {
             expandable_page: 8 * MIB,
             expandable_edges: EdgePages::Pressure,
             expandable_place: false,
-            expandable_lend: true,
+            expandable_early_reuse: true,
             expandable_segments: false,
         }
     }
@@ -1039,14 +1039,14 @@ pub static KEYS: &[Key] = &[
         set: |c, v| c.expandable_place = b(v),
     },
     Key {
-        name: "expandable_lend",
+        name: "expandable_early_reuse",
         aliases: &[],
         kind: BOOL,
         stability: Stability::Experimental,
         doc: "expandable segments: past the hard limit, idle pages of the requesting stream are mapped under its block at once and their old mappings dropped once the stream is past them (off: wait for the stream's marker)",
         group: None,
-        get: |c| Some(Value::Bool(c.expandable_lend)),
-        set: |c, v| c.expandable_lend = b(v),
+        get: |c| Some(Value::Bool(c.expandable_early_reuse)),
+        set: |c, v| c.expandable_early_reuse = b(v),
     },
     Key {
         name: "thread_cache",

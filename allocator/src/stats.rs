@@ -229,10 +229,10 @@ pub struct MemoryStats {
     /// Expandable segments: markers waited for instead of synchronizing the
     /// whole device (work queued after a marker keeps running).
     pub num_marker_waits: u64,
-    /// Expandable segments: idle pages lent to a block of their own stream
+    /// Expandable segments: idle pages reused early by a block of their own stream
     /// before the stream was past them (mapped again at once, their old
     /// mapping dropped later) instead of waiting for a marker.
-    pub num_pages_lent: u64,
+    pub num_pages_reused_early: u64,
     /// Blocking waits for one event (a stream's marker, or an event guarding
     /// a block another stream used), outside `empty_cache` and out-of-memory
     /// handling, where the wait is for every stream (`num_sync_all_streams`).
@@ -348,7 +348,10 @@ impl MemoryStats {
         out.push(("num_ooms".into(), v(self.num_ooms)));
         out.push(("num_sync_all_streams".into(), v(self.num_sync_all_streams)));
         out.push(("num_marker_waits".into(), v(self.num_marker_waits)));
-        out.push(("num_pages_lent".into(), v(self.num_pages_lent)));
+        out.push((
+            "num_pages_reused_early".into(),
+            v(self.num_pages_reused_early),
+        ));
         out.push(("num_event_waits".into(), v(self.num_event_waits)));
         out.push(("num_events_recorded".into(), v(self.num_events_recorded)));
         out.push(("num_device_alloc".into(), v(self.num_device_alloc)));

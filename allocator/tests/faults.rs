@@ -47,9 +47,9 @@ fn check(a: &Alloc, dev: &SimulatedDevice, step: usize, what: &str) -> Result<()
     let snap = a.snapshot();
     let max_split = a.config().max_split_size;
     if a.is_expandable() {
-        // Lent pages pooled with only their old mapping left are pooled too.
-        let lent: u64 = a.stale_mappings().iter().filter(|m| m.2).map(|m| m.1).sum();
-        let pooled = dev.unmapped_page_bytes() + lent;
+        // Pages reused early, pooled with only their old mapping left, are pooled too.
+        let early: u64 = a.stale_mappings().iter().filter(|m| m.2).map(|m| m.1).sum();
+        let pooled = dev.unmapped_page_bytes() + early;
         check_expandable_stats_against_snapshot(&a.stats(), &snap, max_split, pooled)
             .map_err(at)?;
     } else {

@@ -531,7 +531,7 @@ impl Model {
     }
 
     /// Expandable segments: the pages under the blocks, as the device maps them.
-    /// Every segment's `mapped_size`, plus the old mappings of lent pages
+    /// Every segment's `mapped_size`, plus the old mappings of pages reused early
     /// there, is what the device maps in its range; every block in use or
     /// awaiting events (queued work may still touch it) is wholly mapped,
     /// and no old mapping lies under one.
@@ -583,21 +583,21 @@ impl Model {
     }
 
     /// Bytes of pages the allocator holds unmapped under no block: the
-    /// device's unmapped pages and lent pages pooled with only their old
+    /// device's unmapped pages and pages reused early, pooled with only their old
     /// mapping left.
     fn pooled_bytes(&self) -> u64 {
-        let lent: u64 = self
+        let early: u64 = self
             .alloc
             .stale_mappings()
             .iter()
             .filter(|m| m.2)
             .map(|m| m.1)
             .sum();
-        self.dev.unmapped_page_bytes() + lent
+        self.dev.unmapped_page_bytes() + early
     }
 
     /// Bytes of whole mapped pages lying inside free blocks (pages a
-    /// recycling round can move), old mappings of lent pages left out.
+    /// recycling round can move), old mappings of pages reused early left out.
     fn idle_page_bytes(&self, snap: &Snapshot) -> u64 {
         let stale = self.alloc.stale_mappings();
         let mut mappings = self.dev.mappings();
@@ -1000,8 +1000,8 @@ impl Model {
                     if c.vmm_reserves > before.counters.vmm_reserves {
                         self.saw("malloc reserved a range");
                     }
-                    if st.num_pages_lent > before.stats.num_pages_lent {
-                        self.saw("malloc lent pages of its stream");
+                    if st.num_pages_reused_early > before.stats.num_pages_reused_early {
+                        self.saw("malloc reused its stream's pages early");
                     }
                 } else if st.num_device_alloc == before.stats.num_device_alloc {
                     self.saw("malloc from the cache");

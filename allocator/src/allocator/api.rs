@@ -95,8 +95,8 @@ impl<D: Device> CachingAllocator<D> {
         self.state.lock().core.notices.clone()
     }
 
-    /// Expandable segments: the old mappings of pages lent to a block of
-    /// their own stream that are not unmapped yet (they go once the stream
+    /// Expandable segments: the old mappings of pages reused early by a
+    /// block of their own stream that are not unmapped yet (they go once the stream
     /// is past them, or in `empty_cache`), as (address, bytes, whether the
     /// page is pooled rather than mapped under a block, told once per page).
     /// They hold no memory

@@ -136,11 +136,11 @@ pub(super) struct Expandable<E> {
     page_pool: Vec<(u64, PoolKind, u64)>,
     /// Expandable: reserved bytes when the device last had no room for a new page.
     device_full_at: Option<u64>,
-    /// Lent pages' old mappings, unmapped once their stream passes a marker.
+    /// Old mappings of pages reused early, unmapped once their stream passes a marker.
     stale: Vec<Stale>,
 }
 
-/// The old mapping of a page lent to a block of the same stream before the
+/// The old mapping of a page reused early by a block of the same stream before the
 /// stream's queued work was done with it: the page was mapped again at the
 /// block (stream order makes that safe) and this address is unmapped once a
 /// marker of the stream recorded after `since` completed. The allocator
@@ -277,10 +277,7 @@ impl<E> Expandable<E> {
         // Near the device's (or the cap's) size, best fit: a block placed inside
         // a free block shares the page under its end with free space, which
         // costs memory exactly when memory is short.
-        let (_, _, cap) = self.limits(core);
-        let limit = cap
-            .min(self.device_full_at.unwrap_or(u64::MAX))
-            .min(self.range_size);
+        let limit = self.memory_limit(core);
         let demand = core
             .stats
             .allocated_bytes
@@ -434,12 +431,17 @@ impl<E> Expandable<E> {
     /// `idle_slack_hard` of the cap, of the device's total memory, or of the
     /// level at which the device was last found full.
     fn under_pressure(&self, core: &Core<E>, bytes: u64) -> bool {
-        let (_, _, cap) = self.limits(core);
-        let limit = cap
-            .min(self.device_full_at.unwrap_or(u64::MAX))
-            .min(self.range_size);
+        let limit = self.memory_limit(core);
         let limit = (limit as f64 * (1.0 - core.config.idle_slack_hard).max(0.0)) as u64;
         core.reserved() + bytes > limit
+    }
+
+    /// The most reserved memory can reach: the cap, the device's memory, or
+    /// the level at which the device was last found full.
+    fn memory_limit(&self, core: &Core<E>) -> u64 {
+        let (_, _, cap) = self.limits(core);
+        cap.min(self.device_full_at.unwrap_or(u64::MAX))
+            .min(self.range_size)
     }
 
     /// If the big page under the block's end reaches past it into the free
@@ -564,8 +566,8 @@ impl<E> Expandable<E> {
                 .rposition(|p| p.size == size)
                 .expect("one page per planned page");
             let page = gathered.swap_remove(j);
-            // An old mapping of a lent page there (the tail of this very block
-            // may have lent it) goes first.
+            // An old mapping of a page reused early there (the tail of this
+            // very block may have given it up) goes first.
             if !self.stale.is_empty() {
                 let cleared = self.clear_stale(core, dev, |st| {
                     st.seg == seg && st.at < at + n && st.at + st.len > at
@@ -751,9 +753,9 @@ impl<E> Expandable<E> {
         if !wait {
             return Ok(());
         }
-        if got < need && core.config.expandable_lend {
+        if got < need && core.config.expandable_early_reuse {
             // Pages of this stream's own free blocks serve it in stream order:
-            // lent now, their old mappings dropped once the stream is past them.
+            // reused now, their old mappings dropped once the stream is past them.
             let slot = core.segments.get(tail.0 .0).pool.stream_slot();
             got += self.unmap_idle_pages(core, dev, Some(tail), batch - got, false, Some(slot))?;
         }
@@ -999,7 +1001,7 @@ impl<E> Expandable<E> {
     /// Unmaps idle pages no queued work can touch (every idle page with
     /// `all`, after the device was synchronized), longest idle first, up to
     /// `max_bytes`, into the pool (they stay reserved); returns how many bytes.
-    /// With `lend`, the idle pages of that stream slot are taken too while
+    /// With `early`, the idle pages of that stream slot are taken too while
     /// its queued work may still touch them: each keeps its old mapping
     /// ([`Stale`]) until the stream is past it.
     fn unmap_idle_pages<D: Device<Event = E>>(
@@ -1009,13 +1011,13 @@ impl<E> Expandable<E> {
         extra: Option<Tail>,
         max_bytes: u64,
         all: bool,
-        lend: Option<usize>,
+        early: Option<usize>,
     ) -> Result<u64, AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
         let mut idle = Vec::new();
         if let Some(tail) = extra {
             let slot = core.segments.get(tail.0 .0).pool.stream_slot();
-            if all || lend == Some(slot) || self.quiescent(dev, slot, tail.3)? {
+            if all || early == Some(slot) || self.quiescent(dev, slot, tail.3)? {
                 self.collect_idle(core, tail, None, &mut idle);
             }
         }
@@ -1031,7 +1033,7 @@ impl<E> Expandable<E> {
             let range = self.idle_block(core, since, id);
             let slot = core.segments.get(range.0 .0).pool.stream_slot();
             if !all
-                && lend != Some(slot)
+                && early != Some(slot)
                 && (busy.contains(&slot) || !self.quiescent(dev, slot, since)?)
             {
                 if !busy.contains(&slot) {
@@ -1050,13 +1052,13 @@ impl<E> Expandable<E> {
                 break;
             }
             let slot = core.segments.get(seg.0).pool.stream_slot();
-            let lent = !all && lend == Some(slot) && !self.quiescent(dev, slot, since)?;
+            let reused = !all && early == Some(slot) && !self.quiescent(dev, slot, since)?;
             let s = core.segments.get_mut(seg.0);
             let seg_addr = s.addr;
             let pages = s.pages_mut().expect("expandable");
             let (h, n) = pages.remove(at).expect("page was mapped");
             let size = u64::from(n) * g;
-            if lent {
+            if reused {
                 self.stale.push(Stale {
                     seg,
                     at,
@@ -1065,7 +1067,7 @@ impl<E> Expandable<E> {
                     slot,
                     since,
                 });
-                core.stats.num_pages_lent += 1;
+                core.stats.num_pages_reused_early += 1;
             } else if let Err(e) = dev.vmm_unmap(DevicePtr(seg_addr + u64::from(at) * g), size) {
                 pages.insert(at, n, h);
                 // The pages unmapped so far stay unmapped: index them below first.
@@ -1216,7 +1218,7 @@ impl<E> Expandable<E> {
         Ok(())
     }
 
-    /// Unmaps the old mappings of lent pages whose stream is past them; with
+    /// Unmaps the old mappings of pages reused early whose stream is past them; with
     /// `wait`, all of them, waiting for their streams' markers.
     pub(super) fn retire_stale<D: Device<Event = E>>(
         &mut self,
@@ -1271,14 +1273,14 @@ impl<E> Expandable<E> {
         Ok(())
     }
 
-    /// The old mappings of lent pages not yet unmapped, as (address, bytes,
+    /// The old mappings of pages reused early, not yet unmapped, as (address, bytes,
     /// whether the page is pooled rather than mapped under a block; for a
-    /// page lent twice, on its first old mapping only).
+    /// page reused early twice, on its first old mapping only).
     pub(super) fn stale_mappings(&self, core: &Core<E>) -> Vec<(u64, u64, bool)> {
         let Some(g) = core.granularity else {
             return Vec::new();
         };
-        // A page lent twice has two old mappings: it counts as pooled once.
+        // A page reused early twice has two old mappings: it counts as pooled once.
         self.stale
             .iter()
             .enumerate()

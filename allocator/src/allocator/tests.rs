@@ -559,17 +559,22 @@ fn an_oversize_free_huge_segment_goes_back_for_one_that_fits() {
             oversize_ratio,
             ..Config::default()
         });
+        // A long-lived 8000 MiB block: the 700 MiB segment freed below is
+        // young and within the idle slack, so only the oversize rule gives
+        // it back.
+        let _keep = a.malloc(8000 * MIB, S0).unwrap();
         let big = a.malloc(700 * MIB, S0).unwrap();
         a.free(big).unwrap();
         let p = a.malloc(300 * MIB, S0).unwrap();
         ok(&a);
-        let segments: Vec<u64> = dev.segments().iter().map(|&(_, size)| size).collect();
-        (p == big, segments, a.usage().reserved)
+        let mut segments: Vec<u64> = dev.segments().iter().map(|&(_, size)| size / MIB).collect();
+        segments.sort_unstable();
+        (p == big, segments, a.usage().reserved / MIB)
     };
     // Under half the free segment: given back, a segment of its own made.
-    assert_eq!(run(2), (false, vec![300 * MIB], 300 * MIB));
+    assert_eq!(run(2), (false, vec![300, 8000], 8300));
     // Without the rule, the request is carved from the 700 MiB segment.
-    assert_eq!(run(0), (true, vec![700 * MIB], 700 * MIB));
+    assert_eq!(run(0), (true, vec![700, 8000], 8700));
 }
 
 #[test]
@@ -744,11 +749,14 @@ mod expandable {
     /// best fit alone it lands on the unmapped start and pages are mapped.
     #[test]
     fn placement_goes_over_idle_pages() {
-        let run = |place: bool| {
-            let (dev, a) = new(Config {
-                expandable_place: place,
-                ..small_pages()
-            });
+        let run_on = |place: bool, capacity: u64| {
+            let (dev, a) = with_capacity(
+                Config {
+                    expandable_place: place,
+                    ..small_pages()
+                },
+                capacity,
+            );
             let x = a.malloc(4 * MIB, S0).unwrap(); // [0, 4)
             let k1 = a.malloc(2 * MIB, S0).unwrap(); // [4, 6)
             a.free(x).unwrap();
@@ -766,11 +774,18 @@ mod expandable {
             ok(&a);
             (p.0 - x.0, dev.counters().vmm_maps - maps)
         };
+        let run = |place: bool| run_on(place, 1 << 40);
         assert_eq!(run(true), (4 * MIB, 0), "over k1's and b's idle pages");
         assert_eq!(
             run(false),
             (2 * MIB, 1),
             "best fit: the free block's unmapped start"
+        );
+        // The peak (10 MiB allocated) within 20% of a 12 MiB device: best fit.
+        assert_eq!(
+            run_on(true, 12 * MIB),
+            (2 * MIB, 1),
+            "placement steps aside near the device's size"
         );
     }
 
@@ -818,9 +833,9 @@ mod expandable {
 
     #[test]
     fn idle_pages_move_instead_of_growing_past_the_peak() {
-        // Lending off: the pages are unmapped where they were before they move.
+        // Early reuse off: the pages are unmapped where they were before they move.
         let (dev, a) = new(Config {
-            expandable_lend: false,
+            expandable_early_reuse: false,
             ..small_pages()
         });
         let x = a.malloc(10 * MIB, S0).unwrap();
@@ -1036,17 +1051,17 @@ fn expandable_ranges_of_thousands_of_streams_fit_the_address_space() {
 }
 
 /// An expandable allocator (2 MiB pages, soft limit at the peak, no hard
-/// limit; lending pages as `lend` says) with a 4 MiB hole (2 pages) behind a
+/// limit; early reuse as `early` says) with a 4 MiB hole (2 pages) behind a
 /// live block, freed before `small_ops` small-pool operations that record
 /// markers (left pending unless the caller completes them). Returns the live
 /// block too.
 fn hole_behind_markers(
     dev: &SimulatedDevice,
     small_ops: u32,
-    lend: bool,
+    early: bool,
 ) -> (CachingAllocator<SimulatedDevice>, DevicePtr) {
     let config = Config {
-        expandable_lend: lend,
+        expandable_early_reuse: early,
         expandable_page: 2 * MIB,
         idle_slack: 0.0,
         idle_slack_hard: 10.0,
@@ -1143,8 +1158,8 @@ fn expandable_waits_for_a_marker_before_the_whole_device() {
 }
 
 #[test]
-fn expandable_lends_its_own_streams_pages_without_waiting() {
-    // The same cap two pages short, lending on: x's pages serve y on x's
+fn expandable_early_reuses_its_own_streams_pages_without_waiting() {
+    // The same cap two pages short, early reuse on: x's pages serve y on x's
     // stream at once, mapped again there; their old mappings stay until the
     // stream is past them, and `empty_cache` drops them.
     let dev = SimulatedDevice::new(1 << 30);
@@ -1158,7 +1173,7 @@ fn expandable_lends_its_own_streams_pages_without_waiting() {
     assert_eq!(after.event_waits, before.event_waits, "no wait at all");
     assert_eq!(after.synchronizes, before.synchronizes);
     assert_eq!(after.vmm_unmaps, before.vmm_unmaps, "nothing unmapped yet");
-    assert_eq!(a.stats().num_pages_lent, 2);
+    assert_eq!(a.stats().num_pages_reused_early, 2);
     let stale = a.stale_mappings();
     assert_eq!(stale.len(), 2, "x's two old mappings: {stale:?}");
     assert!(stale
