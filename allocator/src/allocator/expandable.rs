@@ -239,8 +239,9 @@ impl<E> Expandable<E> {
         }
     }
 
-    /// Where a block of `rounded` bytes of `pool` goes: the best fit `fit`
-    /// (size, address, block) of the bins if its pages are all mapped;
+    /// With `expandable_place`, where a block of `rounded` bytes of `pool`
+    /// goes: the best fit `fit` (size, address, block) of the bins if its
+    /// pages are all mapped;
     /// otherwise the place among free blocks holding idle pages (the idle
     /// index) that needs the fewest granules mapped — the start of the
     /// block, the start of a run of mapped pages in it, or where the block
@@ -252,7 +253,6 @@ impl<E> Expandable<E> {
     /// unmapped start of a free block takes the idle pages further on,
     /// which the next request then lacks (replay, gpt2_finetune: 32,522
     /// maps; placed over idle pages: 14,740). docs/POLICY.md has the table.
-    #[cold]
     pub(super) fn place(
         &self,
         core: &Core<E>,
@@ -271,7 +271,7 @@ impl<E> Expandable<E> {
         // (granules to map, block size, address): the lowest wins.
         let mut best = (unmapped(fit.2, fit.1), fit.0, fit.1);
         let mut choice = (fit, fit.1);
-        if best.0 == 0 || !core.config.expandable_place {
+        if best.0 == 0 {
             return choice;
         }
         // Near the device's (or the cap's) size, best fit: a block placed inside

@@ -122,12 +122,15 @@ impl<E> State<E> {
                 .as_ref()
                 .and_then(|b| b.best_fit(rounded));
             let (bsize, addr, id) = match fit {
-                Some(fit) => match self.vmm.place(&self.core, pool, rounded, fit) {
-                    (entry, at) if at == entry.1 => entry,
-                    ((size, start, id), at) => {
-                        (start + size - at, at, self.core.split_free(id, at))
+                Some(fit) if self.core.config.expandable_place => {
+                    match self.vmm.place(&self.core, pool, rounded, fit) {
+                        (entry, at) if at == entry.1 => entry,
+                        ((size, start, id), at) => {
+                            (start + size - at, at, self.core.split_free(id, at))
+                        }
                     }
-                },
+                }
+                Some(fit) => fit,
                 None => self.new_range(dev, req)?,
             };
             // While its pages are gathered the block is out of the bins (so not
