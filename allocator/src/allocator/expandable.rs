@@ -748,7 +748,7 @@ impl<E> Expandable<E> {
     ) -> Result<(), AllocError> {
         let peak = core.stats.allocated_bytes.all().peak;
         let batch = need.saturating_add((peak as f64 * core.config.recycle_batch) as u64);
-        self.retire_stale(core, dev, false)?;
+        self.retire_stale(core, dev)?;
         let mut got = self.unmap_idle_pages(core, dev, Some(tail), batch, false, None)?;
         if !wait {
             return Ok(());
@@ -1108,7 +1108,7 @@ impl<E> Expandable<E> {
         dev.synchronize()?;
         self.drop_markers(core, dev);
         self.device_full_at = None;
-        self.retire_stale(core, dev, true)?;
+        self.clear_stale(core, dev, |_| true)?;
         self.unmap_idle_pages(core, dev, None, u64::MAX, true, None)?;
         while let Some(&(h, kind, size)) = self.page_pool.last() {
             dev.vmm_release_page(h)?;
@@ -1218,24 +1218,20 @@ impl<E> Expandable<E> {
         Ok(())
     }
 
-    /// Unmaps the old mappings of pages reused early whose stream is past them; with
-    /// `wait`, all of them, waiting for their streams' markers.
+    /// Unmaps the old mappings of pages reused early whose stream is past them.
     pub(super) fn retire_stale<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
-        wait: bool,
     ) -> Result<(), AllocError> {
         let mut i = 0;
         while i < self.stale.len() {
             let st = self.stale[i];
-            if wait {
-                self.wait_quiescent(core, dev, st.slot, st.since)?;
-            } else if !self.quiescent(dev, st.slot, st.since)? {
+            if self.quiescent(dev, st.slot, st.since)? {
+                self.unmap_stale(core, dev, i)?;
+            } else {
                 i += 1;
-                continue;
             }
-            self.unmap_stale(core, dev, i)?;
         }
         Ok(())
     }
