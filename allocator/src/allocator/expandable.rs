@@ -1219,7 +1219,7 @@ impl<E> Expandable<E> {
     }
 
     /// Unmaps the old mappings of pages reused early whose stream is past them.
-    pub(super) fn retire_stale<D: Device<Event = E>>(
+    fn retire_stale<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
