@@ -240,6 +240,11 @@ pub struct Config {
     /// their old mappings dropped once the stream is past them, instead of
     /// the host waiting for the stream's marker.
     pub expandable_early_reuse: bool,
+    /// Expandable segments: a page moved away keeps its old mapping (a
+    /// *shadow*, no unmap call) until that address needs another page; a
+    /// block carved over a shadow whose page is idle takes the page back
+    /// with no driver call.
+    pub expandable_shadows: bool,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
     /// Freed blocks each thread keeps for its own next request of the same
@@ -288,6 +293,7 @@ impl Config {
             expandable_edges: EdgePages::Pressure,
             expandable_place: false,
             expandable_early_reuse: true,
+            expandable_shadows: false,
             expandable_segments: false,
         }
     }
@@ -1047,6 +1053,16 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::Bool(c.expandable_early_reuse)),
         set: |c, v| c.expandable_early_reuse = b(v),
+    },
+    Key {
+        name: "expandable_shadows",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Experimental,
+        doc: "expandable segments: a page moved elsewhere keeps its old mapping until that address needs another page, and goes back there with no driver call when a block there needs it while it is idle",
+        group: None,
+        get: |c| Some(Value::Bool(c.expandable_shadows)),
+        set: |c, v| c.expandable_shadows = b(v),
     },
     Key {
         name: "thread_cache",

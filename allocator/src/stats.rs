@@ -233,6 +233,9 @@ pub struct MemoryStats {
     /// before the stream was past them (mapped again at once, their old
     /// mapping dropped later) instead of waiting for a marker.
     pub num_pages_reused_early: u64,
+    /// Expandable segments: pages mapped back where a shadow of them was
+    /// kept (`expandable_shadows`), with no driver call.
+    pub num_pages_revived: u64,
     /// Blocking waits for one event (a stream's marker, or an event guarding
     /// a block another stream used), outside `empty_cache` and out-of-memory
     /// handling, where the wait is for every stream (`num_sync_all_streams`).
@@ -352,6 +355,7 @@ impl MemoryStats {
             "num_pages_reused_early".into(),
             v(self.num_pages_reused_early),
         ));
+        out.push(("num_pages_revived".into(), v(self.num_pages_revived)));
         out.push(("num_event_waits".into(), v(self.num_event_waits)));
         out.push(("num_events_recorded".into(), v(self.num_events_recorded)));
         out.push(("num_device_alloc".into(), v(self.num_device_alloc)));
@@ -538,6 +542,6 @@ mod tests {
             assert!(keys.contains(&k), "missing {k}");
         }
         assert!(e.contains(&("max_split_size".to_string(), -1)));
-        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 15);
+        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 16);
     }
 }

@@ -198,6 +198,23 @@ fn model_expandable() {
     run_config("expandable", config("expandable"), 256);
 }
 
+/// Shadows: a page moved away stays mapped at its old address until that
+/// address needs another page, and goes back there with no driver call.
+#[test]
+fn model_expandable_shadows() {
+    run_config("expandable-shadows", config("expandable-shadows"), 256);
+}
+
+#[test]
+fn model_expandable_shadows_faults() {
+    run_config_with(
+        "expandable-shadows (faults)",
+        config("expandable-shadows"),
+        128,
+        10,
+    );
+}
+
 #[test]
 fn model_expandable_big_edges() {
     run_config("expandable-big-edges", config("expandable-big-edges"), 128);

@@ -146,6 +146,11 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         ("pytorch-slabs-16", parse("pytorch,slab_max_kb:16")),
         // Page-backed segments: virtual ranges, physical pages mapped under blocks.
         ("expandable", Config::expandable()),
+        // Pages moved away keep their old mappings (shadows) and go back with no call.
+        (
+            "expandable-shadows",
+            parse("expandable,expandable_shadows:true"),
+        ),
         // Big pages at every edge, and slabs for small requests.
         (
             "expandable-big-edges",

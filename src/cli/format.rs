@@ -87,6 +87,7 @@ pub fn record(
         "num_sync_all_streams": s.num_sync_all_streams,
         "num_marker_waits": s.num_marker_waits,
         "num_pages_reused_early": s.num_pages_reused_early,
+        "num_pages_revived": s.num_pages_revived,
         "num_event_waits": s.num_event_waits,
         "num_events_recorded": s.num_events_recorded,
         "num_alloc_retries": s.num_alloc_retries,

@@ -23,7 +23,8 @@ use crate::block::{BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId};
 use crate::config::EdgePages;
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::AllocError;
-use std::collections::VecDeque;
+use crate::fasthash::FastMap;
+use std::collections::{BTreeMap, VecDeque};
 
 /// Operations (mallocs and frees, all streams) between two marker events
 /// recorded on one stream as blocks are freed there.
@@ -136,15 +137,23 @@ pub(super) struct Expandable<E> {
     page_pool: Vec<(u64, PoolKind, u64)>,
     /// Expandable: reserved bytes when the device last had no room for a new page.
     device_full_at: Option<u64>,
-    /// Old mappings of pages reused early, unmapped once their stream passes a marker.
-    stale: Vec<Stale>,
+    /// Mappings no block uses, by (segment, first granule): old mappings of
+    /// pages reused early (unmapped once their stream passes a marker) and,
+    /// with `expandable_shadows`, of pages moved away (kept until another
+    /// page is mapped there).
+    stale: BTreeMap<(u32, u32), Stale>,
+    /// With `expandable_shadows`: where each page mapped in a range is
+    /// (segment, first granule), to find an idle page a shadow asks back.
+    mapped_at: FastMap<u64, (SegmentId, u32)>,
 }
 
-/// The old mapping of a page reused early by a block of the same stream before the
-/// stream's queued work was done with it: the page was mapped again at the
-/// block (stream order makes that safe) and this address is unmapped once a
-/// marker of the stream recorded after `since` completed. The allocator
-/// treats the granules as unmapped: none is mapped again before this goes.
+/// The old mapping of a page mapped again elsewhere: reused early by a block
+/// of the same stream before the stream's queued work was done with it
+/// (stream order makes that safe; unmapped once a marker of the stream
+/// recorded after `since` completed), or, with `expandable_shadows`, moved
+/// away (a *shadow*: kept until its address needs another page, and the
+/// page's way back there if it is idle when a block there needs it). The
+/// allocator treats the granules as unmapped.
 #[derive(Copy, Clone, Debug)]
 struct Stale {
     seg: SegmentId,
@@ -166,7 +175,8 @@ impl<E> Expandable<E> {
             marks: Vec::new(),
             page_pool: Vec::new(),
             device_full_at: None,
-            stale: Vec::new(),
+            stale: BTreeMap::new(),
+            mapped_at: FastMap::default(),
         }
     }
 
@@ -480,6 +490,7 @@ impl<E> Expandable<E> {
             pages.insert(at, n, h);
             return Err(e.into());
         }
+        self.mapped_at.remove(&h);
         self.page_pool.push((h, s.pool.kind(), hi - lo));
         core.stats.num_unmap += 1;
         Ok(())
@@ -554,41 +565,56 @@ impl<E> Expandable<E> {
                 None => need.push((size, 1)),
             }
         }
+        // Pages whose shadows lie exactly where pages are planned: wanted back.
+        let want: Vec<u64> = match core.config.expandable_shadows {
+            true => plan
+                .iter()
+                .filter_map(|&(at, n)| self.shadow_at(seg, at, n))
+                .collect(),
+            false => Vec::new(),
+        };
         let mut gathered = Vec::with_capacity(plan.len());
-        if let Err(e) = self.gather_pages(core, dev, &need, tail, &mut gathered) {
+        if let Err(e) = self.gather_pages(core, dev, &need, &want, tail, &mut gathered) {
             self.return_pages(core, dev, gathered)?;
             return Err(e);
         }
         for &(at, n) in plan {
             let size = u64::from(n) * g;
+            let back = self.shadow_at(seg, at, n);
             let j = gathered
                 .iter()
-                .rposition(|p| p.size == size)
+                .rposition(|p| Some(p.handle) == back)
+                .or_else(|| gathered.iter().rposition(|p| p.size == size))
                 .expect("one page per planned page");
             let page = gathered.swap_remove(j);
-            // An old mapping of a page reused early there (the tail of this
-            // very block may have given it up) goes first.
-            if !self.stale.is_empty() {
-                let cleared = self.clear_stale(core, dev, |st| {
-                    st.seg == seg && st.at < at + n && st.at + st.len > at
-                });
-                if let Err(e) = cleared {
+            if Some(page.handle) == back {
+                // Still mapped there: the shadow becomes the mapping, no call.
+                self.stale.remove(&(seg.0, at));
+                core.stats.num_pages_revived += 1;
+            } else {
+                // An old mapping there (the tail of this very block may have
+                // given its page up) goes first.
+                if let Err(e) = self.clear_stale_in(core, dev, seg, at, at + n) {
                     gathered.push(page);
                     self.return_pages(core, dev, gathered)?;
                     return Err(e);
                 }
-            }
-            if let Err(e) = dev.vmm_map(DevicePtr(base + u64::from(at) * g), page.handle, size) {
-                gathered.push(page);
-                self.return_pages(core, dev, gathered)?;
-                return Err(e.into());
+                let addr = DevicePtr(base + u64::from(at) * g);
+                if let Err(e) = dev.vmm_map(addr, page.handle, size) {
+                    gathered.push(page);
+                    self.return_pages(core, dev, gathered)?;
+                    return Err(e.into());
+                }
+                core.stats.num_map += 1;
             }
             core.segments
                 .get_mut(seg.0)
                 .pages_mut()
                 .expect("expandable")
                 .insert(at, n, page.handle);
-            core.stats.num_map += 1;
+            if core.config.expandable_shadows {
+                self.mapped_at.insert(page.handle, (seg, at));
+            }
             match page.counted_as {
                 None => core.stats.reserved_bytes.increase(kind, size),
                 Some(old) => core.stats.reserved_bytes.move_group(old, kind, size),
@@ -608,9 +634,13 @@ impl<E> Expandable<E> {
         core: &mut Core<E>,
         dev: &D,
         need: &[(u64, usize)],
+        want: &[u64],
         tail: Tail,
         out: &mut Vec<Page>,
     ) -> Result<(), AllocError> {
+        for &h in want {
+            self.take_back(core, dev, h, tail)?;
+        }
         let (soft_limit, hard_limit, cap) = self.limits(core);
         // 0: nothing recycled yet; 1: quiescent idle pages taken; 2: waited
         // for the device; 3: device full after that, pooled pages given back.
@@ -621,7 +651,12 @@ impl<E> Expandable<E> {
             for &(size, count) in need {
                 let mut have = out.iter().filter(|p| p.size == size).count();
                 while have < count {
-                    let Some(i) = self.page_pool.iter().rposition(|p| p.2 == size) else {
+                    let pool = &self.page_pool;
+                    let i = pool
+                        .iter()
+                        .rposition(|p| p.2 == size && want.contains(&p.0))
+                        .or_else(|| pool.iter().rposition(|p| p.2 == size));
+                    let Some(i) = i else {
                         break;
                     };
                     let (handle, kind, _) = self.page_pool.swap_remove(i);
@@ -1053,23 +1088,29 @@ impl<E> Expandable<E> {
             }
             let slot = core.segments.get(seg.0).pool.stream_slot();
             let reused = !all && early == Some(slot) && !self.quiescent(dev, slot, since)?;
+            let shadow = !all && core.config.expandable_shadows;
             let s = core.segments.get_mut(seg.0);
             let seg_addr = s.addr;
             let pages = s.pages_mut().expect("expandable");
             let (h, n) = pages.remove(at).expect("page was mapped");
             let size = u64::from(n) * g;
-            if reused {
-                self.stale.push(Stale {
+            self.mapped_at.remove(&h);
+            if reused || shadow {
+                let st = Stale {
                     seg,
                     at,
                     len: n,
                     handle: h,
                     slot,
                     since,
-                });
-                core.stats.num_pages_reused_early += 1;
+                };
+                self.stale.insert((seg.0, at), st);
+                core.stats.num_pages_reused_early += u64::from(reused);
             } else if let Err(e) = dev.vmm_unmap(DevicePtr(seg_addr + u64::from(at) * g), size) {
                 pages.insert(at, n, h);
+                if core.config.expandable_shadows {
+                    self.mapped_at.insert(h, (seg, at));
+                }
                 // The pages unmapped so far stay unmapped: index them below first.
                 failed = Some(e);
                 break;
@@ -1194,6 +1235,35 @@ impl<E> Expandable<E> {
                 cur = b.next;
             }
         }
+        // Old mappings: of a page still held, where nothing else is mapped.
+        let mut prev: Option<&Stale> = None;
+        for st in self.stale.values() {
+            let s = core.segments.get(st.seg.0);
+            let pages = s.pages().ok_or("an old mapping outside a range")?;
+            if !handles.contains(&st.handle)
+                || pages.mapped_granules(st.at, st.at + st.len) != 0
+                || prev.is_some_and(|p| p.seg == st.seg && p.at + p.len > st.at)
+            {
+                return Err(format!(
+                    "old mapping of page {} at granule {} of {:#x} is of a page not held, over a mapping, or over another",
+                    st.handle, st.at, s.addr
+                ));
+            }
+            prev = Some(st);
+        }
+        if core.config.expandable_shadows {
+            let mapped = handles.len() - self.page_pool.len();
+            let agree = self.mapped_at.iter().all(|(&h, &(seg, at))| {
+                let pages = core.segments.get(seg.0).pages();
+                pages.and_then(|p| p.covering(at)).map(|(a, hh, _)| (a, hh)) == Some((at, h))
+            });
+            if self.mapped_at.len() != mapped || !agree {
+                return Err(format!(
+                    "page locations list {} pages, {mapped} are mapped (agree: {agree})",
+                    self.mapped_at.len()
+                ));
+            }
+        }
         let blocks: usize = self
             .ranges
             .iter()
@@ -1218,53 +1288,171 @@ impl<E> Expandable<E> {
         Ok(())
     }
 
-    /// Unmaps the old mappings of pages reused early whose stream is past them.
+    /// Unmaps the old mappings of pages reused early whose stream is past
+    /// them (with `expandable_shadows` they stay, as shadows).
     fn retire_stale<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
     ) -> Result<(), AllocError> {
-        let mut i = 0;
-        while i < self.stale.len() {
-            let st = self.stale[i];
+        if core.config.expandable_shadows {
+            return Ok(());
+        }
+        let keys: Vec<(u32, u32)> = self.stale.keys().copied().collect();
+        for k in keys {
+            let st = self.stale[&k];
             if self.quiescent(dev, st.slot, st.since)? {
-                self.unmap_stale(core, dev, i)?;
-            } else {
-                i += 1;
+                self.unmap_stale(core, dev, k)?;
             }
         }
         Ok(())
     }
 
-    /// Unmaps stale entry `i` (its stream is past it) and forgets it.
+    /// Unmaps the old mapping at `key` (its stream is past it) and forgets it.
     fn unmap_stale<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
-        i: usize,
+        key: (u32, u32),
     ) -> Result<(), AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
-        let st = self.stale[i];
+        let st = self.stale[&key];
         let addr = core.segments.get(st.seg.0).addr + u64::from(st.at) * g;
         dev.vmm_unmap(DevicePtr(addr), u64::from(st.len) * g)?;
-        self.stale.swap_remove(i);
+        self.stale.remove(&key);
         core.stats.num_unmap += 1;
         Ok(())
     }
 
-    /// Before granules `first..last` of `seg` are mapped, or page `handle`
-    /// released: the old mappings there (of it) go, after their stream's
-    /// marker if it is not past them yet.
+    /// Before page `handle` is released, or everything is: the old mappings
+    /// (of it) go, after their stream's marker if it is not past them yet.
     fn clear_stale<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
         hit: impl Fn(&Stale) -> bool,
     ) -> Result<(), AllocError> {
-        while let Some(i) = self.stale.iter().position(&hit) {
-            let st = self.stale[i];
+        let keys: Vec<(u32, u32)> = self
+            .stale
+            .iter()
+            .filter(|(_, st)| hit(st))
+            .map(|(k, _)| *k)
+            .collect();
+        self.unmap_stale_keys(core, dev, keys)
+    }
+
+    /// Before granules `first..last` of `seg` are mapped: the old mappings
+    /// there go, after their stream's marker if it is not past them yet.
+    fn clear_stale_in<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        seg: SegmentId,
+        first: u32,
+        last: u32,
+    ) -> Result<(), AllocError> {
+        if self.stale.is_empty() {
+            return Ok(());
+        }
+        // A mapping is at most a big page long: one starting that far back may reach in.
+        let g = core.granularity.expect("expandable mode has a granularity");
+        let back = (core.segments.get(seg.0).page_size() / g) as u32;
+        let from = (seg.0, first.saturating_sub(back.saturating_sub(1)));
+        let keys: Vec<(u32, u32)> = self
+            .stale
+            .range(from..(seg.0, last))
+            .filter(|(_, st)| st.at + st.len > first)
+            .map(|(k, _)| *k)
+            .collect();
+        self.unmap_stale_keys(core, dev, keys)
+    }
+
+    /// Unmaps the old mappings at `keys`, each after its stream's marker.
+    fn unmap_stale_keys<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        keys: Vec<(u32, u32)>,
+    ) -> Result<(), AllocError> {
+        for k in keys {
+            let st = self.stale[&k];
             self.wait_quiescent(core, dev, st.slot, st.since)?;
-            self.unmap_stale(core, dev, i)?;
+            self.unmap_stale(core, dev, k)?;
+        }
+        Ok(())
+    }
+
+    /// The page whose shadow covers exactly granules `at..at + n` of `seg`.
+    fn shadow_at(&self, seg: SegmentId, at: u32, n: u32) -> Option<u64> {
+        self.stale
+            .get(&(seg.0, at))
+            .filter(|st| st.len == n)
+            .map(|st| st.handle)
+    }
+
+    /// Puts page `handle` in the pool if it lies idle in a free block and no
+    /// queued work can touch it (or it is the requesting stream's, with
+    /// early reuse), its mapping there left as a shadow: no driver call. The
+    /// block being carved is out of the bins meanwhile, so its pages stay.
+    fn take_back<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        handle: u64,
+        tail: Tail,
+    ) -> Result<(), AllocError> {
+        let Some(&(seg, at)) = self.mapped_at.get(&handle) else {
+            return Ok(()); // pooled already
+        };
+        let g = core.granularity.expect("expandable mode has a granularity");
+        let s = core.segments.get(seg.0);
+        let Some((_, _, n)) = s.pages().expect("expandable").covering(at) else {
+            return Ok(());
+        };
+        let (lo, hi) = (s.addr + u64::from(at) * g, s.addr + u64::from(at + n) * g);
+        let mut cur = Some(s.head);
+        let mut found = None;
+        while let Some(id) = cur {
+            let b = core.blocks.get(id.0);
+            if b.addr <= lo && hi <= b.addr + b.size {
+                found = Some((id, b.freed_at));
+                break;
+            }
+            if b.addr + b.size > lo {
+                break; // the page is shared with another block
+            }
+            cur = b.next;
+        }
+        // In the idle index: free, in the bins, and holding a whole page.
+        let Some((id, since)) = found.filter(|&(id, t)| core.idle_index.contains(&(t, id.0)))
+        else {
+            return Ok(());
+        };
+        let slot = s.pool.stream_slot();
+        let requester = core.segments.get(tail.0 .0).pool.stream_slot();
+        let quiet = self.quiescent(dev, slot, since)?;
+        let early = core.config.expandable_early_reuse && slot == requester;
+        if !(quiet || early) {
+            return Ok(());
+        }
+        let s = core.segments.get_mut(seg.0);
+        let kind = s.pool.kind();
+        s.pages_mut().expect("expandable").remove(at);
+        self.mapped_at.remove(&handle);
+        let st = Stale {
+            seg,
+            at,
+            len: n,
+            handle,
+            slot,
+            since,
+        };
+        self.stale.insert((seg.0, at), st);
+        core.stats.num_pages_reused_early += u64::from(!quiet);
+        self.page_pool.push((handle, kind, u64::from(n) * g));
+        let b = core.blocks.get(id.0);
+        if !holds_whole_page(core.segments.get(seg.0), g, b.addr, b.addr + b.size) {
+            core.idle_index.remove(&(since, id.0));
         }
         Ok(())
     }
@@ -1277,13 +1465,14 @@ impl<E> Expandable<E> {
             return Vec::new();
         };
         // A page reused early twice has two old mappings: it counts as pooled once.
-        self.stale
+        let stale: Vec<&Stale> = self.stale.values().collect();
+        stale
             .iter()
             .enumerate()
             .map(|(i, st)| {
                 let addr = core.segments.get(st.seg.0).addr + u64::from(st.at) * g;
                 let pooled = self.page_pool.iter().any(|p| p.0 == st.handle)
-                    && !self.stale[..i].iter().any(|o| o.handle == st.handle);
+                    && !stale[..i].iter().any(|o| o.handle == st.handle);
                 (addr, u64::from(st.len) * g, pooled)
             })
             .collect()

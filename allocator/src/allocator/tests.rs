@@ -1192,6 +1192,126 @@ fn expandable_early_reuses_its_own_streams_pages_without_waiting() {
     a.check_invariants().unwrap();
 }
 
+/// An expandable allocator with shadows (2 MiB pages, soft limit at the
+/// peak, no hard limit) in which x's two pages were moved under y: returns
+/// it with x's address, y and the live block between them.
+fn moved_with_shadows(
+    dev: &SimulatedDevice,
+    early: bool,
+) -> (
+    CachingAllocator<SimulatedDevice>,
+    DevicePtr,
+    DevicePtr,
+    DevicePtr,
+) {
+    let config = Config {
+        expandable_shadows: true,
+        expandable_early_reuse: early,
+        expandable_page: 2 * MIB,
+        idle_slack: 0.0,
+        idle_slack_hard: 10.0,
+        ..Config::expandable()
+    };
+    let a = CachingAllocator::new(dev.clone(), config);
+    let x = a.malloc(4 * MIB, S0).unwrap();
+    let keep = a.malloc(MIB + 512, S0).unwrap(); // after x: x's hole stays a hole
+    a.free(x).unwrap();
+    small_traffic(&a, 200);
+    dev.complete_all_events();
+    let before = dev.counters();
+    let y = a.malloc(6 * MIB, S0).unwrap(); // fits no hole: x's pages move
+    let after = dev.counters();
+    assert_eq!(
+        after.vmm_unmaps, before.vmm_unmaps,
+        "moved without unmapping"
+    );
+    assert_eq!(after.vmm_maps - before.vmm_maps, 3);
+    assert_eq!(after.vmm_creates - before.vmm_creates, 1);
+    let stale = a.stale_mappings();
+    assert_eq!(stale.len(), 2, "x's old mappings stay: {stale:?}");
+    assert!(stale.iter().all(|&(p, n, _)| n == 2 * MIB && p.0 < keep.0));
+    a.check_invariants().unwrap();
+    (a, x, y, keep)
+}
+
+/// Small-pool traffic: advances the clock, so that frees record markers.
+fn small_traffic(a: &CachingAllocator<SimulatedDevice>, ops: u32) {
+    for _ in 0..ops {
+        let p = a.malloc(4096, S0).unwrap();
+        a.free(p).unwrap();
+    }
+}
+
+#[test]
+fn expandable_shadow_takes_its_page_back_with_no_driver_call() {
+    let dev = SimulatedDevice::new(1 << 30);
+    let (a, x, y, keep) = moved_with_shadows(&dev, true);
+    a.free(y).unwrap();
+    small_traffic(&a, 200);
+    dev.complete_all_events();
+    let reserved = a.usage().reserved;
+    let before = dev.counters();
+    let x2 = a.malloc(4 * MIB, S0).unwrap();
+    let after = dev.counters();
+    assert_eq!(x2, x, "best fit: x's hole");
+    assert_eq!(after.vmm_maps, before.vmm_maps, "no map");
+    assert_eq!(after.vmm_unmaps, before.vmm_unmaps, "no unmap");
+    assert_eq!(after.vmm_creates, before.vmm_creates);
+    assert_eq!(a.stats().num_pages_revived, 2);
+    assert_eq!(a.usage().reserved, reserved);
+    // The pages' mappings under y's old place are the shadows now.
+    let stale = a.stale_mappings();
+    assert_eq!(stale.len(), 2, "{stale:?}");
+    assert!(stale.iter().all(|&(p, _, _)| p.0 > keep.0));
+    a.check_invariants().unwrap();
+    // empty_cache unmaps the shadows with the idle pages.
+    a.free(x2).unwrap();
+    a.free(keep).unwrap();
+    a.empty_cache().unwrap();
+    assert!(a.stale_mappings().is_empty());
+    assert!(dev.mappings().is_empty());
+    assert_eq!(a.usage().reserved, 0);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn expandable_shadow_does_not_take_a_page_queued_work_may_touch() {
+    // y's pages may still be in use: freed while another stream used it
+    // (its event pending), or freed before a marker that has not completed
+    // with early reuse off. x's place gets other pages (its shadows unmapped
+    // first) instead of taking them back.
+    for other_stream in [true, false] {
+        let dev = SimulatedDevice::new(1 << 30);
+        let (a, x, y, keep) = moved_with_shadows(&dev, false);
+        if other_stream {
+            a.record_stream(y, StreamId(7)).unwrap();
+        }
+        a.free(y).unwrap();
+        small_traffic(&a, 200); // markers recorded, left pending
+        let before = dev.counters();
+        let x2 = a.malloc(4 * MIB, S0).unwrap();
+        let after = dev.counters();
+        assert_eq!(x2, x);
+        assert_eq!(
+            a.stats().num_pages_revived,
+            0,
+            "other stream: {other_stream}"
+        );
+        assert_eq!(after.vmm_maps - before.vmm_maps, 2, "two pages mapped at x");
+        assert_eq!(
+            after.vmm_unmaps - before.vmm_unmaps,
+            2,
+            "x's shadows went first"
+        );
+        a.check_invariants().unwrap();
+        a.free(x2).unwrap();
+        a.free(keep).unwrap();
+        a.empty_cache().unwrap();
+        assert!(dev.mappings().is_empty());
+        a.check_invariants().unwrap();
+    }
+}
+
 /// Slabs without thread caches in front, so that every call reaches them.
 fn slabs(max_kb: u64) -> Config {
     Config::parse(&format!("default,thread_cache:0,slab_max_kb:{max_kb}")).unwrap()
