@@ -68,10 +68,11 @@ fn idle_pages_move_under_a_cap() {
         bad += mismatches(*p, 4 * MIB, s.id(), 0xC0DE_0000 + i as u32);
     }
     println!(
-        "cap {} MiB: 128 MiB served with {} pages unmapped from holes and {} reused early \
+        "cap {} MiB: 128 MiB served with {} maps, {} pages unmapped from holes and {} reused early \
          (re-mapped at once, old mapping dropped later), {} pages created ({} before), \
          {} device syncs; reserved {} MiB; {bad} bad words",
         cap / MIB,
+        after.num_map - before.num_map,
         after.num_unmap - before.num_unmap,
         after.num_pages_reused_early - before.num_pages_reused_early,
         after.num_page_create,
@@ -81,9 +82,8 @@ fn idle_pages_move_under_a_cap() {
     );
     assert_eq!(bad, 0, "live data changed when pages moved");
     assert!(
-        after.num_unmap + after.num_pages_reused_early
-            > before.num_unmap + before.num_pages_reused_early,
-        "idle pages moved"
+        after.num_map - before.num_map > after.num_page_create - before.num_page_create,
+        "idle pages moved: more pages mapped than created"
     );
     assert!(
         after.num_page_create <= cap / g,
@@ -128,6 +128,17 @@ fn idle_pages_move_under_a_cap() {
 
 #[test]
 fn shifting_sizes_under_a_tight_cap() {
+    shifting_sizes_under_a_tight_cap_with(false);
+}
+
+/// The same with shadows: pages that moved away go back to their old
+/// addresses with no driver call, and the data stays intact.
+#[test]
+fn shifting_sizes_under_a_tight_cap_shadows() {
+    shifting_sizes_under_a_tight_cap_with(true);
+}
+
+fn shifting_sizes_under_a_tight_cap_with(shadows: bool) {
     let _serial = serial();
     let Some(dev) = gpu_device() else { return };
     dev.bind_thread().unwrap();
@@ -139,7 +150,11 @@ fn shifting_sizes_under_a_tight_cap() {
     // replay of the same sequence on the simulated device: round 1); here
     // idle pages are recycled round after round.
     let cap = 128 * MIB;
-    let alloc = CachingAllocator::new(dev, capped(Config::expandable(), cap));
+    let config = Config {
+        expandable_shadows: shadows,
+        ..Config::expandable()
+    };
+    let alloc = CachingAllocator::new(dev, capped(config, cap));
     assert!(alloc.is_expandable(), "{:?}", alloc.notices());
     let mut live: Vec<(DevicePtr, u64, u32)> = Vec::new();
     let mut rng = XorShift64::new(0x1234_5678);
@@ -171,19 +186,25 @@ fn shifting_sizes_under_a_tight_cap() {
     }
     let st = alloc.stats();
     println!(
-        "{ROUNDS} rounds under a {} MiB cap: max reserved {} MiB, {} pages created, \
-         {} released, {} maps, {} unmaps, {} device syncs; {bad} bad words",
+        "shadows {shadows}: {ROUNDS} rounds under a {} MiB cap: max reserved {} MiB, \
+         {} pages created, {} released, {} maps, {} unmaps, {} taken back with no call, \
+         {} device syncs; {bad} bad words",
         cap / MIB,
         max_reserved / MIB,
         st.num_page_create,
         st.num_page_release,
         st.num_map,
         st.num_unmap,
+        st.num_pages_revived,
         st.num_sync_all_streams,
     );
     assert_eq!(bad, 0, "live data changed when pages moved");
     assert!(max_reserved <= cap);
-    assert!(st.num_unmap > 0, "idle pages were recycled");
+    if shadows {
+        assert!(st.num_pages_revived > 0, "pages went back to their shadows");
+    } else {
+        assert!(st.num_unmap > 0, "idle pages were recycled");
+    }
     assert!(
         st.num_page_create <= cap / g,
         "pages are moved, not created and released"

@@ -6,7 +6,8 @@
 //!
 //! It runs twice: on plain segments (`Config::default()`) and on expandable
 //! segments (`Config::expandable()`, CUDA virtual memory API), where pages are
-//! also unmapped and re-mapped elsewhere during the run.
+//! also unmapped and re-mapped elsewhere during the run, with and without
+//! shadow mappings.
 //!
 //! Skips (with a printed reason) when there is no CUDA driver or device.
 
@@ -32,6 +33,12 @@ fn pattern_two_streams() {
 #[test]
 fn pattern_two_streams_expandable() {
     pattern_two_streams_with(Config::expandable());
+}
+
+/// Expandable without shadows: a page that moves is unmapped where it was.
+#[test]
+fn pattern_two_streams_expandable_no_shadows() {
+    pattern_two_streams_with(Config::parse("expandable,expandable_shadows:false").unwrap());
 }
 
 /// Every small request from slabs (chunks of one size class per segment).

@@ -146,10 +146,10 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         ("pytorch-slabs-16", parse("pytorch,slab_max_kb:16")),
         // Page-backed segments: virtual ranges, physical pages mapped under blocks.
         ("expandable", Config::expandable()),
-        // Pages moved away keep their old mappings (shadows) and go back with no call.
+        // Pages moved away unmapped at once (no shadows).
         (
-            "expandable-shadows",
-            parse("expandable,expandable_shadows:true"),
+            "expandable-no-shadows",
+            parse("expandable,expandable_shadows:false"),
         ),
         // Big pages at every edge, and slabs for small requests.
         (

@@ -717,10 +717,13 @@ mod expandable {
 
     const PAGE: u64 = 2 * MIB;
 
-    /// The expandable preset with 2 MiB pages in every pool (the arithmetic below counts pages).
+    /// The expandable preset with 2 MiB pages in every pool (the arithmetic
+    /// below counts pages), shadows off: a page that moves is unmapped where
+    /// it was, and the tests count those unmaps (shadows have tests of their own).
     fn small_pages() -> Config {
         Config {
             expandable_page: PAGE,
+            expandable_shadows: false,
             ..Config::expandable()
         }
     }
@@ -1051,7 +1054,8 @@ fn expandable_ranges_of_thousands_of_streams_fit_the_address_space() {
 }
 
 /// An expandable allocator (2 MiB pages, soft limit at the peak, no hard
-/// limit; early reuse as `early` says) with a 4 MiB hole (2 pages) behind a
+/// limit; early reuse as `early` says; shadows off, so that moved pages
+/// are counted as unmaps) with a 4 MiB hole (2 pages) behind a
 /// live block, freed before `small_ops` small-pool operations that record
 /// markers (left pending unless the caller completes them). Returns the live
 /// block too.
@@ -1062,6 +1066,7 @@ fn hole_behind_markers(
 ) -> (CachingAllocator<SimulatedDevice>, DevicePtr) {
     let config = Config {
         expandable_early_reuse: early,
+        expandable_shadows: false,
         expandable_page: 2 * MIB,
         idle_slack: 0.0,
         idle_slack_hard: 10.0,
