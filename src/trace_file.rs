@@ -655,6 +655,7 @@ pub fn replay_file_with_progress(
     let open_error: RefCell<Option<FileError>> = RefCell::new(None);
     let ReplayOptions {
         capacity,
+        gpu_lag,
         timeline_points,
         report_at_peak,
         progress: mut inner,
@@ -672,6 +673,7 @@ pub fn replay_file_with_progress(
     };
     let options = ReplayOptions {
         capacity,
+        gpu_lag,
         timeline_points,
         report_at_peak,
         progress: Some(&mut progress),

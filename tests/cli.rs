@@ -738,8 +738,9 @@ fn default_config_meets_its_fragmentation_goals_on_the_shipped_traces() {
 #[test]
 fn expandable_config_meets_its_goals_on_the_shipped_traces() {
     let traces = ["traces/nmt.trace.gz", "traces/cnn_multiscale.trace.gz"];
-    // Most map + unmap calls allowed with no capacity limit.
-    let max_calls = [16_000, 1_000];
+    // Most map + unmap calls allowed with no capacity limit (nmt makes 9,414
+    // with shadows, 14,778 without).
+    let max_calls = [10_000, 1_000];
     let o = run(&[
         "compare",
         "--config",
@@ -777,7 +778,7 @@ fn expandable_config_meets_its_goals_on_the_shipped_traces() {
 /// for the whole device (the traces have no `empty_cache` and no
 /// out-of-memory), and make at most a few times the map calls of PyTorch's
 /// expandable segments (`pytorch,expandable_segments:True`, which never
-/// moves a page but holds 9% more memory on nmt): nmt 8,138 against 1,604,
+/// moves a page but holds 9% more memory on nmt): nmt 5,509 against 1,604,
 /// cnn_multiscale 411 against 404.
 #[test]
 fn expandable_replays_never_synchronize_and_bound_map_calls() {
@@ -797,7 +798,7 @@ fn expandable_replays_never_synchronize_and_bound_map_calls() {
     let lines = json_lines(&o);
     assert_eq!(lines.len(), 4);
     // Map calls allowed per map call of the emulation of PyTorch's.
-    let max_ratio = [6.0, 1.5];
+    let max_ratio = [4.0, 1.5];
     for (trace, max_ratio) in traces.iter().zip(max_ratio) {
         let row = |config: &str| {
             lines
@@ -822,4 +823,49 @@ fn expandable_replays_never_synchronize_and_bound_map_calls() {
         let creates = u(ours, "num_page_create");
         assert!(creates <= u(ours, "num_vmm_map"), "{trace}");
     }
+}
+
+/// With the simulated device running behind the host (`--gpu-lag`), the
+/// allocator's markers are not complete when it looks: `expandable` waits for
+/// streams where pages must move and are not yet free of queued work, holds
+/// its memory goal all the same, and never waits for the whole device.
+#[test]
+fn gpu_lag_shows_the_waits_for_streams() {
+    let trace = "traces/nmt.trace.gz";
+    let at_once = run(&["replay", trace, "-c", "expandable", "--json"]);
+    let behind = run(&[
+        "replay",
+        trace,
+        "-c",
+        "expandable",
+        "--json",
+        "--gpu-lag",
+        "2",
+    ]);
+    assert_status(&at_once, 0);
+    assert_status(&behind, 0);
+    let (a, b) = (&json_lines(&at_once)[0], &json_lines(&behind)[0]);
+    assert!(a["gpu_lag"].is_null());
+    assert_eq!(u(b, "gpu_lag"), 2);
+    assert!(
+        u(b, "num_marker_waits") > 2 * u(a, "num_marker_waits"),
+        "waits: {} behind, {} at once",
+        u(b, "num_marker_waits"),
+        u(a, "num_marker_waits")
+    );
+    assert_eq!(u(b, "num_sync_all_streams"), 0);
+    assert!(b["reserved_over_allocated"].as_f64().unwrap() <= 1.02);
+    let text = stdout(&run(&[
+        "replay",
+        trace,
+        "-c",
+        "expandable",
+        "--gpu-lag",
+        "2",
+    ]));
+    assert!(
+        text.contains("gpu lag               2 events per stream"),
+        "{text}"
+    );
+    assert!(text.contains("for stream markers"), "{text}");
 }

@@ -134,6 +134,11 @@ impl TimelineBuilder {
 pub struct ReplayOptions<'a> {
     /// Capacity of the simulated device (`None`: 1 PiB, in effect unlimited).
     pub capacity: Option<u64>,
+    /// How far the simulated device runs behind the host, in events recorded
+    /// on a stream (`None`: every event completes at once). The allocator's
+    /// markers and the events guarding blocks then complete only once that
+    /// many later ones were recorded on their stream, so waits for them show.
+    pub gpu_lag: Option<usize>,
     /// About how many buckets of events the timeline keeps (each gives the
     /// lowest and highest value of each series).
     pub timeline_points: usize,
@@ -147,6 +152,7 @@ impl Default for ReplayOptions<'_> {
     fn default() -> Self {
         ReplayOptions {
             capacity: None,
+            gpu_lag: None,
             timeline_points: 2000,
             report_at_peak: true,
             progress: None,
@@ -249,7 +255,7 @@ where
     let start = Instant::now();
     let mut result = ReplayResult::default();
     let mut timeline = TimelineBuilder::new(opts.timeline_points.max(1));
-    let mut run = Run::new(config, opts.capacity);
+    let mut run = Run::new(config, opts.capacity, opts.gpu_lag);
     let (mut peak_reserved, mut peak_allocated) = (0, 0);
     for event in open()? {
         let event = event?;
@@ -290,7 +296,7 @@ where
     result.peak_requested = result.stats.requested_bytes.all().peak;
     result.timeline = timeline.finish();
     if opts.report_at_peak && result.events > 0 {
-        let mut again = Run::new(config, opts.capacity);
+        let mut again = Run::new(config, opts.capacity, opts.gpu_lag);
         for (i, event) in open()?.enumerate() {
             again.apply(&event?, i as u64)?;
             if i as u64 == result.peak_reserved_event {
@@ -316,12 +322,13 @@ struct Run {
 }
 
 impl Run {
-    fn new(config: &Config, capacity: Option<u64>) -> Self {
+    fn new(config: &Config, capacity: Option<u64>, gpu_lag: Option<usize>) -> Self {
         let device = match capacity {
             Some(c) => SimulatedDevice::new(c),
             None => SimulatedDevice::unlimited(),
         }
-        .with_auto_complete(true);
+        .with_auto_complete(true)
+        .with_event_lag(gpu_lag);
         Run {
             alloc: CachingAllocator::new(device, config.clone()),
             live: FastMap::default(),

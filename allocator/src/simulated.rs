@@ -120,6 +120,8 @@ struct SimState {
     next_event: u64,
     pending_events: BTreeMap<u64, StreamId>,
     auto_complete: bool,
+    /// Events of a stream complete once this many later ones were recorded on it.
+    event_lag: Option<usize>,
     counters: SimCounters,
     granularity: u64,
     ranges: BTreeMap<u64, u64>,
@@ -192,6 +194,7 @@ impl SimulatedDevice {
                 next_event: 1,
                 pending_events: BTreeMap::new(),
                 auto_complete: false,
+                event_lag: None,
                 counters: SimCounters::default(),
                 granularity: 2 << 20,
                 ranges: BTreeMap::new(),
@@ -207,6 +210,15 @@ impl SimulatedDevice {
     /// A device whose capacity is, for practical purposes, unlimited (1 PiB).
     pub fn unlimited() -> Self {
         Self::new(1 << 50)
+    }
+
+    /// A device that runs behind the host: an event completes once `lag`
+    /// later events were recorded on its stream (or when waited for, or at a
+    /// synchronize). `None`: as `with_auto_complete` says. With a lag, events
+    /// are not completed at once whatever `with_auto_complete` says.
+    pub fn with_event_lag(self, lag: Option<usize>) -> Self {
+        self.state.lock().event_lag = lag;
+        self
     }
 
     /// Makes every event complete at once (as on a device that is never behind).
@@ -483,8 +495,19 @@ impl Device for SimulatedDevice {
         let id = s.next_event;
         s.next_event += 1;
         s.counters.events_recorded += 1;
-        if !s.auto_complete {
+        if !s.auto_complete || s.event_lag.is_some() {
             s.pending_events.insert(id, stream);
+        }
+        if let Some(lag) = s.event_lag {
+            let mine: Vec<u64> = s
+                .pending_events
+                .iter()
+                .filter(|&(_, &on)| on == stream)
+                .map(|(&id, _)| id)
+                .collect();
+            for id in &mine[..mine.len().saturating_sub(lag)] {
+                s.pending_events.remove(id);
+            }
         }
         Ok(SimEvent { id })
     }
@@ -500,7 +523,12 @@ impl Device for SimulatedDevice {
         let mut s = self.state.lock();
         s.fault(calls::WAIT_EVENT, "wait_event")?;
         s.counters.event_waits += 1;
-        s.pending_events.remove(&event.id);
+        let stream = s.pending_events.remove(&event.id);
+        // Behind the host, a stream's work runs in order: what came before is done too.
+        if let (Some(stream), Some(_)) = (stream, s.event_lag) {
+            s.pending_events
+                .retain(|&id, &mut on| on != stream || id > event.id);
+        }
         Ok(())
     }
 
@@ -625,6 +653,35 @@ fn invalid(call: &'static str) -> DeviceError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn events_complete_once_the_lag_is_past_on_their_stream() {
+        let d = SimulatedDevice::new(1 << 30).with_event_lag(Some(2));
+        let (s0, s1) = (StreamId(0), StreamId(1));
+        let e: Vec<SimEvent> = (0..3).map(|_| d.record_event(s0).unwrap()).collect();
+        let other = d.record_event(s1).unwrap();
+        assert!(
+            d.event_completed(&e[0]).unwrap(),
+            "two later events on its stream"
+        );
+        assert!(!d.event_completed(&e[1]).unwrap());
+        assert!(!d.event_completed(&e[2]).unwrap());
+        assert!(
+            !d.event_completed(&other).unwrap(),
+            "other streams' events do not count"
+        );
+        d.wait_event(&e[2]).unwrap();
+        assert!(d.event_completed(&e[2]).unwrap());
+        assert!(
+            d.event_completed(&e[1]).unwrap(),
+            "earlier work on the stream is done too"
+        );
+        d.record_event(s1).unwrap();
+        d.record_event(s1).unwrap();
+        assert!(d.event_completed(&other).unwrap());
+        d.synchronize().unwrap();
+        assert!(d.pending_events().is_empty());
+    }
 
     #[test]
     fn addresses_descend_and_capacity_holds() {

@@ -6,7 +6,7 @@ use super::{
 };
 use cachealloc::core::replay::{ReplayOptions, ReplayResult};
 use cachealloc::trace_file::{replay_file_with_progress, FileError};
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::collections::HashSet;
 use std::io::{self, Write};
 use std::path::PathBuf;
@@ -40,6 +40,7 @@ pub fn run(args: CompareArgs) -> Result<(), CliError> {
      -> Result<ReplayResult, FileError> {
         let options = ReplayOptions {
             capacity,
+            gpu_lag: args.gpu_lag,
             timeline_points: 2,
             report_at_peak: false,
             progress: None,
@@ -61,7 +62,11 @@ pub fn run(args: CompareArgs) -> Result<(), CliError> {
                         writeln!(
                             out,
                             "{}",
-                            Value::Object(record(trace, config, capacity, &r))
+                            Value::Object({
+                                let mut m = record(trace, config, capacity, &r);
+                                m.insert("gpu_lag".into(), json!(args.gpu_lag));
+                                m
+                            })
                         )?;
                     } else {
                         let cells = [

@@ -183,7 +183,7 @@ pub fn run(args: MinCapacityArgs) -> Result<(), CliError> {
                     capacity,
                     timeline_points: 2,
                     report_at_peak: false,
-                    progress: None,
+                    ..Default::default()
                 };
                 replay_file_with_progress(trace, &config.config, options, &mut |p| {
                     let (done, expected) = step.get();

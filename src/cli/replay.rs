@@ -17,6 +17,7 @@ pub fn run(args: ReplayArgs) -> Result<(), CliError> {
     let mut progress = Progress::new(&format!("replay {}", short_name(&args.trace)));
     let options = ReplayOptions {
         capacity: args.capacity,
+        gpu_lag: args.gpu_lag,
         timeline_points: if args.plot.is_some() { PLOT_BUCKETS } else { 2 },
         report_at_peak: true,
         progress: None,
@@ -36,6 +37,7 @@ pub fn run(args: ReplayArgs) -> Result<(), CliError> {
     let mut out = io::stdout().lock();
     if args.json {
         let mut m = record(&args.trace, &args.config, args.capacity, &result);
+        m.insert("gpu_lag".into(), json!(args.gpu_lag));
         m.insert(
             "peak_reserved_event".into(),
             json!(result.peak_reserved_event),
@@ -66,7 +68,16 @@ pub fn run(args: ReplayArgs) -> Result<(), CliError> {
         }
         writeln!(out, "{}", Value::Object(m))?;
     } else {
-        out.write_all(summary(&name, &args.config.label, args.capacity, &result).as_bytes())?;
+        out.write_all(
+            summary(
+                &name,
+                &args.config.label,
+                args.capacity,
+                args.gpu_lag,
+                &result,
+            )
+            .as_bytes(),
+        )?;
         if let Some(p) = &args.plot {
             writeln!(out, "\nplot written to {}", p.display())?;
         }
@@ -83,7 +94,13 @@ fn short_name(path: &std::path::Path) -> String {
 }
 
 /// The readable report of one replay.
-fn summary(trace: &str, config: &str, capacity: Option<u64>, r: &ReplayResult) -> String {
+fn summary(
+    trace: &str,
+    config: &str,
+    capacity: Option<u64>,
+    gpu_lag: Option<usize>,
+    r: &ReplayResult,
+) -> String {
     let s = &r.stats;
     let mut o = String::new();
     let bytes = |b: u64| format!("{:>10}  {:>18} B", size(b), grouped(b));
@@ -98,6 +115,9 @@ fn summary(trace: &str, config: &str, capacity: Option<u64>, r: &ReplayResult) -
             grouped(c)
         ))
     );
+    if let Some(lag) = gpu_lag {
+        let _ = writeln!(o, "gpu lag               {lag} events per stream");
+    }
     let _ = writeln!(o, "events                {}", grouped(r.events));
     let _ = writeln!(o, "peak allocated        {}", bytes(r.peak_allocated));
     let _ = writeln!(o, "peak reserved         {}", bytes(r.peak_reserved));
@@ -113,6 +133,22 @@ fn summary(trace: &str, config: &str, capacity: Option<u64>, r: &ReplayResult) -
         grouped(s.num_device_alloc),
         grouped(s.num_device_free),
         grouped(r.device_calls())
+    );
+    if s.num_map > 0 {
+        let _ = writeln!(
+            o,
+            "page maps / unmaps    {} / {}  ({} taken back with no call)",
+            grouped(s.num_map),
+            grouped(s.num_unmap),
+            grouped(s.num_pages_revived)
+        );
+    }
+    let _ = writeln!(
+        o,
+        "waits                 {} for stream markers, {} for events in all, {} device syncs",
+        grouped(s.num_marker_waits),
+        grouped(s.num_event_waits),
+        grouped(s.num_sync_all_streams)
     );
     let _ = writeln!(
         o,

@@ -304,7 +304,7 @@ pub fn score(
             capacity,
             timeline_points: 2,
             report_at_peak: false,
-            progress: None,
+            ..Default::default()
         };
         let r = replay(
             || Ok(events.iter().map(|&e| Ok::<_, TraceError>(e))),
