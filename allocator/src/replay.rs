@@ -134,11 +134,11 @@ impl TimelineBuilder {
 pub struct ReplayOptions<'a> {
     /// Capacity of the simulated device (`None`: 1 PiB, in effect unlimited).
     pub capacity: Option<u64>,
-    /// How far the simulated device runs behind the host, in events recorded
-    /// on a stream (`None`: every event completes at once). The allocator's
-    /// markers and the events guarding blocks then complete only once that
-    /// many later ones were recorded on their stream, so waits for them show.
-    pub gpu_lag: Option<usize>,
+    /// How far the simulated device runs behind the host, in trace events
+    /// (`None`: every event completes at once). The allocator's markers and
+    /// the events guarding blocks then complete only that many allocations
+    /// and frees after they were recorded, so the waits for them show.
+    pub gpu_lag: Option<u64>,
     /// About how many buckets of events the timeline keeps (each gives the
     /// lowest and highest value of each series).
     pub timeline_points: usize,
@@ -318,11 +318,13 @@ enum Outcome {
 /// One replay pass: the allocator and the trace ids of live allocations.
 struct Run {
     alloc: CachingAllocator<SimulatedDevice>,
+    /// The device, when it runs behind the host (ticked once per event).
+    behind: Option<SimulatedDevice>,
     live: FastMap<u64, Option<DevicePtr>>,
 }
 
 impl Run {
-    fn new(config: &Config, capacity: Option<u64>, gpu_lag: Option<usize>) -> Self {
+    fn new(config: &Config, capacity: Option<u64>, gpu_lag: Option<u64>) -> Self {
         let device = match capacity {
             Some(c) => SimulatedDevice::new(c),
             None => SimulatedDevice::unlimited(),
@@ -330,12 +332,16 @@ impl Run {
         .with_auto_complete(true)
         .with_event_lag(gpu_lag);
         Run {
+            behind: gpu_lag.map(|_| device.clone()),
             alloc: CachingAllocator::new(device, config.clone()),
             live: FastMap::default(),
         }
     }
 
     fn apply(&mut self, event: &TraceEvent, index: u64) -> Result<Outcome, ReplayError> {
+        if let Some(dev) = &self.behind {
+            dev.tick();
+        }
         let fail = |error| ReplayError::Alloc {
             event: index,
             error,

@@ -8,7 +8,7 @@
 
 use crate::device::{Device, DeviceError, DevicePtr, MemInfo, StreamId};
 use parking_lot::Mutex;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 /// Highest simulated address; segments are laid out downwards from here,
@@ -120,8 +120,12 @@ struct SimState {
     next_event: u64,
     pending_events: BTreeMap<u64, StreamId>,
     auto_complete: bool,
-    /// Events of a stream complete once this many later ones were recorded on it.
-    event_lag: Option<usize>,
+    /// Host operations (`tick`s) after which a recorded event completes.
+    event_lag: Option<u64>,
+    /// Host operations so far (`tick`).
+    clock: u64,
+    /// Pending events in the order recorded, with the clock then (with a lag).
+    born: VecDeque<(u64, u64)>,
     counters: SimCounters,
     granularity: u64,
     ranges: BTreeMap<u64, u64>,
@@ -195,6 +199,8 @@ impl SimulatedDevice {
                 pending_events: BTreeMap::new(),
                 auto_complete: false,
                 event_lag: None,
+                clock: 0,
+                born: VecDeque::new(),
                 counters: SimCounters::default(),
                 granularity: 2 << 20,
                 ranges: BTreeMap::new(),
@@ -212,13 +218,28 @@ impl SimulatedDevice {
         Self::new(1 << 50)
     }
 
-    /// A device that runs behind the host: an event completes once `lag`
-    /// later events were recorded on its stream (or when waited for, or at a
-    /// synchronize). `None`: as `with_auto_complete` says. With a lag, events
-    /// are not completed at once whatever `with_auto_complete` says.
-    pub fn with_event_lag(self, lag: Option<usize>) -> Self {
+    /// A device that runs behind the host: an event completes once the host
+    /// made `lag` more operations ([`SimulatedDevice::tick`]), or when waited
+    /// for (with the stream's earlier ones), or at a synchronize. `None`: as
+    /// `with_auto_complete` says; with a lag, events do not complete at once.
+    pub fn with_event_lag(self, lag: Option<u64>) -> Self {
         self.state.lock().event_lag = lag;
         self
+    }
+
+    /// One host operation (an allocation or a free): with a lag, the device
+    /// catches up with the work recorded `lag` operations ago.
+    pub fn tick(&self) {
+        let mut s = self.state.lock();
+        let Some(lag) = s.event_lag else { return };
+        s.clock += 1;
+        while let Some(&(id, at)) = s.born.front() {
+            if at + lag > s.clock {
+                break;
+            }
+            s.born.pop_front();
+            s.pending_events.remove(&id);
+        }
     }
 
     /// Makes every event complete at once (as on a device that is never behind).
@@ -498,16 +519,9 @@ impl Device for SimulatedDevice {
         if !s.auto_complete || s.event_lag.is_some() {
             s.pending_events.insert(id, stream);
         }
-        if let Some(lag) = s.event_lag {
-            let mine: Vec<u64> = s
-                .pending_events
-                .iter()
-                .filter(|&(_, &on)| on == stream)
-                .map(|(&id, _)| id)
-                .collect();
-            for id in &mine[..mine.len().saturating_sub(lag)] {
-                s.pending_events.remove(id);
-            }
+        if s.event_lag.is_some() {
+            let now = s.clock;
+            s.born.push_back((id, now));
         }
         Ok(SimEvent { id })
     }
@@ -655,31 +669,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn events_complete_once_the_lag_is_past_on_their_stream() {
+    fn events_complete_once_the_host_is_the_lag_ahead() {
         let d = SimulatedDevice::new(1 << 30).with_event_lag(Some(2));
         let (s0, s1) = (StreamId(0), StreamId(1));
-        let e: Vec<SimEvent> = (0..3).map(|_| d.record_event(s0).unwrap()).collect();
+        let a = d.record_event(s0).unwrap();
+        d.tick();
+        let b = d.record_event(s0).unwrap();
+        let c = d.record_event(s0).unwrap();
         let other = d.record_event(s1).unwrap();
+        assert!(!d.event_completed(&a).unwrap(), "not at once");
+        d.tick();
+        assert!(d.event_completed(&a).unwrap(), "two operations later");
+        assert!(!d.event_completed(&b).unwrap());
+        d.wait_event(&c).unwrap();
+        assert!(d.event_completed(&c).unwrap());
         assert!(
-            d.event_completed(&e[0]).unwrap(),
-            "two later events on its stream"
-        );
-        assert!(!d.event_completed(&e[1]).unwrap());
-        assert!(!d.event_completed(&e[2]).unwrap());
-        assert!(
-            !d.event_completed(&other).unwrap(),
-            "other streams' events do not count"
-        );
-        d.wait_event(&e[2]).unwrap();
-        assert!(d.event_completed(&e[2]).unwrap());
-        assert!(
-            d.event_completed(&e[1]).unwrap(),
+            d.event_completed(&b).unwrap(),
             "earlier work on the stream is done too"
         );
-        d.record_event(s1).unwrap();
-        d.record_event(s1).unwrap();
+        assert!(
+            !d.event_completed(&other).unwrap(),
+            "other streams' work is not"
+        );
+        d.tick();
         assert!(d.event_completed(&other).unwrap());
+        let e = d.record_event(s1).unwrap();
         d.synchronize().unwrap();
+        assert!(d.event_completed(&e).unwrap());
         assert!(d.pending_events().is_empty());
     }
 

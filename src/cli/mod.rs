@@ -110,11 +110,11 @@ struct ReplayArgs {
     /// Capacity of the simulated device (default: unlimited), e.g. 16GiB.
     #[arg(long, value_name = "BYTES", value_parser = parse_capacity, allow_hyphen_values = true)]
     capacity: Option<u64>,
-    /// Simulate a GPU that runs behind the host: an event completes only once
-    /// N later events were recorded on its stream (default: at once), so the
-    /// allocator's waits for streams show in the counts.
+    /// Simulate a GPU that runs N allocations and frees behind the host: an
+    /// event recorded on a stream completes only N trace events later
+    /// (default: at once), so the allocator's waits for streams show.
     #[arg(long, value_name = "N")]
-    gpu_lag: Option<usize>,
+    gpu_lag: Option<u64>,
     /// Print one JSON object instead of the summary.
     #[arg(long)]
     json: bool,
@@ -135,11 +135,11 @@ struct CompareArgs {
     /// Capacity of the simulated device (default: unlimited), e.g. 16GiB.
     #[arg(long, value_name = "BYTES", value_parser = parse_capacity, allow_hyphen_values = true)]
     capacity: Option<u64>,
-    /// Simulate a GPU that runs behind the host: an event completes only once
-    /// N later events were recorded on its stream (default: at once), so the
-    /// allocator's waits for streams show in the counts.
+    /// Simulate a GPU that runs N allocations and frees behind the host: an
+    /// event recorded on a stream completes only N trace events later
+    /// (default: at once), so the allocator's waits for streams show.
     #[arg(long, value_name = "N")]
-    gpu_lag: Option<usize>,
+    gpu_lag: Option<u64>,
     /// Print one JSON object per line per trace and configuration.
     #[arg(long)]
     json: bool,

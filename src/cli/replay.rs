@@ -98,7 +98,7 @@ fn summary(
     trace: &str,
     config: &str,
     capacity: Option<u64>,
-    gpu_lag: Option<usize>,
+    gpu_lag: Option<u64>,
     r: &ReplayResult,
 ) -> String {
     let s = &r.stats;
@@ -116,7 +116,7 @@ fn summary(
         ))
     );
     if let Some(lag) = gpu_lag {
-        let _ = writeln!(o, "gpu lag               {lag} events per stream");
+        let _ = writeln!(o, "gpu lag               {lag} trace events");
     }
     let _ = writeln!(o, "events                {}", grouped(r.events));
     let _ = writeln!(o, "peak allocated        {}", bytes(r.peak_allocated));
