@@ -532,6 +532,16 @@ impl Bins {
         self.classes[flat(fl, sl)].last()
     }
 
+    /// The free blocks of at least `size` bytes, ascending by (size,
+    /// address): [`Bins::best_fit`] first.
+    pub fn iter_from(&self, size: u64) -> impl Iterator<Item = Entry> + '_ {
+        let (fl, sl) = class_of(size);
+        self.classes[flat(fl, sl)..]
+            .iter()
+            .flat_map(Class::iter)
+            .filter(move |e| e.0 >= size)
+    }
+
     /// All free blocks, ascending by (size, address).
     pub fn iter(&self) -> impl DoubleEndedIterator<Item = Entry> + '_ {
         self.classes.iter().flat_map(Class::iter)
@@ -542,6 +552,25 @@ impl Bins {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn iter_from_lists_the_fits_in_best_fit_order() {
+        let mut b = Bins::default();
+        let sizes = [512u64, 4096, 1 << 20, 3 << 20, 3 << 20, 64 << 20];
+        for (i, &size) in sizes.iter().enumerate() {
+            b.insert(
+                size,
+                0x1000_0000 - (i as u64) * 0x10_0000,
+                BlockId(i as u32),
+            );
+        }
+        for want in [1u64, 4096, 4097, 3 << 20, (3 << 20) + 512, 65 << 20] {
+            let got: Vec<Entry> = b.iter_from(want).collect();
+            let all: Vec<Entry> = b.iter().filter(|e| e.0 >= want).collect();
+            assert_eq!(got, all, "from {want}");
+            assert_eq!(got.first().copied(), b.best_fit(want));
+        }
+    }
 
     #[test]
     fn contains_finds_exactly_the_filed_entries() {

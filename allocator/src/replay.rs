@@ -171,6 +171,9 @@ pub struct ReplayResult {
     pub peak_reserved: u64,
     /// Peak requested bytes.
     pub peak_requested: u64,
+    /// With [`ReplayOptions::gpu_lag`]: the device work, in trace events, that
+    /// the allocator's blocking waits waited out (0 without a lag).
+    pub gpu_stalled_events: u64,
     /// Index of the event after which reserved memory first reached its peak.
     pub peak_reserved_event: u64,
     /// Index of the event after which allocated memory first reached its peak.
@@ -291,6 +294,7 @@ where
     }
     result.seconds = start.elapsed().as_secs_f64();
     result.stats = run.alloc.stats();
+    result.gpu_stalled_events = run.behind.as_ref().map_or(0, |d| d.counters().stalled_ops);
     result.peak_allocated = result.stats.allocated_bytes.all().peak;
     result.peak_reserved = result.stats.reserved_bytes.all().peak;
     result.peak_requested = result.stats.requested_bytes.all().peak;

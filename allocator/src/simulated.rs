@@ -44,6 +44,10 @@ pub struct SimCounters {
     pub vmm_maps: u64,
     /// Page unmaps.
     pub vmm_unmaps: u64,
+    /// With a lag ([`SimulatedDevice::with_event_lag`]): the device work,
+    /// in host operations, that blocking waits and synchronizes waited out
+    /// (how far behind the waited-for point the device still was).
+    pub stalled_ops: u64,
     /// Calls that failed because of [`SimulatedDevice::inject_faults`] or
     /// [`SimulatedDevice::fail_calls`].
     pub injected_faults: u64,
@@ -538,6 +542,15 @@ impl Device for SimulatedDevice {
         s.fault(calls::WAIT_EVENT, "wait_event")?;
         s.counters.event_waits += 1;
         let stream = s.pending_events.remove(&event.id);
+        if let (Some(_), Some(lag)) = (stream, s.event_lag) {
+            let born = s
+                .born
+                .iter()
+                .find(|&&(id, _)| id == event.id)
+                .map(|&(_, at)| at);
+            let stall = born.map_or(0, |at| (at + lag).saturating_sub(s.clock));
+            s.counters.stalled_ops += stall;
+        }
         // Behind the host, a stream's work runs in order: what came before is done too.
         if let (Some(stream), Some(_)) = (stream, s.event_lag) {
             s.pending_events
@@ -552,6 +565,11 @@ impl Device for SimulatedDevice {
         let mut s = self.state.lock();
         s.fault(calls::SYNCHRONIZE, "synchronize")?;
         s.counters.synchronizes += 1;
+        if let Some(lag) = s.event_lag {
+            // The device is `lag` operations behind, all of which are waited out.
+            s.counters.stalled_ops += lag.min(s.clock);
+            s.born.clear();
+        }
         s.pending_events.clear();
         Ok(())
     }

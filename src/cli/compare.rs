@@ -65,6 +65,7 @@ pub fn run(args: CompareArgs) -> Result<(), CliError> {
                             Value::Object({
                                 let mut m = record(trace, config, capacity, &r);
                                 m.insert("gpu_lag".into(), json!(args.gpu_lag));
+                                m.insert("gpu_stalled_events".into(), json!(r.gpu_stalled_events));
                                 m
                             })
                         )?;

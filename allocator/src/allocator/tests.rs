@@ -1317,6 +1317,47 @@ fn expandable_shadow_does_not_take_a_page_queued_work_may_touch() {
     }
 }
 
+#[test]
+fn expandable_steps_around_an_old_mapping_queued_work_may_use() {
+    // Pages at the peak: x's hole (2 pages, freed with its stream's markers
+    // pending) and w's (3 pages, quiescent). y needs 4 pages: w's 3 and one
+    // of x's, reused early (its old mapping at x stays until the stream is
+    // past x's free). z fits x's hole best, but mapping there would first
+    // wait for the stream: it takes w's hole, the next best fit, instead.
+    let dev = SimulatedDevice::new(1 << 30);
+    let config = Config {
+        expandable_page: 2 * MIB,
+        idle_slack: 0.0,
+        idle_slack_hard: 0.0,
+        ..Config::expandable()
+    };
+    let a = CachingAllocator::new(dev.clone(), config);
+    let x = a.malloc(4 * MIB, S0).unwrap();
+    let k1 = a.malloc(MIB + 512, S0).unwrap();
+    let w = a.malloc(6 * MIB, S0).unwrap();
+    let k2 = a.malloc(MIB + 512, S0).unwrap();
+    a.free(w).unwrap();
+    small_traffic(&a, 200);
+    dev.complete_all_events();
+    a.free(x).unwrap();
+    small_traffic(&a, 200); // markers after x's free, left pending
+    let y = a.malloc(8 * MIB, S0).unwrap();
+    assert!(y.0 > k2.0, "fits no hole");
+    assert!(a.stats().num_pages_reused_early >= 1, "{:?}", a.stats());
+    assert!(!a.stale_mappings().is_empty());
+    let waits = a.stats().num_marker_waits;
+    let z = a.malloc(4 * MIB, S0).unwrap();
+    assert_eq!(z, w, "the next best fit, with no wait");
+    assert_eq!(a.stats().num_marker_waits, waits);
+    a.check_invariants().unwrap();
+    for p in [y, z, k1, k2] {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert!(dev.mappings().is_empty());
+    a.check_invariants().unwrap();
+}
+
 /// Slabs without thread caches in front, so that every call reaches them.
 fn slabs(max_kb: u64) -> Config {
     Config::parse(&format!("default,thread_cache:0,slab_max_kb:{max_kb}")).unwrap()
