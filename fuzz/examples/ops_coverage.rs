@@ -3,8 +3,8 @@
 //! OOMs by cause, guarded frees, each misuse, ...), summed over the corpus.
 //! `cargo run --release --example ops_coverage -- fuzz/corpus/ops`
 
-use cachealloc_model::{self as model, Op};
 use cachealloc_fuzz::ops::{options, presets};
+use cachealloc_model::{self as model, Op};
 use std::collections::BTreeMap;
 
 fn kind(op: &Op) -> &'static str {

@@ -7,8 +7,8 @@
 //! fails with an error containing NEEDLE (default: the first failure's text
 //! after its step number, up to the first address or number).
 
-use cachealloc_model::{self as model, Op, Setup};
 use cachealloc_fuzz::ops::{presets, run_setup};
+use cachealloc_model::{self as model, Op, Setup};
 
 fn decode(data: &[u8]) -> (Setup, Vec<Op>) {
     let (&choice, rest) = data.split_first().expect("a non-empty input");

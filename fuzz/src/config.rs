@@ -14,8 +14,8 @@
 
 use crate::ops::run_setup;
 use cachealloc_core::config::{KeyKind, KEYS};
-use cachealloc_model::{Op, Setup};
 use cachealloc_core::{parse_size, Config, ConfigError};
+use cachealloc_model::{Op, Setup};
 
 const MIB: u64 = 1 << 20;
 

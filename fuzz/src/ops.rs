@@ -7,8 +7,8 @@
 //! property after every op, then the final free-everything / `empty_cache`
 //! / nothing-left check, by the strict contract.
 
-use cachealloc_model::{self as model, Op, Options, Setup};
 use cachealloc_core::Config;
+use cachealloc_model::{self as model, Op, Options, Setup};
 
 /// The presets the `ops` target chooses from, by its first byte.
 pub fn presets() -> Vec<Config> {

@@ -12,8 +12,9 @@
 //! - 1: gzip-compressed; reads exactly as the core reader read the text;
 //! - 2: gzip-compressed and cut short; must be an error, never a short trace;
 //! - 3: the bytes as they are, and a trace that read cleanly is replayed on
-//!   a 1 GiB simulated device under a preset chosen by bits 2–4 of the mode:
-//!   an error (huge sizes, ...) or a result, never a panic.
+//!   a 1 GiB simulated device under a preset chosen by the mode's bits 2–7
+//!   (and, with bit 6 set, running 1 + 16 × bits 4–5 events behind the
+//!   host): an error (huge sizes, ...) or a result, never a panic.
 //!
 //! Every error a file gives must start with the file's path.
 
@@ -199,6 +200,8 @@ pub fn check_counted(data: &[u8]) -> u64 {
         let config = Config::preset(name).expect("a named preset");
         let opts = ReplayOptions {
             capacity: Some(1 << 30),
+            // Some replays on a device that runs behind the host.
+            gpu_lag: (mode & 0x40 != 0).then(|| 1 + u64::from(mode >> 4 & 3) * 16),
             timeline_points: 16,
             report_at_peak: true,
             progress: None,

@@ -1365,17 +1365,29 @@ impl<E> Expandable<E> {
         if self.stale.is_empty() {
             return Ok(());
         }
+        let keys: Vec<(u32, u32)> = self
+            .stale_in(core, seg, first, last)
+            .map(|st| (st.seg.0, st.at))
+            .collect();
+        self.unmap_stale_keys(core, dev, keys)
+    }
+
+    /// The old mappings of `seg` that overlap granules `first..last`.
+    fn stale_in(
+        &self,
+        core: &Core<E>,
+        seg: SegmentId,
+        first: u32,
+        last: u32,
+    ) -> impl Iterator<Item = &Stale> + '_ {
         // A mapping is at most a big page long: one starting that far back may reach in.
         let g = core.granularity.expect("expandable mode has a granularity");
         let back = (core.segments.get(seg.0).page_size() / g) as u32;
         let from = (seg.0, first.saturating_sub(back.saturating_sub(1)));
-        let keys: Vec<(u32, u32)> = self
-            .stale
+        self.stale
             .range(from..(seg.0, last))
-            .filter(|(_, st)| st.at + st.len > first)
-            .map(|(k, _)| *k)
-            .collect();
-        self.unmap_stale_keys(core, dev, keys)
+            .map(|(_, st)| st)
+            .filter(move |st| st.at + st.len > first)
     }
 
     /// Unmaps the old mappings at `keys`, each after its stream's marker.
@@ -1453,15 +1465,13 @@ impl<E> Expandable<E> {
         let g = core.granularity.expect("expandable mode has a granularity");
         let b = core.blocks.get(fit.2 .0);
         let s = core.segments.get(b.segment.0);
-        let back = (s.page_size() / g) as u32;
-        let first = ((fit.1 - s.addr) / g) as u32 / back * back;
-        let last = ((fit.1 + rounded - s.addr).div_ceil(g) as u32).div_ceil(back) * back;
-        let from = (b.segment.0, first.saturating_sub(back.saturating_sub(1)));
+        // Whole big pages may be mapped at the block's edges: look that far.
+        let big = (s.page_size() / g) as u32;
+        let first = ((fit.1 - s.addr) / g) as u32 / big * big;
+        let last = ((fit.1 + rounded - s.addr).div_ceil(g) as u32).div_ceil(big) * big;
         let hits: Vec<(usize, u64)> = self
-            .stale
-            .range(from..(b.segment.0, last))
-            .filter(|(_, st)| st.at + st.len > first)
-            .map(|(_, st)| (st.slot, st.since))
+            .stale_in(core, b.segment, first, last)
+            .map(|st| (st.slot, st.since))
             .collect();
         for (slot, since) in hits {
             if !self.quiescent(dev, slot, since)? {
