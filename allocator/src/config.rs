@@ -102,6 +102,11 @@ pub enum EdgePages {
     /// granularity-sized pages only, so that no memory is lost to the
     /// partly used big pages at blocks' edges.
     Pressure,
+    /// As `Pressure`, and granularity-sized pages at the edges as well once
+    /// a mapping would lift reserved memory more than `idle_slack_hard` above
+    /// the peak allocated bytes: less memory held in partly used big pages,
+    /// for more map calls (the memory-optimal choice; docs/POLICY.md).
+    Peak,
 }
 
 /// The words of a choice key and the values they stand for, in one table
@@ -140,6 +145,7 @@ choice_words!(EdgePages, WORDS:
     "pressure" => Pressure,
     "small" => Small,
     "big" => Big,
+    "peak" => Peak,
 );
 
 /// How the allocator carves segments and blocks. See `docs/POLICY.md`.
@@ -1033,7 +1039,7 @@ pub static KEYS: &[Key] = &[
         aliases: &[],
         kind: KeyKind::Choice(EdgePages::WORDS),
         stability: Stability::Experimental,
-        doc: "expandable page sizes at block edges: big pages while there is room (`pressure`), granules always (`small`), big pages always (`big`)",
+        doc: "expandable page sizes at block edges: big pages while there is room (`pressure`), granules always (`small`), big pages always (`big`), granules also once past the hard limit over the peak (`peak`: less memory, more map calls)",
         group: None,
         get: |c| Some(Value::Word(c.expandable_edges.word())),
         set: |c, v| c.expandable_edges = EdgePages::from_word(w(v)).expect("a word of the table"),

@@ -146,6 +146,11 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         ("pytorch-slabs-16", parse("pytorch,slab_max_kb:16")),
         // Page-backed segments: virtual ranges, physical pages mapped under blocks.
         ("expandable", Config::expandable()),
+        // Granules at blocks' edges once past the peak.
+        (
+            "expandable-peak-edges",
+            parse("expandable,expandable_edges:peak"),
+        ),
         // Pages moved away unmapped at once (no shadows).
         (
             "expandable-no-shadows",

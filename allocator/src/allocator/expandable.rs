@@ -408,11 +408,13 @@ impl<E> Expandable<E> {
         let mut style = match core.config.expandable_edges {
             EdgePages::Small => Style::SmallEdges,
             EdgePages::Big => Style::BigEdges,
-            EdgePages::Pressure => {
+            edges @ (EdgePages::Pressure | EdgePages::Peak) => {
                 let plan = self.plan(core, seg, start, end, Style::BigEdges);
                 let bytes: u64 = plan.iter().map(|&(_, n)| u64::from(n) * g).sum();
                 if self.under_pressure(core, bytes) {
                     Style::Granules
+                } else if edges == EdgePages::Peak && self.past_peak(core, bytes) {
+                    Style::SmallEdges
                 } else {
                     Style::BigEdges
                 }
@@ -429,8 +431,11 @@ impl<E> Expandable<E> {
             match self.map_plan(core, dev, seg, &plan, tail) {
                 // The device or the cap is full after all: only the granules needed.
                 Err(AllocError::OutOfMemory(_))
-                    if style == Style::BigEdges
-                        && core.config.expandable_edges == EdgePages::Pressure =>
+                    if style != Style::Granules
+                        && matches!(
+                            core.config.expandable_edges,
+                            EdgePages::Pressure | EdgePages::Peak
+                        ) =>
                 {
                     style = Style::Granules;
                     self.trim_end_page(core, dev, seg, start, end, (block_end, since))?;
@@ -447,6 +452,13 @@ impl<E> Expandable<E> {
         let limit = self.memory_limit(core);
         let limit = (limit as f64 * (1.0 - core.config.idle_slack_hard).max(0.0)) as u64;
         core.reserved() + bytes > limit
+    }
+
+    /// Whether mapping `bytes` more would lift reserved memory more than
+    /// `idle_slack_hard` above the peak allocated bytes.
+    fn past_peak(&self, core: &Core<E>, bytes: u64) -> bool {
+        let peak = core.stats.allocated_bytes.all().peak;
+        (core.reserved() + bytes) as f64 > peak as f64 * (1.0 + core.config.idle_slack_hard)
     }
 
     /// The most reserved memory can reach: the cap, the device's memory, or
