@@ -26,7 +26,11 @@ N / total device memory), the fraction computed in the process from
 torch.cuda.mem_get_info(). cachealloc receives it through its memory-fraction hook.
 
 Step time: torch.cuda.synchronize() at the end of each step, perf_counter, median
-over the steps after --warmup. Peak reserved/allocated: torch.cuda.max_memory_*()
+over the steps after --warmup. With --rounds N each variant runs N times per
+workload, every other round in reverse order (run order matters: a process's GPU
+and host warm up differently); the paired table divides each step's time by the
+baseline runs' mean time for the same step (the seed fixes the shapes) and takes
+the median, pooled over the rounds. Peak reserved/allocated: torch.cuda.max_memory_*()
 (PyTorch's own functions; for cachealloc-pluggable, where they raise, the
 cachealloc_torch module's mirrors of them).
 """
@@ -246,17 +250,45 @@ def run_one(spec, timeout, log):
 
 
 def table(results):
-    head = ["workload", "allocator", "cap", "steps", "median step (s)", "peak reserved",
+    head = ["workload", "allocator", "round", "cap", "steps", "median step (s)", "peak reserved",
             "peak allocated", "reserved/allocated", "retries", "OOMs", "status"]
     rows = []
     for r in results:
         cap = f"{gib(r['cap_bytes'])} ({r.get('cap_fraction', 0):.4f})" if r.get("cap_bytes") else "–"
         ms = r.get("median_step")
-        rows.append([r["workload"], r["variant"], cap, f"{r.get('steps_done', 0)}/{r['steps']}",
+        rows.append([r["workload"], r["variant"], str(r.get("round", 1)), cap,
+                     f"{r.get('steps_done', 0)}/{r['steps']}",
                      f"{ms:.4f}" if ms else "–", gib(r.get("peak_reserved")),
                      gib(r.get("peak_allocated")),
                      f"{r['ratio']:.3f}" if r.get("ratio") else "–",
                      str(r.get("retries", "–")), str(r.get("ooms", "–")), r["status"]])
+    return markdown(head, rows)
+
+
+def paired(results, warmup):
+    """Per workload and variant: the median, over the steps after the warm-up of every run,
+    of the step's time over the mean time of the same step in the baseline's runs (native
+    if it ran, else the first variant). The seed fixes every step's shapes, so step i is
+    the same work in every run: pairing by step takes out the step-to-step spread that
+    the medians of single runs keep."""
+    runs = [r for r in results if r.get("step_times") and not r.get("cap_bytes")]
+    rows = []
+    for w in dict.fromkeys(r["workload"] for r in runs):
+        mine = [r for r in runs if r["workload"] == w]
+        variants = list(dict.fromkeys(r["variant"] for r in mine))
+        base_v = "native" if "native" in variants else variants[0]
+        base = [r["step_times"] for r in mine if r["variant"] == base_v]
+        n = min(len(t) for t in base)
+        mean = [statistics.mean(t[i] for t in base) for i in range(n)]
+        for v in variants:
+            vr = [r for r in mine if r["variant"] == v]
+            ratios = [r["step_times"][i] / mean[i] for r in vr
+                      for i in range(warmup, min(n, len(r["step_times"]))) if mean[i] > 0]
+            medians = ", ".join(f"{r['median_step']:.4f}" for r in vr if r.get("median_step"))
+            rows.append([w, v, base_v, str(len(vr)),
+                         f"{statistics.median(ratios):.3f}" if ratios else "–", medians])
+    head = ["workload", "allocator", "baseline", "runs", "step / baseline's (paired median)",
+            "median step of each run (s)"]
     return markdown(head, rows)
 
 
@@ -292,6 +324,9 @@ def main():
     ap.add_argument("--steps", help=f"per workload, e.g. nmt=60,cnn_multiscale=60 (default {DEFAULT_STEPS})")
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median (default 5)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of each variant per workload, every other round in reverse order "
+                         "(default 1); the paired table pools them")
     ap.add_argument("--cap-bytes", type=int, help="also run capped: this many bytes of device memory")
     ap.add_argument("--cap-workload", default="nmt")
     ap.add_argument("--cap-variants", default="native,cachealloc")
@@ -317,10 +352,13 @@ def main():
     for v in variants + a.cap_variants.split(","):
         parse_variant(v)
     specs = []
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
     for w in workloads:
-        for v in variants:
-            specs.append(dict(workload=w, variant=v, steps=int(steps[w]), seed=a.seed, warmup=warmup,
-                              lib=a.lib))
+        for r in range(a.rounds):
+            for v in (variants if r % 2 == 0 else variants[::-1]):
+                specs.append(dict(workload=w, variant=v, round=r + 1, steps=int(steps[w]), seed=a.seed,
+                                  warmup=warmup, lib=a.lib))
     if a.cap_bytes:
         for v in a.cap_variants.split(","):
             n = a.cap_steps or int(steps.get(a.cap_workload, steps.get("nmt", 120)))
@@ -335,6 +373,7 @@ def main():
     tv = next((r["torch"] for r in results if r.get("torch")), "?")
     out = [f"## PyTorch training, side by side ({dev}, torch {tv}, seed {a.seed}, "
            f"median over steps after a warm-up of {warmup})", "", table(results), "",
+           "### Step time paired by step (same seed, same shapes)", "", paired(results, warmup), "",
            "### torch.cuda.empty_cache() after training (model and optimizer freed)", "",
            empty_cache_table(results)]
     notes = sorted({f"{r['variant']}: {n}" for r in results for n in r.get("notices", [])})
