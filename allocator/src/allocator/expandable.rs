@@ -782,7 +782,7 @@ impl<E> Expandable<E> {
         Ok(())
     }
 
-    /// One recycling round: unmap the pages needed now (`need` bytes) plus
+    /// One recycling round: move the pages needed now (`need` bytes) plus
     /// `recycle_batch` of the peak, longest idle first, into the pool, taking
     /// only pages no queued work can touch. With `wait`, if that is not
     /// enough, wait for the streams that freed the next idle pages (their
@@ -799,7 +799,7 @@ impl<E> Expandable<E> {
         let peak = core.stats.allocated_bytes.all().peak;
         let batch = need.saturating_add((peak as f64 * core.config.recycle_batch) as u64);
         self.retire_stale(core, dev)?;
-        let mut got = self.unmap_idle_pages(core, dev, Some(tail), batch, false, None)?;
+        let mut got = self.take_idle_pages(core, dev, Some(tail), batch, false, None)?;
         if !wait {
             return Ok(());
         }
@@ -807,7 +807,7 @@ impl<E> Expandable<E> {
             // Pages of this stream's own free blocks serve it in stream order:
             // reused now, their old mappings dropped once the stream is past them.
             let slot = core.segments.get(tail.0 .0).pool.stream_slot();
-            got += self.unmap_idle_pages(core, dev, Some(tail), batch - got, false, Some(slot))?;
+            got += self.take_idle_pages(core, dev, Some(tail), batch - got, false, Some(slot))?;
         }
         while got < need {
             // The longest idle page that is not quiescent yet: wait for its stream.
@@ -816,7 +816,7 @@ impl<E> Expandable<E> {
             } else if !Self::wait_one_pending(core, dev)? {
                 break; // nothing left to wait for
             }
-            got += self.unmap_idle_pages(core, dev, Some(tail), batch - got, false, None)?;
+            got += self.take_idle_pages(core, dev, Some(tail), batch - got, false, None)?;
         }
         Ok(())
     }
@@ -1056,13 +1056,14 @@ impl<E> Expandable<E> {
         Ok(best)
     }
 
-    /// Unmaps idle pages no queued work can touch (every idle page with
+    /// Takes idle pages no queued work can touch (every idle page with
     /// `all`, after the device was synchronized), longest idle first, up to
     /// `max_bytes`, into the pool (they stay reserved); returns how many bytes.
-    /// With `early`, the idle pages of that stream slot are taken too while
-    /// its queued work may still touch them: each keeps its old mapping
-    /// ([`Stale`]) until the stream is past it.
-    fn unmap_idle_pages<D: Device<Event = E>>(
+    /// Each is unmapped, or with `expandable_shadows` (and not `all`) keeps
+    /// its mapping there as a shadow ([`Stale`]). With `early`, the idle
+    /// pages of that stream slot are taken too while its queued work may
+    /// still touch them: each keeps its old mapping until the stream is past it.
+    fn take_idle_pages<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
@@ -1173,7 +1174,7 @@ impl<E> Expandable<E> {
         self.drop_markers(core, dev);
         self.device_full_at = None;
         self.clear_stale(core, dev, |_| true)?;
-        self.unmap_idle_pages(core, dev, None, u64::MAX, true, None)?;
+        self.take_idle_pages(core, dev, None, u64::MAX, true, None)?;
         while let Some(&(h, kind, size)) = self.page_pool.last() {
             dev.vmm_release_page(h)?;
             self.page_pool.pop(); // only once released: a failure keeps it pooled
