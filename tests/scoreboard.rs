@@ -26,8 +26,12 @@ const BASELINE: &str = "tests/data/scoreboard_baseline.json";
 struct TempDir(PathBuf);
 
 impl TempDir {
+    /// A folder of its own per call: the tests of this file run in parallel
+    /// threads of one process.
     fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("cachealloc-{tag}-{}", std::process::id()));
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!("cachealloc-{tag}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&p);
         std::fs::create_dir_all(&p).unwrap();
         TempDir(p)
