@@ -663,6 +663,7 @@ impl<E> Expandable<E> {
         loop {
             let mut grow = 0;
             let mut short = None;
+            let mut sizes: Vec<u64> = Vec::with_capacity(need.len());
             for &(size, count) in need {
                 let mut have = out.iter().filter(|p| p.size == size).count();
                 while have < count {
@@ -685,6 +686,7 @@ impl<E> Expandable<E> {
                 if have < count {
                     grow += (count - have) as u64 * size;
                     short.get_or_insert(size);
+                    sizes.push(size);
                 }
             }
             let Some(size) = short else {
@@ -693,7 +695,7 @@ impl<E> Expandable<E> {
             // Past the soft limit, take idle pages no queued work can touch
             // (free): past the hard limit or the cap, wait for the device.
             if stage < 1 && core.reserved() + grow > soft_limit.min(cap) {
-                self.recycle(core, dev, tail, grow, false)?;
+                self.recycle(core, dev, tail, grow, false, &sizes)?;
                 stage = 1;
                 continue;
             }
@@ -708,7 +710,7 @@ impl<E> Expandable<E> {
                 } else {
                     (need - hard_limit).min(grow)
                 };
-                self.recycle(core, dev, tail, excess, true)?;
+                self.recycle(core, dev, tail, excess, true, &sizes)?;
                 stage = 2;
                 continue;
             }
@@ -743,7 +745,7 @@ impl<E> Expandable<E> {
                 Err(DeviceError::OutOfMemory) if stage < 3 => {
                     self.device_full_at = Some(core.reserved() + out_new_bytes(out));
                     if stage < 2 {
-                        self.recycle(core, dev, tail, grow, true)?;
+                        self.recycle(core, dev, tail, grow, true, &sizes)?;
                     }
                     // Device full: pooled pages of other sizes make room.
                     self.release_pooled(core, dev, grow)?;
@@ -795,19 +797,41 @@ impl<E> Expandable<E> {
         tail: Tail,
         need: u64,
         wait: bool,
+        sizes: &[u64],
     ) -> Result<(), AllocError> {
         let peak = core.stats.allocated_bytes.all().peak;
         let batch = need.saturating_add((peak as f64 * core.config.recycle_batch) as u64);
         self.retire_stale(core, dev)?;
-        let mut got = self.take_idle_pages(core, dev, Some(tail), batch, false, None)?;
+        // Quiescent pages of the sizes wanted first (one of another size is
+        // given back and a new one created, and its pool goes short of it),
+        // then of any size.
+        let mut got = 0;
+        for sizes in [sizes, &[]] {
+            if got < batch {
+                got +=
+                    self.take_idle_pages(core, dev, Some(tail), batch - got, false, None, sizes)?;
+            }
+        }
         if !wait {
             return Ok(());
         }
-        if got < need && core.config.expandable_early_reuse {
-            // Pages of this stream's own free blocks serve it in stream order:
-            // reused now, their old mappings dropped once the stream is past them.
-            let slot = core.segments.get(tail.0 .0).pool.stream_slot();
-            got += self.take_idle_pages(core, dev, Some(tail), batch - got, false, Some(slot))?;
+        if core.config.expandable_early_reuse {
+            // The stream's own pages serve it in stream order: reused now,
+            // their old mappings dropped once the stream is past them.
+            let own = Some(core.segments.get(tail.0 .0).pool.stream_slot());
+            for sizes in [sizes, &[]] {
+                if got < need {
+                    got += self.take_idle_pages(
+                        core,
+                        dev,
+                        Some(tail),
+                        batch - got,
+                        false,
+                        own,
+                        sizes,
+                    )?;
+                }
+            }
         }
         while got < need {
             // The longest idle page that is not quiescent yet: wait for its stream.
@@ -816,7 +840,7 @@ impl<E> Expandable<E> {
             } else if !Self::wait_one_pending(core, dev)? {
                 break; // nothing left to wait for
             }
-            got += self.take_idle_pages(core, dev, Some(tail), batch - got, false, None)?;
+            got += self.take_idle_pages(core, dev, Some(tail), batch - got, false, None, &[])?;
         }
         Ok(())
     }
@@ -990,6 +1014,7 @@ impl<E> Expandable<E> {
         core: &Core<E>,
         (seg, start, end, since): Tail,
         block: Option<u32>,
+        sizes: &[u64],
         out: &mut Vec<IdlePage>,
     ) -> u64 {
         let g = core.granularity.expect("expandable mode has a granularity");
@@ -1002,8 +1027,11 @@ impl<E> Expandable<E> {
         let pages = s.pages().expect("expandable");
         let mut bytes = 0;
         for (at, _, n) in pages.within(lo, hi) {
-            out.push((since, seg, at, block));
-            bytes += u64::from(n) * g;
+            let size = u64::from(n) * g;
+            if sizes.is_empty() || sizes.contains(&size) {
+                out.push((since, seg, at, block));
+                bytes += size;
+            }
         }
         bytes
     }
@@ -1063,6 +1091,8 @@ impl<E> Expandable<E> {
     /// its mapping there as a shadow ([`Stale`]). With `early`, the idle
     /// pages of that stream slot are taken too while its queued work may
     /// still touch them: each keeps its old mapping until the stream is past it.
+    /// With `sizes`, only pages of those sizes (all sizes if empty).
+    #[allow(clippy::too_many_arguments)]
     fn take_idle_pages<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
@@ -1071,13 +1101,14 @@ impl<E> Expandable<E> {
         max_bytes: u64,
         all: bool,
         early: Option<usize>,
+        sizes: &[u64],
     ) -> Result<u64, AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
         let mut idle = Vec::new();
         if let Some(tail) = extra {
             let slot = core.segments.get(tail.0 .0).pool.stream_slot();
             if all || early == Some(slot) || self.quiescent(dev, slot, tail.3)? {
-                self.collect_idle(core, tail, None, &mut idle);
+                self.collect_idle(core, tail, None, sizes, &mut idle);
             }
         }
         // Streams found busy in this call (their markers polled once).
@@ -1100,7 +1131,7 @@ impl<E> Expandable<E> {
                 }
                 continue;
             }
-            found += self.collect_idle(core, range, Some(id), &mut idle);
+            found += self.collect_idle(core, range, Some(id), sizes, &mut idle);
         }
         idle.sort_unstable_by_key(|&(since, seg, p, _)| (since, std::cmp::Reverse((seg, p))));
         let mut bytes = 0;
@@ -1174,7 +1205,7 @@ impl<E> Expandable<E> {
         self.drop_markers(core, dev);
         self.device_full_at = None;
         self.clear_stale(core, dev, |_| true)?;
-        self.take_idle_pages(core, dev, None, u64::MAX, true, None)?;
+        self.take_idle_pages(core, dev, None, u64::MAX, true, None, &[])?;
         while let Some(&(h, kind, size)) = self.page_pool.last() {
             dev.vmm_release_page(h)?;
             self.page_pool.pop(); // only once released: a failure keeps it pooled
