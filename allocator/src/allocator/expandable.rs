@@ -1471,6 +1471,7 @@ impl<E> Expandable<E> {
         self.next_fit_without_wait(core, dev, bins, fit, rounded)
     }
 
+    /// [`Expandable::around_old_mappings`]'s slow path: the near fits.
     #[cold]
     fn next_fit_without_wait<D: Device<Event = E>>(
         &mut self,
