@@ -175,7 +175,8 @@ def worker(spec):
                         device_frees=st.get("num_device_free"),
                         maps=extra.get("num_map"), unmaps=extra.get("num_unmap"),
                         syncs=st.get("num_sync_all_streams"),
-                        marker_waits=extra.get("num_marker_waits"))
+                        marker_waits=extra.get("num_marker_waits"),
+                        revived=extra.get("num_pages_revived"))
         st = ca.memory_stats()
         return dict(reserved=st["reserved_bytes.all.current"],
                     allocated=st["allocated_bytes.all.current"],
@@ -185,7 +186,8 @@ def worker(spec):
                     device_allocs=st["num_device_alloc"], device_frees=st["num_device_free"],
                     maps=st.get("num_map"), unmaps=st.get("num_unmap"),
                     syncs=st.get("num_sync_all_streams"),
-                    marker_waits=st.get("num_marker_waits"))
+                    marker_waits=st.get("num_marker_waits"),
+                    revived=st.get("num_pages_revived"))
 
     before = figures()
     res.update({k: v for k, v in before.items() if k not in ("reserved", "allocated")})
