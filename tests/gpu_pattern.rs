@@ -41,6 +41,16 @@ fn pattern_two_streams_expandable_no_shadows() {
     pattern_two_streams_with(Config::parse("expandable,expandable_shadows:false").unwrap());
 }
 
+/// Expandable, a stream taking pages another stream may still use, made to
+/// wait for that stream's work on the device (the read-backs catch a page
+/// written by both streams at once).
+#[test]
+fn pattern_two_streams_expandable_cross_stream() {
+    pattern_two_streams_with(
+        Config::parse("expandable,expandable_cross_stream:true,expandable_page_mb:2").unwrap(),
+    );
+}
+
 /// Every small request from slabs (chunks of one size class per segment).
 #[test]
 fn pattern_two_streams_slabs() {
@@ -163,8 +173,8 @@ fn pattern_two_streams_with(config: Config) {
         "pattern: {OPS} ops ({allocs} allocs, {frees} frees, {cross} used by both streams), \
          {checks} checks, {:.2} GiB verified, {mismatches} mismatching words; \
          {} device allocs, {} pages created, {} maps, {} unmaps during the run \
-         ({} with empty_cache), {} device syncs; \
-         {} segments released at the end, {} events pooled",
+         ({} with empty_cache), {} device syncs, {} marker waits, {} stream waits on the device, \
+         {} pages taken back; {} segments released at the end, {} events pooled",
         verified_bytes as f64 / (1u64 << 30) as f64,
         stats.num_device_alloc,
         stats.num_page_create,
@@ -172,6 +182,9 @@ fn pattern_two_streams_with(config: Config) {
         stats.num_unmap,
         alloc.stats().num_unmap,
         stats.num_sync_all_streams,
+        stats.num_marker_waits,
+        stats.num_stream_waits,
+        stats.num_pages_revived,
         released.segments,
         alloc.device().pooled_events(),
     );

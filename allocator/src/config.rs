@@ -251,6 +251,10 @@ pub struct Config {
     /// block carved over a shadow whose page is idle takes the page back
     /// with no driver call.
     pub expandable_shadows: bool,
+    /// Expandable segments: past the hard limit, idle pages another stream
+    /// freed and may still use are taken at once, the requesting stream made
+    /// to wait for that stream's work on the device, not the host.
+    pub expandable_cross_stream: bool,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
     /// Freed blocks each thread keeps for its own next request of the same
@@ -300,6 +304,7 @@ impl Config {
             expandable_place: false,
             expandable_early_reuse: true,
             expandable_shadows: false,
+            expandable_cross_stream: false,
             expandable_segments: false,
         }
     }
@@ -1073,6 +1078,16 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::Bool(c.expandable_shadows)),
         set: |c, v| c.expandable_shadows = b(v),
+    },
+    Key {
+        name: "expandable_cross_stream",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Experimental,
+        doc: "expandable segments: past the hard limit, idle pages of another stream are taken at once and the requesting stream waits for that stream's work on the device (off: the host waits for a marker)",
+        group: None,
+        get: |c| Some(Value::Bool(c.expandable_cross_stream)),
+        set: |c, v| c.expandable_cross_stream = b(v),
     },
     Key {
         name: "thread_cache",

@@ -103,6 +103,13 @@ pub trait Device: Send + Sync {
     fn event_completed(&self, event: &Self::Event) -> Result<bool, DeviceError>;
     /// Blocks until the work before `event` has completed.
     fn wait_event(&self, event: &Self::Event) -> Result<(), DeviceError>;
+    /// Makes the work queued on `waiter` from now on wait, on the device,
+    /// for the work before `event`; the host goes on. The default waits on
+    /// the host instead ([`Device::wait_event`]).
+    fn stream_wait_event(&self, waiter: StreamId, event: &Self::Event) -> Result<(), DeviceError> {
+        let _ = waiter;
+        self.wait_event(event)
+    }
     /// Gives an event back (a real device pools them).
     fn release_event(&self, event: Self::Event);
     /// Blocks until all work on the device has completed.

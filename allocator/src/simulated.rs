@@ -34,6 +34,8 @@ pub struct SimCounters {
     pub event_waits: u64,
     /// Device synchronizations.
     pub synchronizes: u64,
+    /// Waits of one stream for an event, queued on the device.
+    pub stream_waits: u64,
     /// Virtual ranges reserved.
     pub vmm_reserves: u64,
     /// Physical pages created.
@@ -556,6 +558,15 @@ impl Device for SimulatedDevice {
             s.pending_events
                 .retain(|&id, &mut on| on != stream || id > event.id);
         }
+        Ok(())
+    }
+
+    fn stream_wait_event(&self, _waiter: StreamId, event: &SimEvent) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        s.fault(calls::WAIT_EVENT, "stream_wait_event")?;
+        s.counters.stream_waits += 1;
+        // The host does not wait: the event completes when it would have.
+        let _ = event;
         Ok(())
     }
 

@@ -233,6 +233,9 @@ pub struct MemoryStats {
     /// before the stream was past them (mapped again at once, their old
     /// mapping dropped later) instead of waiting for a marker.
     pub num_pages_reused_early: u64,
+    /// Expandable segments: waits of a stream for another stream's work
+    /// queued on the device instead of the host (`expandable_cross_stream`).
+    pub num_stream_waits: u64,
     /// Expandable segments: pages mapped back where a shadow of them was
     /// kept (`expandable_shadows`), with no driver call.
     pub num_pages_revived: u64,
@@ -356,6 +359,7 @@ impl MemoryStats {
             v(self.num_pages_reused_early),
         ));
         out.push(("num_pages_revived".into(), v(self.num_pages_revived)));
+        out.push(("num_stream_waits".into(), v(self.num_stream_waits)));
         out.push(("num_event_waits".into(), v(self.num_event_waits)));
         out.push(("num_events_recorded".into(), v(self.num_events_recorded)));
         out.push(("num_device_alloc".into(), v(self.num_device_alloc)));
@@ -542,6 +546,6 @@ mod tests {
             assert!(keys.contains(&k), "missing {k}");
         }
         assert!(e.contains(&("max_split_size".to_string(), -1)));
-        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 16);
+        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 17);
     }
 }

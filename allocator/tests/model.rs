@@ -219,6 +219,15 @@ fn model_expandable_no_shadows_faults() {
 }
 
 #[test]
+fn model_expandable_cross_stream() {
+    run_config(
+        "expandable-cross-stream",
+        config("expandable-cross-stream"),
+        192,
+    );
+}
+
+#[test]
 fn model_expandable_peak_edges() {
     run_config(
         "expandable-peak-edges",

@@ -146,6 +146,11 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         ("pytorch-slabs-16", parse("pytorch,slab_max_kb:16")),
         // Page-backed segments: virtual ranges, physical pages mapped under blocks.
         ("expandable", Config::expandable()),
+        // Other streams' busy pages taken with a wait on the device.
+        (
+            "expandable-cross-stream",
+            parse("expandable,expandable_cross_stream:true"),
+        ),
         // Granules at blocks' edges once past the peak.
         (
             "expandable-peak-edges",
@@ -949,7 +954,19 @@ impl Model {
 
     fn malloc(&mut self, size: u64, stream: usize, before: &Before) -> Result<(), String> {
         let sid = self.streams[stream];
+        let pending_before: BTreeSet<u64> = self.dev.pending_events().into_iter().collect();
+        let stream_waits = self.alloc.stats().num_stream_waits;
         let res = self.alloc.malloc(size, sid);
+        // An event a malloc records (another stream's work, waited for on
+        // the device by the requesting stream) guards no block: a marker.
+        for e in self.dev.pending_events() {
+            if !pending_before.contains(&e) {
+                self.markers.insert(e);
+            }
+        }
+        if self.alloc.stats().num_stream_waits > stream_waits {
+            self.saw("malloc made its stream wait for another on the device");
+        }
         let valid = size > 0 && size <= MAX_REQUEST;
         match res {
             Ok(p) => {

@@ -88,6 +88,7 @@ pub fn record(
         "num_marker_waits": s.num_marker_waits,
         "num_pages_reused_early": s.num_pages_reused_early,
         "num_pages_revived": s.num_pages_revived,
+        "num_stream_waits": s.num_stream_waits,
         "num_event_waits": s.num_event_waits,
         "num_events_recorded": s.num_events_recorded,
         "num_alloc_retries": s.num_alloc_retries,

@@ -243,6 +243,18 @@ impl Device for CudaDevice {
         )
     }
 
+    fn stream_wait_event(&self, waiter: StreamId, event: &CudaEvent) -> Result<(), DeviceError> {
+        let h = stream_handle(waiter)?;
+        let _ctx = self.enter()?;
+        check(
+            // SAFETY: `event` is a live event created by this device and `h`
+            // a live stream (a special handle, or registered under
+            // `register_stream`'s contract).
+            unsafe { ffi::cuStreamWaitEvent(h, event.0, 0) },
+            "cuStreamWaitEvent",
+        )
+    }
+
     fn release_event(&self, event: CudaEvent) {
         self.events.lock().push(event);
     }

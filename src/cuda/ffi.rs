@@ -215,5 +215,6 @@ extern "C" {
     pub fn cuEventRecord(event: CuEvent, stream: CuStream) -> i32;
     pub fn cuEventQuery(event: CuEvent) -> i32;
     pub fn cuEventSynchronize(event: CuEvent) -> i32;
+    pub fn cuStreamWaitEvent(stream: CuStream, event: CuEvent, flags: u32) -> i32;
     pub fn cuEventDestroy_v2(event: CuEvent) -> i32;
 }

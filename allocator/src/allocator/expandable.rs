@@ -833,9 +833,31 @@ impl<E> Expandable<E> {
                 }
             }
         }
+        let requester = core.segments.get(tail.0 .0).pool.stream_slot();
+        let mut waited_on: Vec<usize> = Vec::new();
         while got < need {
             // The longest idle page that is not quiescent yet: wait for its stream.
             if let Some((since, slot)) = self.oldest_busy_idle(core, dev, tail)? {
+                if core.config.expandable_cross_stream
+                    && slot != requester
+                    && !waited_on.contains(&slot)
+                {
+                    // On the device: the requesting stream's later work waits
+                    // for everything that stream queued so far, and its idle
+                    // pages serve the request now.
+                    waited_on.push(slot);
+                    self.stream_wait(core, dev, slot, requester)?;
+                    got += self.take_idle_pages(
+                        core,
+                        dev,
+                        Some(tail),
+                        batch - got,
+                        false,
+                        Some(slot),
+                        &[],
+                    )?;
+                    continue;
+                }
                 self.wait_quiescent(core, dev, slot, since)?;
             } else if !Self::wait_one_pending(core, dev)? {
                 break; // nothing left to wait for
@@ -963,6 +985,30 @@ impl<E> Expandable<E> {
             core.merge_counted(id, kind);
         }
         Ok(true)
+    }
+
+    /// Makes stream slot `waiter` wait on the device for the work stream slot
+    /// `slot` queued so far, through an event recorded now that joins the
+    /// slot's markers.
+    #[cold]
+    fn stream_wait<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        slot: usize,
+        waiter: usize,
+    ) -> Result<(), AllocError> {
+        let e = dev.record_event(core.stream_list[slot])?;
+        core.stats.num_events_recorded += 1;
+        if let Err(err) = dev.stream_wait_event(core.stream_list[waiter], &e) {
+            dev.release_event(e);
+            return Err(err.into());
+        }
+        core.stats.num_stream_waits += 1;
+        let m = &mut self.marks[slot];
+        m.queue.push_back((core.clock + 1, e));
+        m.last = core.clock;
+        Ok(())
     }
 
     /// After a device synchronize every marker has completed.

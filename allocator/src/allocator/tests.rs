@@ -1384,6 +1384,50 @@ fn expandable_peak_edges_map_granules_at_edges_past_the_peak() {
     assert_eq!(reserved_after("peak"), 4 * MIB, "two 2 MiB granules");
 }
 
+#[test]
+fn expandable_cross_stream_waits_on_the_device_not_the_host() {
+    // x's pages, freed on stream 1 whose work may still use them, are all
+    // there is when stream 0 needs pages past the peak. With
+    // `expandable_cross_stream`, stream 0 is made to wait for stream 1 on the
+    // device and takes them at once; otherwise the host waits for a marker.
+    let run = |cross: bool| {
+        let dev = SimulatedDevice::new(1 << 30);
+        let config = Config {
+            expandable_page: 2 * MIB,
+            idle_slack: 0.0,
+            idle_slack_hard: 0.0,
+            expandable_cross_stream: cross,
+            ..Config::expandable()
+        };
+        let a = CachingAllocator::new(dev.clone(), config);
+        let x = a.malloc(4 * MIB, S1).unwrap();
+        let keep = a.malloc(MIB + 512, S1).unwrap();
+        a.free(x).unwrap(); // its marker stays pending
+        let reserved = a.usage().reserved;
+        let y = a.malloc(4 * MIB, S0).unwrap();
+        let st = a.stats();
+        let moved = (
+            st.num_marker_waits,
+            st.num_stream_waits,
+            dev.counters().stream_waits,
+            a.usage().reserved == reserved,
+        );
+        a.check_invariants().unwrap();
+        a.free(y).unwrap();
+        a.free(keep).unwrap();
+        a.empty_cache().unwrap();
+        assert!(dev.mappings().is_empty());
+        a.check_invariants().unwrap();
+        moved
+    };
+    assert_eq!(run(true), (0, 1, 1, true), "no host wait, x's pages reused");
+    let (host_waits, stream_waits, _, same) = run(false);
+    assert!(
+        host_waits >= 1 && stream_waits == 0 && same,
+        "the host waited"
+    );
+}
+
 /// Slabs without thread caches in front, so that every call reaches them.
 fn slabs(max_kb: u64) -> Config {
     Config::parse(&format!("default,thread_cache:0,slab_max_kb:{max_kb}")).unwrap()
