@@ -656,11 +656,21 @@ impl<E> Expandable<E> {
         for &h in want {
             self.take_back(core, dev, h, tail)?;
         }
+
         let (soft_limit, hard_limit, cap) = self.limits(core);
         // 0: nothing recycled yet; 1: quiescent idle pages taken; 2: waited
         // for the device; 3: device full after that, pooled pages given back.
         let mut stage = 0;
         loop {
+            // Pooled pages wanted back go first (counted once a round, not per page).
+            let mut wanted = match want.is_empty() {
+                true => 0,
+                false => self
+                    .page_pool
+                    .iter()
+                    .filter(|p| want.contains(&p.0))
+                    .count(),
+            };
             let mut grow = 0;
             let mut short = None;
             let mut sizes: Vec<u64> = Vec::with_capacity(need.len());
@@ -668,10 +678,14 @@ impl<E> Expandable<E> {
                 let mut have = out.iter().filter(|p| p.size == size).count();
                 while have < count {
                     let pool = &self.page_pool;
-                    let i = pool
-                        .iter()
-                        .rposition(|p| p.2 == size && want.contains(&p.0))
-                        .or_else(|| pool.iter().rposition(|p| p.2 == size));
+                    let back = match wanted {
+                        0 => None,
+                        _ => pool
+                            .iter()
+                            .rposition(|p| p.2 == size && want.contains(&p.0)),
+                    };
+                    wanted -= usize::from(back.is_some());
+                    let i = back.or_else(|| pool.iter().rposition(|p| p.2 == size));
                     let Some(i) = i else {
                         break;
                     };
@@ -1600,24 +1614,17 @@ impl<E> Expandable<E> {
             return Ok(());
         };
         let (lo, hi) = (s.addr + u64::from(at) * g, s.addr + u64::from(at + n) * g);
-        let mut cur = Some(s.head);
-        let mut found = None;
-        while let Some(id) = cur {
-            let b = core.blocks.get(id.0);
-            if b.addr <= lo && hi <= b.addr + b.size {
-                found = Some((id, b.freed_at));
-                break;
-            }
-            if b.addr + b.size > lo {
-                break; // the page is shared with another block
-            }
-            cur = b.next;
-        }
-        // In the idle index: free, in the bins, and holding a whole page.
-        let Some((id, since)) = found.filter(|&(id, t)| core.idle_index.contains(&(t, id.0)))
-        else {
-            return Ok(());
+        // Idle: wholly inside a free block of the idle index (free, in the
+        // bins, holding a whole page), which holds far fewer blocks than the
+        // range's list.
+        let found = core.idle_index.iter().find(|&&(_, raw)| {
+            let b = core.blocks.get(raw);
+            b.segment == seg && b.addr <= lo && hi <= b.addr + b.size
+        });
+        let Some(&(since, raw)) = found else {
+            return Ok(()); // under a live block, shared with one, or awaiting events
         };
+        let id = BlockId(raw);
         let slot = s.pool.stream_slot();
         let requester = core.segments.get(tail.0 .0).pool.stream_slot();
         let quiet = self.quiescent(dev, slot, since)?;
