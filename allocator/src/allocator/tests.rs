@@ -1064,9 +1064,20 @@ fn hole_behind_markers(
     small_ops: u32,
     early: bool,
 ) -> (CachingAllocator<SimulatedDevice>, DevicePtr) {
+    let (a, _, keep) = hole_with(dev, small_ops, early, false);
+    (a, keep)
+}
+
+/// [`hole_behind_markers`] with shadows as `shadows` says; returns x too.
+fn hole_with(
+    dev: &SimulatedDevice,
+    small_ops: u32,
+    early: bool,
+    shadows: bool,
+) -> (CachingAllocator<SimulatedDevice>, DevicePtr, DevicePtr) {
     let config = Config {
         expandable_early_reuse: early,
-        expandable_shadows: false,
+        expandable_shadows: shadows,
         expandable_page: 2 * MIB,
         idle_slack: 0.0,
         idle_slack_hard: 10.0,
@@ -1076,12 +1087,8 @@ fn hole_behind_markers(
     let x = a.malloc(4 * MIB, S0).unwrap();
     let keep = a.malloc(MIB + 512, S0).unwrap(); // after x: x's hole stays a hole
     a.free(x).unwrap();
-    for _ in 0..small_ops {
-        // Small-pool traffic advances the clock: markers are recorded.
-        let p = a.malloc(4096, S0).unwrap();
-        a.free(p).unwrap();
-    }
-    (a, keep)
+    small_traffic(&a, small_ops);
+    (a, x, keep)
 }
 
 #[test]
@@ -1209,19 +1216,7 @@ fn moved_with_shadows(
     DevicePtr,
     DevicePtr,
 ) {
-    let config = Config {
-        expandable_shadows: true,
-        expandable_early_reuse: early,
-        expandable_page: 2 * MIB,
-        idle_slack: 0.0,
-        idle_slack_hard: 10.0,
-        ..Config::expandable()
-    };
-    let a = CachingAllocator::new(dev.clone(), config);
-    let x = a.malloc(4 * MIB, S0).unwrap();
-    let keep = a.malloc(MIB + 512, S0).unwrap(); // after x: x's hole stays a hole
-    a.free(x).unwrap();
-    small_traffic(&a, 200);
+    let (a, x, keep) = hole_with(dev, 200, early, true);
     dev.complete_all_events();
     let before = dev.counters();
     let y = a.malloc(6 * MIB, S0).unwrap(); // fits no hole: x's pages move
@@ -1239,7 +1234,7 @@ fn moved_with_shadows(
     (a, x, y, keep)
 }
 
-/// Small-pool traffic: advances the clock, so that frees record markers.
+/// Small-pool traffic advances the clock: markers are recorded.
 fn small_traffic(a: &CachingAllocator<SimulatedDevice>, ops: u32) {
     for _ in 0..ops {
         let p = a.malloc(4096, S0).unwrap();
