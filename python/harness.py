@@ -280,6 +280,8 @@ def paired(results, warmup):
         variants = list(dict.fromkeys(r["variant"] for r in mine))
         base_v = "native" if "native" in variants else variants[0]
         base = [r["step_times"] for r in mine if r["variant"] == base_v]
+        if not base:
+            continue
         n = min(len(t) for t in base)
         mean = [statistics.mean(t[i] for t in base) for i in range(n)]
         for v in variants:

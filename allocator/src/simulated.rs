@@ -561,12 +561,11 @@ impl Device for SimulatedDevice {
         Ok(())
     }
 
-    fn stream_wait_event(&self, _waiter: StreamId, event: &SimEvent) -> Result<(), DeviceError> {
+    fn stream_wait_event(&self, _waiter: StreamId, _event: &SimEvent) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
         s.fault(calls::WAIT_EVENT, "stream_wait_event")?;
-        s.counters.stream_waits += 1;
         // The host does not wait: the event completes when it would have.
-        let _ = event;
+        s.counters.stream_waits += 1;
         Ok(())
     }
 
