@@ -1,6 +1,10 @@
 # PyTorch's side of the GPU latency comparison, kept in the repository so that
 # it runs next to benches/gpu_latency.rs on the same GPU machine. Usage:
 #   python3 python/bench/latency_bench.py OUT.json
+#   python3 python/bench/latency_bench.py OUT.json --cachealloc CONF
+# With --cachealloc, cachealloc is installed as PyTorch's allocator (C++ mode,
+# CACHEALLOC_CONF=CONF) first, so the torch_* rows time the whole path a
+# tensor's allocation takes through it; the driver rows are left out.
 #
 # Anchor latency bench, run on the GPU machine: PyTorch's caching allocator
 # (C++ raw_alloc/raw_delete, no Python in the loop), cudaMalloc/cudaFree, and
@@ -116,7 +120,12 @@ double empty_cache_ms(int nseg, long seg_bytes) {
 '''
 FUNCS = ["torch_pair", "torch_mixed", "torch_threads", "cuda_pair", "async_pair", "async_mixed", "empty_cache_ms"]
 
-def main(out):
+def main(out, conf=None):
+    if conf is not None:
+        os.environ["CACHEALLOC_CONF"] = conf
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import cachealloc_torch
+        cachealloc_torch.enable(mode="cpp")
     t0 = time.time()
     ext = load_inline("anchor_lat", cpp_sources=SRC, functions=FUNCS, with_cuda=True,
                       extra_ldflags=["-lcudart"], verbose=False)
@@ -127,12 +136,15 @@ def main(out):
         res[k] = v; print(f"{k:45s} {v:12.1f}", flush=True)
     for size in [512, 65536, 1 << 20, 16 << 20, 256 << 20]:
         rec(f"torch_pair_ns[{size}]", min(ext.torch_pair(size, 200000) for _ in range(3)))
-        rec(f"async_pair_ns[{size}]", min(ext.async_pair(size, 200000) for _ in range(3)))
-        rec(f"cuda_pair_ns[{size}]", min(ext.cuda_pair(size, 300) for _ in range(3)))
+        if conf is None:
+            rec(f"async_pair_ns[{size}]", min(ext.async_pair(size, 200000) for _ in range(3)))
+            rec(f"cuda_pair_ns[{size}]", min(ext.cuda_pair(size, 300) for _ in range(3)))
     rec("torch_mixed_ns[256 slots, <=8MiB]", min(ext.torch_mixed(400000, 256, 8 << 20, 1) for _ in range(3)))
-    rec("async_mixed_ns[256 slots, <=8MiB]", min(ext.async_mixed(400000, 256, 8 << 20, 1) for _ in range(3)))
+    if conf is None:
+        rec("async_mixed_ns[256 slots, <=8MiB]", min(ext.async_mixed(400000, 256, 8 << 20, 1) for _ in range(3)))
     rec("torch_mixed_ns[4096 slots, <=64MiB]", min(ext.torch_mixed(400000, 4096, 64 << 20, 2) for _ in range(3)))
-    rec("async_mixed_ns[4096 slots, <=64MiB]", min(ext.async_mixed(400000, 4096, 64 << 20, 2) for _ in range(3)))
+    if conf is None:
+        rec("async_mixed_ns[4096 slots, <=64MiB]", min(ext.async_mixed(400000, 4096, 64 << 20, 2) for _ in range(3)))
     for t in [1, 2, 4, 8, 16]:
         rec(f"torch_threads_pairs_per_s[{t}]", ext.torch_threads(t, 65536, 200000))
     torch.cuda.empty_cache()
@@ -141,4 +153,6 @@ def main(out):
     json.dump(res, open(out, "w"), indent=1)
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) not in (2, 4) or (len(sys.argv) == 4 and sys.argv[2] != "--cachealloc"):
+        raise SystemExit("usage: latency_bench.py OUT.json [--cachealloc CONF]")
+    main(sys.argv[1], sys.argv[3] if len(sys.argv) == 4 else None)
