@@ -90,11 +90,21 @@ def check_cudnn_benchmark(torch):
     torch.backends.cudnn.benchmark = True
     conv = torch.nn.Conv2d(16, 32, 3, padding=1).cuda()
     x = torch.randn(8, 16, 64, 64, device="cuda", requires_grad=True)
+    note = ""
+    ca = sys.modules.get("cachealloc_torch")
+    if ca is not None and ca.mode() == "cpp":
+        # cuDNN keeps only the algorithms whose workspace fits in what cacheInfo
+        # reports; with a small cache that must still count the device's free memory.
+        offered, free = ca.cache_info(), torch.cuda.mem_get_info()[0]
+        if offered < free // 2:
+            raise AssertionError(f"cacheInfo offers {offered >> 20} MiB with "
+                                 f"{free >> 20} MiB free on the device")
+        note = f"cacheInfo {offered >> 20} MiB, device free {free >> 20} MiB; "
     for _ in range(2):
         y = conv(x)
         y.sum().backward()
     torch.cuda.synchronize()
-    return "conv fwd+bwd"
+    return note + "conv fwd+bwd"
 
 
 def _mlp(torch):

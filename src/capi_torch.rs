@@ -22,6 +22,8 @@
 //! int     cachealloc_torch_reset_peak(void* h);
 //! int64_t cachealloc_torch_empty_cache(void* h);      // bytes released, or -1
 //! int64_t cachealloc_torch_largest_free(void* h);     // largest cached free block, or -1
+//! int64_t cachealloc_torch_cache_info(void* h);       // largest block obtainable now, device
+//!                                                     // memory within the cap included, or -1
 //! int     cachealloc_torch_set_fraction(void* h, double fraction);
 //! int64_t cachealloc_torch_snapshot(void* h, uint64_t* out, size_t cap);  // words needed, or -1
 //! int64_t cachealloc_torch_restore(void* h, const uint64_t* words, size_t n,
@@ -266,6 +268,13 @@ pub fn free<D: Device>(a: &CachingAllocator<D>, ptr: u64) -> Result<u64, (i32, S
 /// The largest cached free block of `a` in bytes.
 pub fn largest_free<D: Device>(a: &CachingAllocator<D>) -> u64 {
     a.fragmentation().largest_free_block
+}
+
+/// The largest block `a` could hand out now, the device's free memory
+/// (within the cap) included: what PyTorch's `cacheInfo` answers to a zero
+/// guess.
+pub fn cache_info<D: Device>(a: &CachingAllocator<D>) -> Result<u64, String> {
+    a.cache_info().map_err(|e| e.to_string())
 }
 
 /// Whether a pool allocator can be dropped: nothing allocated from it.
@@ -592,6 +601,27 @@ mod exports {
                 return -1;
             };
             i64::try_from(largest_free(a)).unwrap_or(i64::MAX)
+        })
+    }
+
+    /// The largest block `h` could hand out now, device memory included, or -1.
+    ///
+    /// # Safety
+    /// `h` as in `handle`.
+    #[no_mangle]
+    pub unsafe extern "C" fn cachealloc_torch_cache_info(h: *const c_void) -> i64 {
+        guard(-1, || {
+            // SAFETY: forwarded contract.
+            let Some(a) = (unsafe { handle(h) }) else {
+                return -1;
+            };
+            match cache_info(a) {
+                Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
+                Err(e) => {
+                    set_error(&e);
+                    -1
+                }
+            }
         })
     }
 

@@ -25,7 +25,7 @@ fn size(rng: &mut XorShift64) -> u64 {
     base + ((r >> 8) & (base - 1))
 }
 
-fn configs() -> [(&'static str, Config); 3] {
+fn configs() -> [(&'static str, Config); 4] {
     [
         ("default", Config::default()),
         (
@@ -33,6 +33,7 @@ fn configs() -> [(&'static str, Config); 3] {
             Config::parse("default,thread_cache:0").expect("valid"),
         ),
         ("pytorch", Config::pytorch()),
+        ("expandable", Config::expandable()),
     ]
 }
 
@@ -50,16 +51,25 @@ fn cached_pair(c: &mut Criterion) {
             let a = CachingAllocator::new(dev.clone(), config.clone());
             let p = a.malloc(size, S0).unwrap();
             a.free(p).unwrap();
+            let warm = dev.counters();
+            let mut pairs = 0u64;
             g.bench_with_input(BenchmarkId::new(name, label), &size, |b, &size| {
                 b.iter(|| {
                     let p = a.malloc(black_box(size), S0).unwrap();
                     a.free(black_box(p)).unwrap();
+                    pairs += 1;
                 })
             });
+            let after = dev.counters();
             assert_eq!(
-                dev.counters().allocs,
-                1,
+                (after.allocs, after.vmm_creates, after.vmm_maps),
+                (warm.allocs, warm.vmm_creates, warm.vmm_maps),
                 "the pair must stay on the cached path"
+            );
+            eprintln!(
+                "cached_pair/{name}/{label}: per 1,000 pairs {} events recorded, {} queried",
+                (after.events_recorded - warm.events_recorded) * 1000 / pairs.max(1),
+                (after.event_queries - warm.event_queries) * 1000 / pairs.max(1),
             );
         }
     }

@@ -93,6 +93,18 @@ impl PageMap {
         out
     }
 
+    /// Whether every granule of `first..last` is mapped: runs are kept
+    /// merged, so one run must span it.
+    #[inline]
+    pub fn is_mapped(&self, first: u32, last: u32) -> bool {
+        first >= last
+            || self
+                .runs
+                .range(..=first)
+                .next_back()
+                .is_some_and(|(_, &e)| e >= last)
+    }
+
     /// Whether no granule of `first..last` is mapped.
     pub fn is_unmapped(&self, first: u32, last: u32) -> bool {
         if first >= last {

@@ -40,7 +40,7 @@ __all__ = [
     "memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved",
     "reset_peak_memory_stats", "fragmentation", "fragmentation_stats", "snapshot",
     "record_trace", "stop_trace", "empty_cache", "cachealloc_stats", "info", "notices", "last_error",
-    "error_count", "CacheallocError", "mode", "PLUGGABLE_LIMITS",
+    "error_count", "CacheallocError", "mode", "PLUGGABLE_LIMITS", "cache_info",
 ]
 
 _PKG = os.path.dirname(os.path.abspath(__file__))
@@ -262,6 +262,20 @@ def _device(device):
     if isinstance(device, str):
         return _device(torch.device(device))
     return int(device)
+
+
+def cache_info(device=None):
+    """The largest block a request could get now, in bytes: the largest cached
+    free block or the device's free memory within the memory fraction,
+    whichever is larger. It is what PyTorch's ``cacheInfo`` answers, and what
+    cuDNN's benchmark mode (``torch.backends.cudnn.benchmark``) sizes its
+    workspace by. Asked through PyTorch's allocator interface, so it needs the
+    C++ mode (``mode() == "cpp"``)."""
+    _need()
+    if _ext is None:
+        raise CacheallocError("cache_info() needs the C++ mode; this process runs the "
+                              "pluggable allocator: " + PLUGGABLE_LIMITS)
+    return int(_ext.cache_info(_device(device)))
 
 
 def last_error():

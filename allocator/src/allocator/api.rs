@@ -307,6 +307,24 @@ impl<D: Device> CachingAllocator<D> {
         st.fragmentation()
     }
 
+    /// PyTorch's `cacheInfo` asked with a zero guess: the largest block a
+    /// request could get now, which is the largest cached free block or the
+    /// memory the device (within the cap) would still give, whichever is
+    /// larger. cuDNN's benchmark mode keeps only the algorithms whose
+    /// workspace fits in it, so reporting only cached blocks would hide the
+    /// fast ones from a tight cache.
+    pub fn cache_info(&self) -> Result<u64, AllocError> {
+        let st = &mut *self.state.lock();
+        st.flush_thread_caches();
+        let cached = st.fragmentation_totals().1;
+        let free = self.device.mem_info()?.free;
+        let headroom = match st.core.cap {
+            Some(cap) => free.min(cap.saturating_sub(st.core.reserved())),
+            None => free,
+        };
+        Ok(cached.max(headroom))
+    }
+
     /// Every segment and block.
     pub fn snapshot(&self) -> Snapshot {
         let st = &mut *self.state.lock();

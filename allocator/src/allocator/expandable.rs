@@ -28,14 +28,14 @@ use std::collections::{BTreeMap, VecDeque};
 
 /// Operations (mallocs and frees, all streams) between two marker events
 /// recorded on one stream as blocks are freed there.
-const MARKER_INTERVAL: u64 = 128;
+pub(super) const MARKER_INTERVAL: u64 = 128;
 /// Next best fits tried when the best fit lies over an old mapping that queued
 /// work may still use (see [`Expandable::around_old_mappings`]).
 const AROUND: usize = 4;
 /// Marker events outstanding per stream at most: enough to cover a few
 /// thousand operations of queued work, so that moving a page waits for the
 /// work up to its block's free and no further.
-const MAX_MARKERS: usize = 64;
+pub(super) const MAX_MARKERS: usize = 64;
 
 /// `expandable_place` places blocks over idle pages only while the peak
 /// allocated bytes (or what reserved memory would reach) stay below this
@@ -404,6 +404,16 @@ impl<E> Expandable<E> {
         (block_end, since): (u64, u64),
     ) -> Result<(), AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
+        // The hit path: a cached block over mapped pages needs nothing,
+        // unless memory is so tight that its end page may be trimmed.
+        let s = core.segments.get(seg.0);
+        let (first, last) = (
+            ((start - s.addr) / g) as u32,
+            (end - s.addr).div_ceil(g) as u32,
+        );
+        if s.pages().expect("expandable").is_mapped(first, last) && !self.under_pressure(core, 0) {
+            return Ok(());
+        }
         let tail = (seg, end, block_end, since);
         let mut style = match core.config.expandable_edges {
             EdgePages::Small => Style::SmallEdges,
@@ -893,23 +903,18 @@ impl<E> Expandable<E> {
         let slot = pool.stream_slot();
         let clock = core.clock;
         let m = &mut self.marks[slot];
-        let iv = std::env::var("CA_MI")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(MARKER_INTERVAL);
-        if !m.queue.is_empty() && clock < m.last + iv {
+        if !m.queue.is_empty() && clock < m.last + MARKER_INTERVAL {
             return;
         }
-        let mm = std::env::var("CA_MM")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(MAX_MARKERS);
-        if m.queue.len() >= mm {
+        if m.queue.len() >= MAX_MARKERS {
             let done = m
                 .queue
                 .front()
                 .is_some_and(|(_, e)| dev.event_completed(e).unwrap_or(false));
             if !done {
+                // Asked again only an interval later: a query is a driver
+                // call, and a stream far behind would make every free pay one.
+                m.last = clock;
                 return;
             }
             let (c, e) = m.queue.pop_front().expect("front exists");

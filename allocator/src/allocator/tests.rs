@@ -387,6 +387,22 @@ fn lowering_the_cap_releases_free_segments() {
 }
 
 #[test]
+fn cache_info_counts_what_the_device_would_still_give() {
+    let (_, a) = with_capacity(Config::pytorch(), 256 * MIB);
+    // Nothing cached: the device's free memory.
+    assert_eq!(a.cache_info().unwrap(), 256 * MIB);
+    let p = a.malloc(40 * MIB, S0).unwrap();
+    assert_eq!(a.cache_info().unwrap(), 216 * MIB);
+    // Within a cap, only what the cap still allows.
+    a.set_memory_cap(Some(MemoryCap::Bytes(64 * MIB))).unwrap();
+    assert_eq!(a.cache_info().unwrap(), 24 * MIB);
+    // A cached free block larger than that headroom is the answer.
+    a.free(p).unwrap();
+    assert_eq!(a.fragmentation().largest_free_block, 40 * MIB);
+    assert_eq!(a.cache_info().unwrap(), 40 * MIB);
+    ok(&a);
+}
+#[test]
 fn misuse_is_an_error_not_corruption() {
     let (_, a) = new(Config::pytorch());
     assert_eq!(a.malloc(0, S0), Err(AllocError::ZeroSize));
@@ -714,6 +730,7 @@ fn release_idle_slack_bounds_what_the_idle_age_may_keep() {
 
 mod expandable {
     use super::*;
+    use crate::allocator::expandable::{MARKER_INTERVAL, MAX_MARKERS};
 
     const PAGE: u64 = 2 * MIB;
 
@@ -982,6 +999,31 @@ mod expandable {
         let p = a.malloc(MIB, S0).unwrap();
         a.free(p).unwrap();
         a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_stream_far_behind_is_asked_about_once_an_interval_not_on_every_free() {
+        // The simulated device completes no event until told: every marker
+        // stays outstanding, as on a GPU far behind the host.
+        let (dev, a) = new(Config::expandable());
+        let pairs = 20_000;
+        for _ in 0..pairs {
+            let p = a.malloc(4096, S0).unwrap();
+            a.free(p).unwrap();
+        }
+        let c = dev.counters();
+        assert_eq!(
+            c.events_recorded, MAX_MARKERS as u64,
+            "markers stop at the bound"
+        );
+        let intervals = 2 * pairs / MARKER_INTERVAL;
+        assert!(
+            c.event_queries <= intervals,
+            "{} queries for {} operations",
+            c.event_queries,
+            2 * pairs
+        );
+        ok(&a);
     }
 
     #[test]

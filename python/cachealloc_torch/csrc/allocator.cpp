@@ -55,6 +55,7 @@ int cachealloc_torch_stats(void* h, int64_t* out, size_t n);
 int cachealloc_torch_reset_peak(void* h);
 int64_t cachealloc_torch_empty_cache(void* h);
 int64_t cachealloc_torch_largest_free(void* h);
+int64_t cachealloc_torch_cache_info(void* h);
 int cachealloc_torch_set_fraction(void* h, double fraction);
 int64_t cachealloc_torch_snapshot(void* h, uint64_t* out, size_t cap);
 int64_t cachealloc_torch_restore(void* h, const uint64_t* words, size_t n,
@@ -712,10 +713,15 @@ class CacheallocAllocator final
     }
   }
 
+  // PyTorch's contract: a zero *largestBlock asks for the largest block a
+  // request could get, the device's free memory included (cuDNN's benchmark
+  // mode sizes its workspace by it); a nonzero one is a guess to raise.
   void cacheInfo(c10::DeviceIndex dev, size_t* largestBlock) override {
-    int64_t n = cachealloc_torch_largest_free(main_handle(dev));
+    void* h = main_handle(dev);
+    int64_t n = *largestBlock == 0 ? cachealloc_torch_cache_info(h)
+                                   : cachealloc_torch_largest_free(h);
     TORCH_CHECK(n >= 0, last_error());
-    *largestBlock = static_cast<size_t>(n);
+    *largestBlock = std::max(*largestBlock, static_cast<size_t>(n));
   }
 
   // ---- snapshots ---------------------------------------------------------
@@ -1338,4 +1344,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Install cachealloc as PyTorch's CUDA allocator (before CUDA is used)");
   m.def("installed", &cachealloc::installed,
         "Whether PyTorch's current CUDA allocator is cachealloc's");
+  m.def("cache_info", [](int64_t dev) {
+          size_t largest = 0;
+          c10::cuda::CUDACachingAllocator::cacheInfo(static_cast<c10::DeviceIndex>(dev), &largest);
+          return largest;
+        },
+        "PyTorch's cacheInfo with a zero guess, through the installed allocator");
 }
