@@ -926,6 +926,61 @@ mod expandable {
     }
 
     #[test]
+    fn recycling_takes_idle_pages_of_the_size_it_lacks_first() {
+        const S2: StreamId = StreamId(2);
+        // 2 MiB small-pool pages and 8 MiB large-pool pages (the preset's);
+        // without shadows, so that every page taken is unmapped.
+        let (dev, a) = new(Config {
+            expandable_shadows: false,
+            ..Config::expandable()
+        });
+        let pair = |stream| {
+            let p = a.malloc(512, stream).unwrap();
+            a.free(p).unwrap();
+        };
+        // Nothing is idle while these are created.
+        let y = a.malloc(8 * MIB, S1).unwrap();
+        let z = a.malloc(8 * MIB, S0).unwrap();
+        let small: Vec<_> = (0..4).map(|_| a.malloc(MIB, S0).unwrap()).collect();
+        let m = a.malloc(MIB, S0).unwrap(); // a third small page
+        pair(S2); // stream 2's small page
+        for p in small {
+            a.free(p).unwrap(); // two small pages, idle longest
+        }
+        // An interval of operations elsewhere, so that the next free on
+        // stream 0 records a marker behind the small pages' frees.
+        for _ in 0..MARKER_INTERVAL {
+            pair(S2);
+        }
+        a.free(m).unwrap();
+        a.free(y).unwrap();
+        dev.complete_all_events();
+        assert_eq!(dev.counters().vmm_creates, 6, "4 small pages, 2 large");
+        // Another 8 MiB on stream 0 would lift reserved memory past the peak:
+        // an idle page moves. Longest idle first, stream 0's three small
+        // pages come before stream 1's 8 MiB page, but this request lacks an
+        // 8 MiB page: that one moves, and the small pages stay mapped.
+        let before = dev.counters();
+        let w = a.malloc(8 * MIB, S0).unwrap();
+        ok(&a);
+        let again: Vec<_> = (0..4).map(|_| a.malloc(MIB, S0).unwrap()).collect();
+        let c = dev.counters();
+        assert_eq!((c.vmm_creates, c.vmm_releases), (6, 0), "{c:?}");
+        assert_eq!(
+            (
+                c.vmm_unmaps - before.vmm_unmaps,
+                c.vmm_maps - before.vmm_maps
+            ),
+            (1, 1),
+            "one page moved: {c:?}"
+        );
+        for p in again.into_iter().chain([w, z]) {
+            a.free(p).unwrap();
+        }
+        ok(&a);
+    }
+
+    #[test]
     fn pages_of_blocks_awaiting_events_are_not_recycled() {
         let dev = SimulatedDevice::new(4 * MIB);
         let a = CachingAllocator::new(dev.clone(), small_pages());
