@@ -27,7 +27,7 @@ pub mod slab_study;
 /// host and GPU benchmarks replay the same plan).
 pub use cachealloc_core::sample::{random_plan, XorShift64};
 
-use cachealloc_core::TraceEvent;
+use cachealloc_core::{BlockState, SegmentSnapshot, TraceEvent};
 
 /// Mebibyte.
 pub const MIB: u64 = 1 << 20;
@@ -63,4 +63,30 @@ pub fn config_arg(args: &[String], i: usize, default: &str) -> cachealloc_core::
         eprintln!("configuration {text:?}: {e}");
         std::process::exit(2)
     })
+}
+
+/// Bytes of `s`'s free blocks, and the segment as one line of block sizes in
+/// MiB (`_` marks a free block), for the tools that print a segment map.
+pub fn segment_line(s: &SegmentSnapshot) -> (u64, String) {
+    let free: u64 = s
+        .blocks
+        .iter()
+        .filter(|b| b.state == BlockState::Free)
+        .map(|b| b.size)
+        .sum();
+    let blocks: Vec<String> = s
+        .blocks
+        .iter()
+        .map(|b| {
+            let mark = if b.state == BlockState::Free { "_" } else { "" };
+            format!("{mark}{:.1}", b.size as f64 / MIB as f64)
+        })
+        .collect();
+    let line = format!(
+        "seg {:>7.1} MiB free {:>7.1}: {}",
+        s.total_size as f64 / MIB as f64,
+        free as f64 / MIB as f64,
+        blocks.join(" ")
+    );
+    (free, line)
 }

@@ -6,9 +6,7 @@
 //! ```text
 //! cargo run -p lab --release --bin oom_dump -- TRACE.gz CONF CAPACITY_BYTES
 //! ```
-use cachealloc_core::{
-    BlockState, CachingAllocator, Config, SimulatedDevice, StreamId, TraceEvent,
-};
+use cachealloc_core::{CachingAllocator, SimulatedDevice, StreamId, TraceEvent};
 use std::collections::HashMap;
 
 fn main() {
@@ -17,14 +15,8 @@ fn main() {
         eprintln!("usage: oom_dump TRACE.gz CONF CAPACITY_BYTES");
         std::process::exit(2);
     }
-    let config = Config::parse(&args[2]).unwrap_or_else(|e| {
-        eprintln!("{e}");
-        std::process::exit(2)
-    });
-    let capacity: u64 = args[3].parse().unwrap_or_else(|e| {
-        eprintln!("capacity: {e}");
-        std::process::exit(2)
-    });
+    let config = lab::config_arg(&args, 2, "default");
+    let capacity: u64 = lab::arg(&args, 3, "capacity", 0);
     let events = lab::load_trace(&args[1]);
     let a = CachingAllocator::new(SimulatedDevice::new(capacity), config);
     let mut live = HashMap::new();
@@ -45,37 +37,14 @@ fn main() {
             }
         }
     }
-    let snap = a.snapshot();
+    // Per pool: segments, bytes, free bytes.
     let mut by_pool: HashMap<String, (u64, u64, u64)> = HashMap::new();
-    for s in &snap.segments {
-        let free: u64 = s
-            .blocks
-            .iter()
-            .filter(|b| b.state == BlockState::Free)
-            .map(|b| b.size)
-            .sum();
+    for s in &a.snapshot().segments {
+        let (free, line) = lab::segment_line(s);
         let e = by_pool.entry(format!("{:?}", s.pool)).or_default();
-        e.0 += 1;
-        e.1 += s.total_size;
-        e.2 += free;
+        *e = (e.0 + 1, e.1 + s.total_size, e.2 + free);
         if free > 0 && s.total_size > (2 << 20) {
-            let blocks: Vec<String> = s
-                .blocks
-                .iter()
-                .map(|b| {
-                    format!(
-                        "{}{:.1}",
-                        if b.state == BlockState::Free { "_" } else { "" },
-                        b.size as f64 / 1048576.0
-                    )
-                })
-                .collect();
-            println!(
-                "seg {:>7.1} MiB free {:>6.1}: {}",
-                s.total_size as f64 / 1048576.0,
-                free as f64 / 1048576.0,
-                blocks.join(" ")
-            );
+            println!("{line}");
         }
     }
     for (pool, (n, total, free)) in by_pool {

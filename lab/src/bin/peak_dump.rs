@@ -6,9 +6,7 @@
 //! cargo run -p lab --release --bin peak_dump -- TRACE.gz CONF
 //! ```
 use cachealloc_core::replay::{replay, ReplayOptions};
-use cachealloc_core::{
-    BlockState, CachingAllocator, Config, SimulatedDevice, StreamId, TraceEvent,
-};
+use cachealloc_core::{CachingAllocator, Config, SimulatedDevice, StreamId, TraceEvent};
 use std::collections::HashMap;
 
 fn main() {
@@ -56,30 +54,9 @@ fn main() {
     }
     let snap = a.snapshot();
     for s in snap.segments.iter().filter(|s| s.total_size > (16 << 20)) {
-        let blocks: Vec<String> = s
-            .blocks
-            .iter()
-            .map(|b| {
-                format!(
-                    "{}{:.1}",
-                    if b.state == BlockState::Free { "_" } else { "" },
-                    b.size as f64 / 1048576.0
-                )
-            })
-            .collect();
-        let free: u64 = s
-            .blocks
-            .iter()
-            .filter(|b| b.state == BlockState::Free)
-            .map(|b| b.size)
-            .sum();
+        let (free, line) = lab::segment_line(s);
         if free > 0 {
-            println!(
-                "seg {:>7.1} MiB free {:>7.1}: {}",
-                s.total_size as f64 / 1048576.0,
-                free as f64 / 1048576.0,
-                blocks.join(" ")
-            );
+            println!("{line}");
         }
     }
 }
