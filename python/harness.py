@@ -176,6 +176,7 @@ def worker(spec):
                         maps=extra.get("num_map"), unmaps=extra.get("num_unmap"),
                         syncs=st.get("num_sync_all_streams"),
                         marker_waits=extra.get("num_marker_waits"),
+                        stream_waits=extra.get("num_stream_waits"),
                         revived=extra.get("num_pages_revived"))
         st = ca.memory_stats()
         return dict(reserved=st["reserved_bytes.all.current"],
@@ -187,6 +188,7 @@ def worker(spec):
                     maps=st.get("num_map"), unmaps=st.get("num_unmap"),
                     syncs=st.get("num_sync_all_streams"),
                     marker_waits=st.get("num_marker_waits"),
+                    stream_waits=st.get("num_stream_waits"),
                     revived=st.get("num_pages_revived"))
 
     before = figures()

@@ -218,11 +218,12 @@ fn model_expandable_no_shadows_faults() {
     );
 }
 
+/// Other streams' busy pages waited for on the host (the preset waits on the device).
 #[test]
-fn model_expandable_cross_stream() {
+fn model_expandable_host_waits() {
     run_config(
-        "expandable-cross-stream",
-        config("expandable-cross-stream"),
+        "expandable-host-waits",
+        config("expandable-host-waits"),
         192,
     );
 }

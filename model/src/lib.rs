@@ -146,10 +146,10 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         ("pytorch-slabs-16", parse("pytorch,slab_max_kb:16")),
         // Page-backed segments: virtual ranges, physical pages mapped under blocks.
         ("expandable", Config::expandable()),
-        // Other streams' busy pages taken with a wait on the device.
+        // Other streams' busy pages waited for on the host instead.
         (
-            "expandable-cross-stream",
-            parse("expandable,expandable_cross_stream:true"),
+            "expandable-host-waits",
+            parse("expandable,expandable_cross_stream:false"),
         ),
         // Granules at blocks' edges once past the peak.
         (
