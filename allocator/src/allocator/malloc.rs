@@ -134,8 +134,7 @@ impl<E> State<E> {
                     let bins = self.core.bins[pool.index()]
                         .as_ref()
                         .expect("it gave the fit");
-                    self.vmm
-                        .around_old_mappings(&self.core, dev, bins, fit, rounded)?
+                    self.vmm.near_fit(&self.core, dev, bins, fit, rounded)?
                 }
                 None => self.new_range(dev, req)?,
             };

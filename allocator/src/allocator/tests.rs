@@ -981,6 +981,34 @@ mod expandable {
     }
 
     #[test]
+    fn a_near_fit_over_mapped_pages_comes_before_a_best_fit_without() {
+        for (idle, taken) in [(6 * MIB, true), (20 * MIB, false)] {
+            let (dev, a) = new(small_pages());
+            let x = a.malloc(4 * MIB, S0).unwrap();
+            let _b = a.malloc(2 * MIB, S0).unwrap();
+            let c = a.malloc(idle, S0).unwrap();
+            let _d = a.malloc(2 * MIB, S0).unwrap();
+            // x's hole: its pages gone; c's hole: its pages mapped, idle.
+            a.free(x).unwrap();
+            a.empty_cache().unwrap();
+            a.free(c).unwrap();
+            let before = dev.counters();
+            let p = a.malloc(4 * MIB, S0).unwrap();
+            let after = dev.counters();
+            if taken {
+                // Up to four times the best fit's size: the mapped hole, no call.
+                assert_eq!(p, c);
+                assert_eq!(after, before);
+            } else {
+                // Larger than that: the best fit, its pages mapped.
+                assert_eq!(p, x);
+                assert_eq!(after.vmm_maps - before.vmm_maps, 2);
+            }
+            ok(&a);
+        }
+    }
+
+    #[test]
     fn pages_of_blocks_awaiting_events_are_not_recycled() {
         let dev = SimulatedDevice::new(4 * MIB);
         let a = CachingAllocator::new(dev.clone(), small_pages());
