@@ -875,6 +875,25 @@ mod tests {
     }
 
     #[test]
+    fn cache_info_offers_the_device_not_only_the_cache() {
+        let a = alloc_1g();
+        assert_eq!(
+            cache_info(&a).unwrap(),
+            1 << 30,
+            "nothing cached: the device"
+        );
+        let AllocOutcome::Ok(p) = alloc(&a, 300 << 20, 0) else {
+            panic!("300 MiB fits")
+        };
+        free(&a, p).unwrap();
+        // 300 MiB cached, 724 MiB still on the device: the larger.
+        assert_eq!(largest_free(&a), 300 << 20);
+        assert_eq!(cache_info(&a).unwrap(), 724 << 20);
+        a.set_memory_cap(Some(MemoryCap::Bytes(512 << 20))).unwrap();
+        assert_eq!(cache_info(&a).unwrap(), 300 << 20, "the cap leaves 212 MiB");
+    }
+
+    #[test]
     fn alloc_outcomes_and_frees() {
         let a = alloc_1g();
         assert_eq!(alloc(&a, 0, 0), AllocOutcome::Ok(0));
