@@ -106,15 +106,21 @@ fn round_up(bytes: u64, page: u64) -> u64 {
     bytes.div_ceil(page).max(1) * page
 }
 
+/// Whether every granule under `[start, end)` of `seg` is mapped.
+#[inline]
+fn range_mapped<E>(core: &Core<E>, seg: SegmentId, start: u64, end: u64) -> bool {
+    let g = core.granularity.expect("expandable mode has a granularity");
+    let s = core.segments.get(seg.0);
+    let first = ((start - s.addr) / g) as u32;
+    let last = (end - s.addr).div_ceil(g) as u32;
+    s.pages().expect("expandable").is_mapped(first, last)
+}
+
 /// Whether the pages under `rounded` bytes carved at the start of free
 /// block `e` are all mapped already (no page would move to serve it).
 #[inline]
 fn carve_mapped<E>(core: &Core<E>, e: Entry, rounded: u64) -> bool {
-    let g = core.granularity.expect("expandable mode has a granularity");
-    let s = core.segments.get(core.blocks.get(e.2 .0).segment.0);
-    let first = ((e.1 - s.addr) / g) as u32;
-    let last = (e.1 + rounded - s.addr).div_ceil(g) as u32;
-    s.pages().expect("expandable").is_mapped(first, last)
+    range_mapped(core, core.blocks.get(e.2 .0).segment, e.1, e.1 + rounded)
 }
 
 /// Whether a mapped page lies wholly inside `[start, end)` of `seg` (a free
@@ -138,6 +144,26 @@ pub(super) struct Marks<E> {
     quiescent_before: u64,
     /// Operation count of the last marker recorded.
     last: u64,
+}
+
+impl<E> Marks<E> {
+    /// Retires the oldest marker if it has completed; whether it had.
+    fn retire_front_if_done<D: Device<Event = E>>(&mut self, dev: &D) -> Result<bool, DeviceError> {
+        match self.queue.front() {
+            Some((_, e)) if dev.event_completed(e)? => {}
+            _ => return Ok(false),
+        }
+        let (c, e) = self.queue.pop_front().expect("front exists");
+        dev.release_event(e);
+        self.quiescent_before = self.quiescent_before.max(c);
+        Ok(true)
+    }
+
+    /// Queues event `e`, recorded on the stream at operation count `clock`.
+    fn push(&mut self, clock: u64, e: E) {
+        self.queue.push_back((clock + 1, e));
+        self.last = clock;
+    }
 }
 
 /// The expandable-segment feature's own data: the virtual ranges per pool,
@@ -420,12 +446,7 @@ impl<E> Expandable<E> {
         let g = core.granularity.expect("expandable mode has a granularity");
         // The hit path: a cached block over mapped pages needs nothing,
         // unless memory is so tight that its end page may be trimmed.
-        let s = core.segments.get(seg.0);
-        let (first, last) = (
-            ((start - s.addr) / g) as u32,
-            (end - s.addr).div_ceil(g) as u32,
-        );
-        if s.pages().expect("expandable").is_mapped(first, last) && !self.under_pressure(core, 0) {
+        if range_mapped(core, seg, start, end) && !self.under_pressure(core, 0) {
             return Ok(());
         }
         let tail = (seg, end, block_end, since);
@@ -920,24 +941,14 @@ impl<E> Expandable<E> {
         if !m.queue.is_empty() && clock < m.last + MARKER_INTERVAL {
             return;
         }
-        if m.queue.len() >= MAX_MARKERS {
-            let done = m
-                .queue
-                .front()
-                .is_some_and(|(_, e)| dev.event_completed(e).unwrap_or(false));
-            if !done {
-                // Asked again only an interval later: a query is a driver
-                // call, and a stream far behind would make every free pay one.
-                m.last = clock;
-                return;
-            }
-            let (c, e) = m.queue.pop_front().expect("front exists");
-            dev.release_event(e);
-            m.quiescent_before = m.quiescent_before.max(c);
+        if m.queue.len() >= MAX_MARKERS && !m.retire_front_if_done(dev).unwrap_or(false) {
+            // Asked again only an interval later: a query is a driver call,
+            // and a stream far behind would make every free pay one.
+            m.last = clock;
+            return;
         }
         if let Ok(e) = dev.record_event(core.stream_list[slot]) {
-            m.queue.push_back((clock + 1, e));
-            m.last = clock;
+            m.push(clock, e);
             core.stats.num_events_recorded += 1;
         }
     }
@@ -952,15 +963,9 @@ impl<E> Expandable<E> {
     ) -> Result<bool, AllocError> {
         let m = &mut self.marks[slot];
         while since >= m.quiescent_before {
-            let Some((_, e)) = m.queue.front() else {
-                return Ok(false);
-            };
-            if !dev.event_completed(e)? {
+            if !m.retire_front_if_done(dev)? {
                 return Ok(false);
             }
-            let (c, e) = m.queue.pop_front().expect("front exists");
-            dev.release_event(e);
-            m.quiescent_before = m.quiescent_before.max(c);
         }
         Ok(true)
     }
@@ -1038,9 +1043,7 @@ impl<E> Expandable<E> {
             return Err(err.into());
         }
         core.stats.num_stream_waits += 1;
-        let m = &mut self.marks[slot];
-        m.queue.push_back((core.clock + 1, e));
-        m.last = core.clock;
+        self.marks[slot].push(core.clock, e);
         Ok(())
     }
 
