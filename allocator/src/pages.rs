@@ -194,7 +194,7 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
-        /// Runs, gaps, `is_unmapped`, `within` and the counts agree with a
+        /// Runs, gaps, `is_mapped`, `is_unmapped`, `within` and the counts agree with a
         /// plain per-granule model under random maps (of 1 or 4 granules)
         /// and unmaps of whole mappings.
         #[test]
@@ -239,6 +239,7 @@ mod tests {
                 prop_assert!(a < b);
             }
             prop_assert_eq!(m.is_unmapped(first, last), unmapped.len() as u32 == last.saturating_sub(first));
+            prop_assert_eq!(m.is_mapped(first, last), unmapped.is_empty());
             prop_assert_eq!(m.mapped_granules(first, last), last.saturating_sub(first) - unmapped.len() as u32);
             let within: Vec<(u32, u32)> = m.within(first, last).map(|(a, _, l)| (a, l)).collect();
             let expected: Vec<(u32, u32)> = maps
