@@ -536,10 +536,32 @@ impl Bins {
     /// address): [`Bins::best_fit`] first.
     pub fn iter_from(&self, size: u64) -> impl Iterator<Item = Entry> + '_ {
         let (fl, sl) = class_of(size);
-        self.classes[flat(fl, sl)..]
-            .iter()
-            .flat_map(Class::iter)
-            .filter(move |e| e.0 >= size)
+        // Non-empty classes only, found through the bitmaps: walking every
+        // class above the size cost more than the near fits it served.
+        std::iter::successors(self.nonempty_from(flat(fl, sl)), move |&c| {
+            self.nonempty_from(c + 1)
+        })
+        .flat_map(move |c| self.classes[c].iter())
+        .filter(move |e| e.0 >= size)
+    }
+
+    /// The first class at or above flat index `class` that holds a block.
+    #[inline]
+    fn nonempty_from(&self, class: usize) -> Option<usize> {
+        let (fl, sl) = (class / SL_COUNT, class % SL_COUNT);
+        if fl >= FL_COUNT {
+            return None;
+        }
+        let here = self.sl_bitmap[fl] & SlMap::MAX.checked_shl(sl as u32).unwrap_or(0);
+        if here != 0 {
+            return Some(flat(fl, here.trailing_zeros() as usize));
+        }
+        let above = self.fl_bitmap & u64::MAX.checked_shl(fl as u32 + 1).unwrap_or(0);
+        if above == 0 {
+            return None;
+        }
+        let fl = above.trailing_zeros() as usize;
+        Some(flat(fl, self.sl_bitmap[fl].trailing_zeros() as usize))
     }
 
     /// All free blocks, ascending by (size, address).
@@ -659,6 +681,10 @@ mod tests {
                 let size = q * 512;
                 let expected = all.iter().filter(|e| e.0 >= size).min().copied();
                 prop_assert_eq!(b.best_fit(size), expected);
+                // The next fits in order too (the near fits walk them).
+                let mut fits: Vec<Entry> = all.iter().filter(|e| e.0 >= size).copied().collect();
+                fits.sort_unstable();
+                prop_assert_eq!(b.iter_from(size).collect::<Vec<_>>(), fits);
             }
             prop_assert_eq!(b.largest(), all.iter().max().copied());
         }
