@@ -255,6 +255,13 @@ pub struct Config {
     /// freed and may still use are taken at once, the requesting stream made
     /// to wait for that stream's work on the device, not the host.
     pub expandable_cross_stream: bool,
+    /// Expandable segments: a stream whose fit would need pages mapped takes
+    /// another stream's free block over mapped pages instead (no page moves);
+    /// its free then waits for the requesting stream's work, as after
+    /// `record_stream`. With `expandable_cross_stream`, a block that stream
+    /// may still use is taken too, the requesting stream waiting for that
+    /// stream's work on the device.
+    pub expandable_borrow: bool,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
     /// Freed blocks each thread keeps for its own next request of the same
@@ -305,6 +312,7 @@ impl Config {
             expandable_early_reuse: true,
             expandable_shadows: false,
             expandable_cross_stream: false,
+            expandable_borrow: false,
             expandable_segments: false,
         }
     }
@@ -345,6 +353,10 @@ impl Config {
             // device, not the host (multistream_infer on an H100: 1.12 → 0.98 ×
             // native step time, the same memory; docs/POLICY.md).
             expandable_cross_stream: true,
+            // A stream short of mapped pages takes another stream's free
+            // block over them (multistream_infer replay: reserved / allocated
+            // 1.140 → 1.079, map calls −43%; docs/POLICY.md).
+            expandable_borrow: true,
             huge_size: u64::MAX,
             release_same_kind: false,
             oom_flush: true,
@@ -1082,6 +1094,16 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::Bool(c.expandable_shadows)),
         set: |c, v| c.expandable_shadows = b(v),
+    },
+    Key {
+        name: "expandable_borrow",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Experimental,
+        doc: "expandable segments: a stream whose best fit would need pages mapped takes another stream's free block over mapped pages instead, its free guarded by an event on the requesting stream (with expandable_cross_stream, also one that stream may still use, waited for on the device)",
+        group: None,
+        get: |c| Some(Value::Bool(c.expandable_borrow)),
+        set: |c, v| c.expandable_borrow = b(v),
     },
     Key {
         name: "expandable_cross_stream",

@@ -229,6 +229,10 @@ pub struct MemoryStats {
     /// Expandable segments: markers waited for instead of synchronizing the
     /// whole device (work queued after a marker keeps running).
     pub num_marker_waits: u64,
+    /// Expandable segments: blocks carved for a stream from another stream's
+    /// free block over mapped pages (no page moved), their free guarded by
+    /// an event on the requesting stream.
+    pub num_blocks_borrowed: u64,
     /// Expandable segments: idle pages reused early by a block of their own stream
     /// before the stream was past them (mapped again at once, their old
     /// mapping dropped later) instead of waiting for a marker.
@@ -354,6 +358,7 @@ impl MemoryStats {
         out.push(("num_ooms".into(), v(self.num_ooms)));
         out.push(("num_sync_all_streams".into(), v(self.num_sync_all_streams)));
         out.push(("num_marker_waits".into(), v(self.num_marker_waits)));
+        out.push(("num_blocks_borrowed".into(), v(self.num_blocks_borrowed)));
         out.push((
             "num_pages_reused_early".into(),
             v(self.num_pages_reused_early),
@@ -546,6 +551,6 @@ mod tests {
             assert!(keys.contains(&k), "missing {k}");
         }
         assert!(e.contains(&("max_split_size".to_string(), -1)));
-        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 17);
+        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 18);
     }
 }

@@ -1036,13 +1036,39 @@ impl Model {
                 if st.num_alloc_retries != before.stats.num_alloc_retries {
                     self.saw("malloc served after the flush");
                 }
+                // A block taken from another stream's range (`expandable_borrow`)
+                // belongs to that stream, used on the requesting one.
+                let (mut owner, mut uses) = (stream, BTreeSet::new());
+                if st.num_blocks_borrowed > before.stats.num_blocks_borrowed {
+                    if !self.config.expandable_borrow {
+                        return Err(format!("malloc({size}) borrowed with borrowing off"));
+                    }
+                    let snap = self.alloc.snapshot();
+                    let seg = snap
+                        .segments
+                        .iter()
+                        .find(|s| s.address.0 <= p.0 && p.0 < s.address.0 + s.total_size)
+                        .ok_or(format!("borrowed block {p} lies in no segment"))?;
+                    owner = self
+                        .streams
+                        .iter()
+                        .position(|&s| s == seg.stream)
+                        .ok_or(format!(
+                            "borrowed block {p} lies in a range of an unknown stream"
+                        ))?;
+                    if owner == stream {
+                        return Err(format!("malloc({size}) borrowed from its own stream"));
+                    }
+                    uses.insert(self.streams[stream]);
+                    self.saw("malloc took another stream's free block");
+                }
                 self.live.push(Live {
                     addr: p.0,
                     size,
                     rounded,
                     block: 0,
-                    stream,
-                    uses: BTreeSet::new(),
+                    stream: owner,
+                    uses,
                 });
                 Ok(())
             }

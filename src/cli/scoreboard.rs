@@ -278,6 +278,8 @@ pub struct Cell {
     pub reserved: u64,
     /// The smallest capacity found to complete (None: not searched).
     pub min_capacity: Option<u64>,
+    /// Page map calls (expandable segments) with no capacity limit.
+    pub maps: u64,
 }
 
 impl Cell {
@@ -321,6 +323,7 @@ pub fn score(
             allocated,
             reserved: r.peak_reserved,
             min_capacity: None,
+            maps: r.stats.num_map,
         });
     }
     match bisect(run, |d, e| steps.set((d, e))) {
@@ -328,6 +331,7 @@ pub fn score(
             allocated,
             reserved: s.unlimited.peak_reserved,
             min_capacity: Some(s.min_capacity),
+            maps: s.unlimited.stats.num_map,
         }),
         Err(SearchError::Replay(e)) => Err(e.to_string()),
         Err(SearchError::NeverCompletes) => Err("never completes".into()),
@@ -448,6 +452,7 @@ pub fn run(args: ScoreboardArgs) -> Result<(), CliError> {
                             "reserved_over_allocated": cell.ratio(),
                             "min_capacity_bytes": cell.min_capacity,
                             "min_capacity_over_allocated": cell.min_ratio(),
+                            "num_vmm_map": cell.maps,
                         });
                         writeln!(out, "{v}")?;
                     } else {

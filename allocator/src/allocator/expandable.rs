@@ -19,7 +19,7 @@
 
 use super::Core;
 use crate::bins::{Bins, Entry};
-use crate::block::{BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId};
+use crate::block::{BlockId, BlockState, PoolId, PoolKind, Segment, SegmentId, POOLS_PER_STREAM};
 use crate::config::EdgePages;
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::AllocError;
@@ -35,6 +35,9 @@ pub(super) const MARKER_INTERVAL: u64 = 128;
 const AROUND: usize = 4;
 /// How much larger than the best fit a near fit over mapped pages may be.
 const MAPPED_FIT_FACTOR: u64 = 4;
+/// Other streams' pools [`Expandable::borrow_fit`] looks at per request at
+/// most (in turn): a program with thousands of streams pays no scan of them all.
+const BORROW_POOLS: usize = 8;
 /// Marker events outstanding per stream at most: enough to cover a few
 /// thousand operations of queued work, so that moving a page waits for the
 /// work up to its block's free and no further.
@@ -119,7 +122,7 @@ fn range_mapped<E>(core: &Core<E>, seg: SegmentId, start: u64, end: u64) -> bool
 /// Whether the pages under `rounded` bytes carved at the start of free
 /// block `e` are all mapped already (no page would move to serve it).
 #[inline]
-fn carve_mapped<E>(core: &Core<E>, e: Entry, rounded: u64) -> bool {
+pub(super) fn carve_mapped<E>(core: &Core<E>, e: Entry, rounded: u64) -> bool {
     range_mapped(core, core.blocks.get(e.2 .0).segment, e.1, e.1 + rounded)
 }
 
@@ -188,6 +191,8 @@ pub(super) struct Expandable<E> {
     /// With `expandable_shadows`: where each page mapped in a range is
     /// (segment, first granule), to find an idle page a shadow asks back.
     mapped_at: FastMap<u64, (SegmentId, u32)>,
+    /// Stream slot where [`Expandable::borrow_fit`]'s next look starts.
+    borrow_from: usize,
 }
 
 /// The old mapping of a page mapped again elsewhere: reused early by a block
@@ -220,6 +225,7 @@ impl<E> Expandable<E> {
             device_full_at: None,
             stale: BTreeMap::new(),
             mapped_at: FastMap::default(),
+            borrow_from: 0,
         }
     }
 
@@ -1029,7 +1035,7 @@ impl<E> Expandable<E> {
     /// `slot` queued so far, through an event recorded now that joins the
     /// slot's markers.
     #[cold]
-    fn stream_wait<D: Device<Event = E>>(
+    pub(super) fn stream_wait<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
@@ -1572,6 +1578,61 @@ impl<E> Expandable<E> {
             .take(AROUND)
             .take_while(|e| e.0 <= fit.0.saturating_mul(MAPPED_FIT_FACTOR))
             .find(|&e| carve_mapped(core, e, rounded))
+    }
+
+    /// Another stream's free block of `pool`'s kind to carve `rounded` bytes
+    /// from with no page moved (`Config::expandable_borrow`): over mapped
+    /// pages, among each other pool's first [`AROUND`] fits up to
+    /// [`MAPPED_FIT_FACTOR`] times `rounded`. The smallest one freed before
+    /// its stream's last completed marker (no queued work there can touch
+    /// it); failing that, with `expandable_cross_stream`, the smallest one
+    /// its stream may still use, with that stream's slot: the requesting
+    /// stream must wait for that stream's work on the device first.
+    #[cold]
+    pub(super) fn borrow_fit<D: Device<Event = E>>(
+        &mut self,
+        core: &Core<E>,
+        dev: &D,
+        pool: PoolId,
+        rounded: u64,
+    ) -> Result<Option<(Entry, Option<usize>)>, AllocError> {
+        let mut best: Option<Entry> = None;
+        let mut busy: Option<(Entry, usize)> = None;
+        let waits = core.config.expandable_cross_stream;
+        let bound = rounded.saturating_mul(MAPPED_FIT_FACTOR);
+        let streams = core.bins.len() / POOLS_PER_STREAM as usize;
+        let looks = (streams - 1).min(BORROW_POOLS);
+        let first = self.borrow_from % streams;
+        self.borrow_from = first + looks;
+        for slot in (first..first + looks + 1).map(|s| s % streams) {
+            if slot == pool.stream_slot() {
+                continue;
+            }
+            let other = PoolId::new(slot as u32, pool.kind());
+            let Some(bins) = core.bins[other.index()].as_ref() else {
+                continue;
+            };
+            for e in bins.iter_from(rounded).take(AROUND) {
+                if e.0 > bound || best.is_some_and(|b| b.0 <= e.0) {
+                    break;
+                }
+                let since = core.blocks.get(e.2 .0).freed_at;
+                if carve_mapped(core, e, rounded) {
+                    if self.quiescent(dev, slot, since)? {
+                        best = Some(e);
+                        break;
+                    }
+                    if waits && busy.map_or(true, |(b, _)| e.0 < b.0) {
+                        busy = Some((e, slot));
+                    }
+                }
+            }
+        }
+        Ok(match (best, busy) {
+            (Some(e), _) => Some((e, None)),
+            (None, Some((e, slot))) => Some((e, Some(slot))),
+            (None, None) => None,
+        })
     }
 
     /// [`Expandable::near_fit`]'s slow path: the near fits without a wait.

@@ -2,6 +2,7 @@
 //! handing a block out (split when worth it, counted, recorded).
 
 use super::*;
+use crate::bins::Entry;
 use crate::rounding::slab_class;
 
 impl<E> State<E> {
@@ -105,12 +106,7 @@ impl<E> State<E> {
         dev: &D,
         req: Request,
     ) -> Result<BlockId, AllocError> {
-        let Request {
-            pool,
-            size,
-            rounded,
-            ..
-        } = req;
+        let Request { size, rounded, .. } = req;
         for attempt in 0..2 {
             if attempt == 1 {
                 // Last rung: wait for every pending event, so that blocks other
@@ -118,28 +114,10 @@ impl<E> State<E> {
                 self.core.stats.num_alloc_retries += 1;
                 self.wait_all_events(dev)?;
             }
-            let fit = self.core.bins[pool.index()]
-                .as_ref()
-                .and_then(|b| b.best_fit(rounded));
-            let (bsize, addr, id) = match fit {
-                Some(fit) if self.core.config.expandable_place => {
-                    match self.vmm.place(&self.core, pool, rounded, fit) {
-                        (entry, at) if at == entry.1 => entry,
-                        ((size, start, id), at) => {
-                            (start + size - at, at, self.core.split_free(id, at))
-                        }
-                    }
-                }
-                Some(fit) => {
-                    let bins = self.core.bins[pool.index()]
-                        .as_ref()
-                        .expect("it gave the fit");
-                    self.vmm.near_fit(&self.core, dev, bins, fit, rounded)?
-                }
-                None => self.new_range(dev, req)?,
-            };
+            let ((bsize, addr, id), borrowed) = self.expandable_fit(dev, req)?;
             // While its pages are gathered the block is out of the bins (so not
             // idle) and marked in use (so a block freed meanwhile does not merge it).
+            let pool = self.core.blocks.get(id.0).pool;
             self.core.bins_mut(pool).remove(bsize, addr, id);
             let b = self.core.blocks.get_mut(id.0);
             b.state = BlockState::Allocated;
@@ -154,6 +132,12 @@ impl<E> State<E> {
                 (addr + bsize, since),
             );
             if mapped.is_ok() {
+                if borrowed {
+                    // Used on the requesting stream: its free waits for that
+                    // stream's work (as after `record_stream`).
+                    self.core.blocks.get_mut(id.0).stream_uses.push(req.stream);
+                    self.core.stats.num_blocks_borrowed += 1;
+                }
                 return Ok(id);
             }
             // Back to the bins, merged with any neighbour a recycling round freed meanwhile.
@@ -169,6 +153,53 @@ impl<E> State<E> {
         Err(AllocError::OutOfMemory(Box::new(
             self.oom_report(dev, size, rounded),
         )))
+    }
+
+    /// The free block an expandable request is carved from, and whether it
+    /// is another stream's (`Config::expandable_borrow`): the pool's own
+    /// near fit ([`Expandable::near_fit`], or `expandable_place`), unless
+    /// pages would have to be mapped under it and another stream's free
+    /// block over mapped pages can serve; a new range when there is neither.
+    fn expandable_fit<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        req: Request,
+    ) -> Result<(Entry, bool), AllocError> {
+        let Request { pool, rounded, .. } = req;
+        let fit = self.core.bins[pool.index()]
+            .as_ref()
+            .and_then(|b| b.best_fit(rounded));
+        let own = match fit {
+            Some(fit) if self.core.config.expandable_place => {
+                Some(match self.vmm.place(&self.core, pool, rounded, fit) {
+                    (entry, at) if at == entry.1 => entry,
+                    ((size, start, id), at) => {
+                        (start + size - at, at, self.core.split_free(id, at))
+                    }
+                })
+            }
+            Some(fit) => {
+                let bins = self.core.bins[pool.index()]
+                    .as_ref()
+                    .expect("it gave the fit");
+                Some(self.vmm.near_fit(&self.core, dev, bins, fit, rounded)?)
+            }
+            None => None,
+        };
+        let needs_pages = own.map_or(true, |e| !expandable::carve_mapped(&self.core, e, rounded));
+        if needs_pages && self.core.config.expandable_borrow {
+            if let Some((e, wait)) = self.vmm.borrow_fit(&self.core, dev, pool, rounded)? {
+                if let Some(slot) = wait {
+                    self.vmm
+                        .stream_wait(&mut self.core, dev, slot, pool.stream_slot())?;
+                }
+                return Ok((e, true));
+            }
+        }
+        match own {
+            Some(e) => Ok((e, false)),
+            None => Ok((self.new_range(dev, req)?, false)),
+        }
     }
 }
 

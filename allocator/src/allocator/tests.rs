@@ -1657,3 +1657,79 @@ fn free_segment_candidates_stay_bounded_in_a_steady_loop() {
         ok(&a);
     }
 }
+
+/// A stream whose fit would need pages mapped takes another stream's free
+/// block over mapped pages once that stream's work is past it: no page
+/// moves, and the block's free then waits for the borrowing stream's work.
+#[test]
+fn expandable_borrows_another_streams_idle_block_and_guards_its_free() {
+    for borrow in [true, false] {
+        let (dev, a) = new(Config {
+            expandable_borrow: borrow,
+            ..Config::expandable()
+        });
+        // A free block over mapped pages, not merged with the range's free end.
+        let p = a.malloc(16 * MIB, S0).unwrap();
+        let _keep = a.malloc(16 * MIB, S0).unwrap();
+        a.free(p).unwrap();
+        // Stream 0's marker completes: its work is past the free.
+        dev.complete_all_events();
+        let (maps, waits) = (dev.counters().vmm_maps, a.stats().num_stream_waits);
+        let q = a.malloc(16 * MIB, S1).unwrap();
+        ok(&a);
+        if !borrow {
+            assert_ne!(
+                q, p,
+                "without borrowing, stream 1 maps pages in its own range"
+            );
+            assert!(dev.counters().vmm_maps > maps);
+            continue;
+        }
+        assert_eq!(q, p, "stream 1 takes stream 0's free block");
+        assert_eq!(dev.counters().vmm_maps, maps, "no page moved");
+        assert_eq!(
+            a.stats().num_stream_waits,
+            waits,
+            "stream 0 was past it: no wait"
+        );
+        assert_eq!(a.stats().num_blocks_borrowed, 1);
+        // Freed, it awaits an event on stream 1; stream 0 may not reuse it before.
+        a.free(q).unwrap();
+        let pending = dev.pending_events();
+        assert!(!pending.is_empty(), "the free is guarded by an event");
+        let r = a.malloc(16 * MIB, S0).unwrap();
+        assert_ne!(r, p, "stream 1 may still use it");
+        dev.complete_all_events();
+        a.free(r).unwrap();
+        let s = a.malloc(16 * MIB, S0).unwrap();
+        assert!(
+            s == p || s == r,
+            "back in stream 0's range once the event completed"
+        );
+        ok(&a);
+    }
+}
+
+/// A block the other stream may still use is taken with a wait for that
+/// stream's work on the device (`expandable_cross_stream`), not on the host.
+#[test]
+fn expandable_borrows_a_busy_block_with_a_device_wait() {
+    let (dev, a) = new(Config::expandable());
+    let p = a.malloc(16 * MIB, S0).unwrap();
+    let _keep = a.malloc(16 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    assert!(
+        !dev.pending_events().is_empty(),
+        "stream 0's marker is pending"
+    );
+    let waits = a.stats().num_stream_waits;
+    let q = a.malloc(16 * MIB, S1).unwrap();
+    assert_eq!(q, p);
+    assert_eq!(
+        a.stats().num_stream_waits,
+        waits + 1,
+        "stream 1 waits on the device"
+    );
+    assert_eq!(a.stats().num_marker_waits, 0, "no host wait");
+    ok(&a);
+}
