@@ -355,7 +355,7 @@ impl Config {
             expandable_cross_stream: true,
             // A stream short of mapped pages takes another stream's free
             // block over them (multistream_infer replay: reserved / allocated
-            // 1.140 → 1.079, map calls −43%; docs/POLICY.md).
+            // 1.140 → 1.079, map calls 2,191 → 1,248; docs/POLICY.md).
             expandable_borrow: true,
             huge_size: u64::MAX,
             release_same_kind: false,
