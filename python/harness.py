@@ -177,6 +177,7 @@ def worker(spec):
                         syncs=st.get("num_sync_all_streams"),
                         marker_waits=extra.get("num_marker_waits"),
                         stream_waits=extra.get("num_stream_waits"),
+                        borrowed=extra.get("num_blocks_borrowed"),
                         revived=extra.get("num_pages_revived"))
         st = ca.memory_stats()
         return dict(reserved=st["reserved_bytes.all.current"],
@@ -189,6 +190,7 @@ def worker(spec):
                     syncs=st.get("num_sync_all_streams"),
                     marker_waits=st.get("num_marker_waits"),
                     stream_waits=st.get("num_stream_waits"),
+                    borrowed=st.get("num_blocks_borrowed"),
                     revived=st.get("num_pages_revived"))
 
     before = figures()
