@@ -195,6 +195,36 @@ fn scoreboard_summaries_name_the_worst_trace() {
     }
 }
 
+/// Each cell counts its map calls: expandable segments map pages, plain
+/// segments never do, and a cell's count is its own replay's.
+#[test]
+fn scoreboard_cells_count_map_calls() {
+    let lines = scoreboard(&["--no-min-capacity"]);
+    let mut seen = 0;
+    for v in lines.iter().filter(|v| v.get("summary").is_none()) {
+        let maps = v["num_vmm_map"].as_u64().unwrap_or_else(|| panic!("{v}"));
+        match v["config"].as_str().unwrap() {
+            "expandable" => assert!(maps > 0, "{v}"),
+            _ => assert_eq!(maps, 0, "{v}"),
+        }
+        seen += 1;
+    }
+    assert_eq!(seen, TRACES.len() * 2 * CONFIGS.len());
+    // The same figure as a plain replay of the recorded trace.
+    let t = root().join("traces").join(TRACES[0]);
+    let o = Command::new(env!("CARGO_BIN_EXE_cachealloc"))
+        .args(["replay", t.to_str().unwrap(), "-c", "expandable", "--json"])
+        .output()
+        .expect("the binary runs");
+    let r: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let name = TRACES[0].trim_end_matches(".trace.gz");
+    let cell = lines
+        .iter()
+        .find(|v| v["trace"] == name && v["copy"] == "rec" && v["config"] == "expandable")
+        .expect("the recorded expandable cell");
+    assert_eq!(cell["num_vmm_map"], r["num_vmm_map"]);
+}
+
 #[test]
 fn scoreboard_reads_a_pytorch_memory_snapshot() {
     // A `torch.cuda.memory._dump_snapshot` pickle (8 steps of 12 allocations)
