@@ -1549,6 +1549,7 @@ impl<E> Expandable<E> {
     /// the next [`AROUND`] best fits, up to twice `fit`'s size, that needs
     /// no such wait. Replayed with a device 500 operations behind the host
     /// (`--gpu-lag 500`) the latter halves gpt2_finetune's waited-out device work.
+    /// Also says whether the block's pages are all mapped already.
     #[inline]
     pub(super) fn near_fit<D: Device<Event = E>>(
         &mut self,
@@ -1557,17 +1558,20 @@ impl<E> Expandable<E> {
         bins: &Bins,
         fit: Entry,
         rounded: u64,
-    ) -> Result<Entry, AllocError> {
+    ) -> Result<(Entry, bool), AllocError> {
         if carve_mapped(core, fit, rounded) {
-            return Ok(fit);
+            return Ok((fit, true));
         }
         if let Some(mapped) = Self::next_mapped_fit(core, bins, fit, rounded) {
-            return Ok(mapped);
+            return Ok((mapped, true));
         }
         if self.stale.is_empty() || !self.old_mapping_busy(core, dev, fit, rounded)? {
-            return Ok(fit);
+            return Ok((fit, false));
         }
-        self.next_fit_without_wait(core, dev, bins, fit, rounded)
+        Ok((
+            self.next_fit_without_wait(core, dev, bins, fit, rounded)?,
+            false,
+        ))
     }
 
     /// [`Expandable::near_fit`]'s search for a near fit over mapped pages.

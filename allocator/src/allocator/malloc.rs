@@ -169,14 +169,16 @@ impl<E> State<E> {
         let fit = self.core.bins[pool.index()]
             .as_ref()
             .and_then(|b| b.best_fit(rounded));
+        // (The block, and whether its pages are all mapped.)
         let own = match fit {
             Some(fit) if self.core.config.expandable_place => {
-                Some(match self.vmm.place(&self.core, pool, rounded, fit) {
+                let e = match self.vmm.place(&self.core, pool, rounded, fit) {
                     (entry, at) if at == entry.1 => entry,
                     ((size, start, id), at) => {
                         (start + size - at, at, self.core.split_free(id, at))
                     }
-                })
+                };
+                Some((e, expandable::carve_mapped(&self.core, e, rounded)))
             }
             Some(fit) => {
                 let bins = self.core.bins[pool.index()]
@@ -186,7 +188,7 @@ impl<E> State<E> {
             }
             None => None,
         };
-        let needs_pages = own.map_or(true, |e| !expandable::carve_mapped(&self.core, e, rounded));
+        let needs_pages = own.map_or(true, |(_, mapped)| !mapped);
         if needs_pages && self.core.config.expandable_borrow {
             if let Some((e, wait)) = self.vmm.borrow_fit(&self.core, dev, pool, rounded)? {
                 if let Some(slot) = wait {
@@ -197,7 +199,7 @@ impl<E> State<E> {
             }
         }
         match own {
-            Some(e) => Ok((e, false)),
+            Some((e, _)) => Ok((e, false)),
             None => Ok((self.new_range(dev, req)?, false)),
         }
     }
