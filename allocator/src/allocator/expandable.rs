@@ -1035,7 +1035,7 @@ impl<E> Expandable<E> {
     /// `slot` queued so far, through an event recorded now that joins the
     /// slot's markers.
     #[cold]
-    pub(super) fn stream_wait<D: Device<Event = E>>(
+    fn stream_wait<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
@@ -1590,16 +1590,16 @@ impl<E> Expandable<E> {
     /// [`MAPPED_FIT_FACTOR`] times `rounded`. The smallest one freed before
     /// its stream's last completed marker (no queued work there can touch
     /// it); failing that, with `expandable_cross_stream`, the smallest one
-    /// its stream may still use, with that stream's slot: the requesting
-    /// stream must wait for that stream's work on the device first.
+    /// its stream may still use, once the requesting stream is made to wait
+    /// for that stream's work on the device.
     #[cold]
     pub(super) fn borrow_fit<D: Device<Event = E>>(
         &mut self,
-        core: &Core<E>,
+        core: &mut Core<E>,
         dev: &D,
         pool: PoolId,
         rounded: u64,
-    ) -> Result<Option<(Entry, Option<usize>)>, AllocError> {
+    ) -> Result<Option<Entry>, AllocError> {
         let mut best: Option<Entry> = None;
         let mut busy: Option<(Entry, usize)> = None;
         let waits = core.config.expandable_cross_stream;
@@ -1632,11 +1632,13 @@ impl<E> Expandable<E> {
                 }
             }
         }
-        Ok(match (best, busy) {
-            (Some(e), _) => Some((e, None)),
-            (None, Some((e, slot))) => Some((e, Some(slot))),
-            (None, None) => None,
-        })
+        if best.is_none() {
+            if let Some((e, slot)) = busy {
+                self.stream_wait(core, dev, slot, pool.stream_slot())?;
+                best = Some(e);
+            }
+        }
+        Ok(best)
     }
 
     /// [`Expandable::near_fit`]'s slow path: the near fits without a wait.

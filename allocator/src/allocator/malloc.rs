@@ -190,11 +190,7 @@ impl<E> State<E> {
         };
         let needs_pages = own.map_or(true, |(_, mapped)| !mapped);
         if needs_pages && self.core.config.expandable_borrow {
-            if let Some((e, wait)) = self.vmm.borrow_fit(&self.core, dev, pool, rounded)? {
-                if let Some(slot) = wait {
-                    self.vmm
-                        .stream_wait(&mut self.core, dev, slot, pool.stream_slot())?;
-                }
+            if let Some(e) = self.vmm.borrow_fit(&mut self.core, dev, pool, rounded)? {
                 return Ok((e, true));
             }
         }
