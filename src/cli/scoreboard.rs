@@ -418,8 +418,14 @@ pub fn run(args: ScoreboardArgs) -> Result<(), CliError> {
     if !args.json {
         writeln!(
             out,
-            "{:<name_w$}  {:<4}  {:<conf_w$}  {:>14}  {:>16}  {:>16}",
-            "trace", "copy", "config", "peak allocated", "reserved / alloc", "min cap / alloc"
+            "{:<name_w$}  {:<4}  {:<conf_w$}  {:>14}  {:>16}  {:>16}  {:>9}",
+            "trace",
+            "copy",
+            "config",
+            "peak allocated",
+            "reserved / alloc",
+            "min cap / alloc",
+            "map calls"
         )?;
         out.flush()?;
     }
@@ -458,13 +464,14 @@ pub fn run(args: ScoreboardArgs) -> Result<(), CliError> {
                     } else {
                         writeln!(
                             out,
-                            "{:<name_w$}  {:<4}  {:<conf_w$}  {:>14}  {:>16.3}  {:>16}",
+                            "{:<name_w$}  {:<4}  {:<conf_w$}  {:>14}  {:>16.3}  {:>16}  {:>9}",
                             names[t],
                             copy,
                             configs[k].label,
                             super::format::size(cell.allocated),
                             cell.ratio(),
-                            cell.min_ratio().map_or("–".into(), |m| format!("{m:.3}"))
+                            cell.min_ratio().map_or("–".into(), |m| format!("{m:.3}")),
+                            super::format::grouped(cell.maps)
                         )?;
                     }
                     out.flush()?;
