@@ -131,7 +131,13 @@ pub(super) struct Core<E> {
     pub(super) live: AddrMap,
     /// Events guarding freed blocks, one FIFO per stream that used them.
     pub(super) pending: Vec<(StreamId, VecDeque<(E, BlockId)>)>,
+    /// Blocks awaiting events (counted in `pending_blocks`).
     pub(super) pending_blocks: usize,
+    /// Freed blocks used on a stream that was being captured into a CUDA
+    /// graph: their guarding events wait until no stream they were used on
+    /// is captured (an event recorded during a capture would join the graph;
+    /// PyTorch defers these events too). Awaiting events, none recorded yet.
+    pub(super) deferred: Vec<BlockId>,
     pub(super) stats: MemoryStats,
     /// Highest reserved bytes ever (not reset by `reset_peak_stats`).
     pub(super) high_water: u64,

@@ -110,6 +110,14 @@ pub trait Device: Send + Sync {
         let _ = waiter;
         self.wait_event(event)
     }
+    /// Whether `stream` is being captured into a CUDA graph: an event
+    /// recorded there would join the graph instead of marking the stream's
+    /// work, so the allocator records none there until the capture ends.
+    /// The default (and any failure to tell) is `false`.
+    fn stream_capturing(&self, stream: StreamId) -> bool {
+        let _ = stream;
+        false
+    }
     /// Gives an event back (a real device pools them).
     fn release_event(&self, event: Self::Event);
     /// Blocks until all work on the device has completed.

@@ -28,6 +28,8 @@ pub struct SimCounters {
     pub failed_allocs: u64,
     /// Events recorded.
     pub events_recorded: u64,
+    /// Events recorded on a stream being captured (they would join the graph).
+    pub events_in_capture: u64,
     /// Event queries.
     pub event_queries: u64,
     /// Blocking event waits.
@@ -125,6 +127,8 @@ struct SimState {
     fail_above: Option<u64>,
     next_event: u64,
     pending_events: BTreeMap<u64, StreamId>,
+    /// Streams being captured into a CUDA graph ([`SimulatedDevice::set_capturing`]).
+    capturing: Vec<StreamId>,
     auto_complete: bool,
     /// Host operations (`tick`s) after which a recorded event completes.
     event_lag: Option<u64>,
@@ -203,6 +207,7 @@ impl SimulatedDevice {
                 fail_above: None,
                 next_event: 1,
                 pending_events: BTreeMap::new(),
+                capturing: Vec::new(),
                 auto_complete: false,
                 event_lag: None,
                 clock: 0,
@@ -301,6 +306,16 @@ impl SimulatedDevice {
         s.fail_calls.clear();
         s.fail_next = 0;
         s.fail_above = None;
+    }
+
+    /// Marks `stream` as being captured into a CUDA graph (or not): events
+    /// recorded there meanwhile are counted in `events_in_capture`.
+    pub fn set_capturing(&self, stream: StreamId, on: bool) {
+        let mut s = self.state.lock();
+        s.capturing.retain(|&c| c != stream);
+        if on {
+            s.capturing.push(stream);
+        }
     }
 
     /// Completes one pending event. Returns false if it was not pending.
@@ -522,6 +537,9 @@ impl Device for SimulatedDevice {
         let id = s.next_event;
         s.next_event += 1;
         s.counters.events_recorded += 1;
+        if s.capturing.contains(&stream) {
+            s.counters.events_in_capture += 1;
+        }
         if !s.auto_complete || s.event_lag.is_some() {
             s.pending_events.insert(id, stream);
         }
@@ -567,6 +585,10 @@ impl Device for SimulatedDevice {
         // The host does not wait: the event completes when it would have.
         s.counters.stream_waits += 1;
         Ok(())
+    }
+
+    fn stream_capturing(&self, stream: StreamId) -> bool {
+        self.state.lock().capturing.contains(&stream)
     }
 
     fn release_event(&self, _event: SimEvent) {}

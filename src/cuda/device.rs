@@ -255,6 +255,21 @@ impl Device for CudaDevice {
         )
     }
 
+    fn stream_capturing(&self, stream: StreamId) -> bool {
+        let Ok(h) = stream_handle(stream) else {
+            return false;
+        };
+        let Ok(_ctx) = self.enter() else {
+            return false;
+        };
+        let mut status: std::os::raw::c_int = 0;
+        // SAFETY: `h` is a live stream (a special handle, or registered under
+        // `register_stream`'s contract) and `status` a valid out-pointer.
+        let rc = unsafe { ffi::cuStreamIsCapturing(h, &mut status) };
+        // Active or invalidated: either way still inside the capture.
+        rc == 0 && status != 0
+    }
+
     fn release_event(&self, event: CudaEvent) {
         self.events.lock().push(event);
     }

@@ -216,5 +216,7 @@ extern "C" {
     pub fn cuEventQuery(event: CuEvent) -> i32;
     pub fn cuEventSynchronize(event: CuEvent) -> i32;
     pub fn cuStreamWaitEvent(stream: CuStream, event: CuEvent, flags: u32) -> i32;
+    /// `status`: a `CUstreamCaptureStatus` (0 none, 1 active, 2 invalidated).
+    pub fn cuStreamIsCapturing(stream: CuStream, status: *mut c_int) -> i32;
     pub fn cuEventDestroy_v2(event: CuEvent) -> i32;
 }

@@ -66,6 +66,7 @@ impl<D: Device> CachingAllocator<D> {
                     live: AddrMap::default(),
                     pending: Vec::new(),
                     pending_blocks: 0,
+                    deferred: Vec::new(),
                     stats,
                     high_water: 0,
                     clock: 0,

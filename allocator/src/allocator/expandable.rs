@@ -953,7 +953,12 @@ impl<E> Expandable<E> {
             m.last = clock;
             return;
         }
-        if let Ok(e) = dev.record_event(core.stream_list[slot]) {
+        // (Not behind a CUDA graph capture: the marker would join the graph.)
+        let stream = core.stream_list[slot];
+        if dev.stream_capturing(stream) {
+            return;
+        }
+        if let Ok(e) = dev.record_event(stream) {
             m.push(clock, e);
             core.stats.num_events_recorded += 1;
         }
@@ -1626,7 +1631,10 @@ impl<E> Expandable<E> {
                         best = Some(e);
                         break;
                     }
-                    if waits && busy.map_or(true, |(b, _)| e.0 < b.0) {
+                    if waits
+                        && busy.map_or(true, |(b, _)| e.0 < b.0)
+                        && !dev.stream_capturing(core.stream_list[slot])
+                    {
                         busy = Some((e, slot));
                     }
                 }

@@ -40,8 +40,10 @@ impl<E> State<E> {
         }
         // A block used on other streams is guarded by an event on each; the
         // device calls come before any change, so that a failure leaves the
-        // block allocated and the free can be retried.
-        let events = if shared {
+        // block allocated and the free can be retried. While one of those
+        // streams is captured into a CUDA graph, the guard waits.
+        let deferred = shared && self.core.uses_capturing(dev, id);
+        let events = if shared && !deferred {
             match self.core.guard_events(dev, id) {
                 Ok(events) => events,
                 Err(e) => {
@@ -63,6 +65,10 @@ impl<E> State<E> {
                 (r.sink)(&TraceEvent::Free { id: tid });
             }
         }
+        if deferred {
+            self.core.defer_guard(id);
+            return Ok(requested);
+        }
         // Almost no block was used on another stream: back to the pool at once.
         if events.is_empty() {
             if shared {
@@ -75,18 +81,36 @@ impl<E> State<E> {
             }
             return Ok(requested);
         }
-        let b = self.core.blocks.get_mut(id.0);
-        b.stream_uses.take();
-        b.state = BlockState::AwaitingEvents;
-        b.pending_events = events.len() as u32;
-        for (s, ev) in events {
-            match self.core.pending.iter_mut().find(|(st, _)| *st == s) {
-                Some((_, q)) => q.push_back((ev, id)),
-                None => self.core.pending.push((s, VecDeque::from([(ev, id)]))),
-            }
-        }
+        self.core.await_events(id, events);
         self.core.pending_blocks += 1;
         Ok(requested)
+    }
+
+    /// Records the guarding events of deferred blocks whose streams are no
+    /// longer captured ([`Core::deferred`]); the others stay deferred.
+    #[cold]
+    fn guard_deferred<D: Device<Event = E>>(&mut self, dev: &D) -> Result<(), AllocError> {
+        let mut result = Ok(());
+        for id in std::mem::take(&mut self.core.deferred) {
+            if result.is_err() || self.core.uses_capturing(dev, id) {
+                self.core.deferred.push(id);
+                continue;
+            }
+            match self.core.guard_events(dev, id) {
+                Ok(events) if events.is_empty() => {
+                    // Made safe by a synchronize instead: free now.
+                    self.core.blocks.get_mut(id.0).stream_uses.take();
+                    self.core.pending_blocks -= 1;
+                    self.free_block(id);
+                }
+                Ok(events) => self.core.await_events(id, events),
+                Err(e) => {
+                    self.core.deferred.push(id);
+                    result = Err(e);
+                }
+            }
+        }
+        result
     }
 
     /// Without caching, a freed block's segment goes back to the device at
@@ -217,6 +241,9 @@ impl<E> State<E> {
         &mut self,
         dev: &D,
     ) -> Result<(), AllocError> {
+        if !self.core.deferred.is_empty() {
+            self.guard_deferred(dev)?;
+        }
         let mut done = Vec::new();
         let mut result = Ok(());
         'streams: for (_, queue) in &mut self.core.pending {
@@ -299,6 +326,41 @@ impl<E> Core<E> {
     /// One event guarding block `id` completed; returns whether it was the
     /// block's last (the block is then no longer awaiting events, and is to
     /// be freed).
+    /// Whether a stream block `id` was used on is being captured.
+    #[inline]
+    pub(super) fn uses_capturing<D: Device<Event = E>>(&self, dev: &D, id: BlockId) -> bool {
+        self.blocks
+            .get(id.0)
+            .stream_uses
+            .iter()
+            .any(|&s| dev.stream_capturing(s))
+    }
+
+    /// Block `id`, just freed, awaits guarding events to be recorded once
+    /// no stream it was used on is captured.
+    #[cold]
+    pub(super) fn defer_guard(&mut self, id: BlockId) {
+        let b = self.blocks.get_mut(id.0);
+        b.state = BlockState::AwaitingEvents;
+        b.pending_events = 0;
+        self.deferred.push(id);
+        self.pending_blocks += 1;
+    }
+
+    /// Block `id` awaits `events` (at least one), each queued on its stream.
+    pub(super) fn await_events(&mut self, id: BlockId, events: Vec<(StreamId, E)>) {
+        let b = self.blocks.get_mut(id.0);
+        b.stream_uses.take();
+        b.state = BlockState::AwaitingEvents;
+        b.pending_events = events.len() as u32;
+        for (s, ev) in events {
+            match self.pending.iter_mut().find(|(st, _)| *st == s) {
+                Some((_, q)) => q.push_back((ev, id)),
+                None => self.pending.push((s, VecDeque::from([(ev, id)]))),
+            }
+        }
+    }
+
     pub(super) fn event_done(&mut self, id: BlockId) -> bool {
         let b = self.blocks.get_mut(id.0);
         b.pending_events -= 1;

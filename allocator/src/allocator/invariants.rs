@@ -248,8 +248,13 @@ impl<E> Core<E> {
                 }
             }
             BlockState::AwaitingEvents => {
-                if b.pending_events == 0 {
-                    return Err(format!("block at {:#x} awaits no events", b.addr));
+                if (b.pending_events == 0) != self.deferred.contains(&id) {
+                    return Err(format!(
+                        "block at {:#x} awaits {} events (deferred: {})",
+                        b.addr,
+                        b.pending_events,
+                        self.deferred.contains(&id)
+                    ));
                 }
                 t.awaiting += 1;
                 t.pending_events += u64::from(b.pending_events);

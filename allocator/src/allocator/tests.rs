@@ -1730,3 +1730,82 @@ fn expandable_borrows_a_busy_block_with_a_device_wait() {
     assert_eq!(a.stats().num_marker_waits, 0, "no host wait");
     ok(&a);
 }
+
+/// A block used on a stream that is being captured into a CUDA graph is
+/// freed with its guarding event deferred until the capture ends (an event
+/// recorded during the capture would join the graph), as PyTorch does.
+#[test]
+fn a_guarded_free_during_a_capture_waits_for_the_capture_to_end() {
+    let (dev, a) = new(Config::pytorch());
+    let p = a.malloc(4096, S0).unwrap();
+    a.record_stream(p, S1).unwrap();
+    dev.set_capturing(S1, true);
+    let recorded = dev.counters().events_recorded;
+    a.free(p).unwrap();
+    ok(&a);
+    assert_eq!(
+        dev.counters().events_in_capture,
+        0,
+        "nothing recorded behind the capture"
+    );
+    assert_eq!(
+        dev.counters().events_recorded,
+        recorded,
+        "the guard is deferred"
+    );
+    assert_eq!(
+        a.stats().active.all().current,
+        1,
+        "still active, as awaiting events"
+    );
+    let q = a.malloc(4096, S0).unwrap();
+    assert_ne!(q, p, "stream 1 may still use it");
+    ok(&a);
+    // The capture ends: the next allocation records the guard.
+    dev.set_capturing(S1, false);
+    let r = a.malloc(4096, S0).unwrap();
+    assert_ne!(r, p, "its event has not completed yet");
+    assert_eq!(dev.counters().events_recorded, recorded + 1);
+    ok(&a);
+    dev.complete_all_events();
+    assert_eq!(
+        a.malloc(4096, S0).unwrap(),
+        p,
+        "reused once the event completed"
+    );
+    assert_eq!(dev.counters().events_in_capture, 0);
+    ok(&a);
+}
+
+/// With expandable segments, no marker is recorded on a stream being
+/// captured, and a block borrowed by that stream is guarded only once the
+/// capture ends.
+#[test]
+fn expandable_records_nothing_behind_a_capture() {
+    let (dev, a) = new(Config::expandable());
+    let p = a.malloc(16 * MIB, S0).unwrap();
+    let _keep = a.malloc(16 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    dev.complete_all_events();
+    let q = a.malloc(16 * MIB, S1).unwrap();
+    assert_eq!(q, p, "borrowed");
+    dev.set_capturing(S1, true);
+    // Frees on the captured stream, and of the borrowed block: no event.
+    let mine: Vec<DevicePtr> = (0..300).map(|_| a.malloc(MIB, S1).unwrap()).collect();
+    for m in mine {
+        a.free(m).unwrap();
+    }
+    a.free(q).unwrap();
+    ok(&a);
+    assert_eq!(dev.counters().events_in_capture, 0);
+    dev.set_capturing(S1, false);
+    a.free(a.malloc(4096, S0).unwrap()).unwrap();
+    assert!(
+        !dev.pending_events().is_empty(),
+        "the borrowed block's guard is recorded once the capture ended"
+    );
+    ok(&a);
+    dev.complete_all_events();
+    assert_eq!(a.malloc(16 * MIB, S0).unwrap(), p);
+    ok(&a);
+}
