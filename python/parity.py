@@ -378,6 +378,30 @@ def check_record_stream(torch):
     return "ok"
 
 
+def check_record_stream_in_capture(torch):
+    # A tensor from before a capture, used by the capturing stream and freed
+    # during the capture: its guard must wait for the capture to end (an event
+    # recorded on the capturing stream cannot be queried until then).
+    s = torch.cuda.Stream()
+    x = torch.full((1 << 20,), 2.0, device="cuda")
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        y = x * 3
+        x.record_stream(s)
+        del x
+        # Allocations inside the capture make the allocator look at its guards.
+        zs = [torch.ones(1 << 18, device="cuda") * i for i in range(4)]
+    g.replay()
+    torch.cuda.synchronize()
+    after = [torch.full((1 << 20,), -1.0, device="cuda") for _ in range(4)]
+    torch.cuda.synchronize()
+    assert y.eq(6.0).all().item(), "captured result wrong"
+    assert all(t.eq(-1.0).all().item() for t in after)
+    del zs
+    return "ok"
+
+
 def check_empty_cache(torch):
     torch.cuda.init()
     base = torch.cuda.memory_reserved()

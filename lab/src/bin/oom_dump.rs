@@ -1,13 +1,20 @@
 //! Replays a trace on a simulated device of a given capacity and, at the
 //! first allocation that fails even after flush-and-retry, prints the
 //! out-of-memory report and every segment with free blocks (`_` marks a
-//! free block; sizes in MiB): why a layout needs a bigger device.
+//! free block; sizes in MiB), and for an expandable range how much of its
+//! mapped memory lies under allocated blocks: why a layout needs a bigger device.
 //!
 //! ```text
 //! cargo run -p lab --release --bin oom_dump -- TRACE.gz CONF CAPACITY_BYTES
 //! ```
-use cachealloc_core::{CachingAllocator, SimulatedDevice, StreamId, TraceEvent};
-use std::collections::HashMap;
+use cachealloc_core::{
+    BlockState, CachingAllocator, SegmentSnapshot, SimulatedDevice, StreamId, TraceEvent,
+};
+use std::collections::{BTreeSet, HashMap};
+
+const MIB: f64 = 1048576.0;
+/// The simulated device's mapping granularity.
+const GRANULE: u64 = 2 << 20;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -43,6 +50,19 @@ fn main() {
         let (free, line) = lab::segment_line(s);
         let e = by_pool.entry(format!("{:?}", s.pool)).or_default();
         *e = (e.0 + 1, e.1 + s.total_size, e.2 + free);
+        if s.mapped_size < s.total_size {
+            // An expandable range: how much of what is mapped lies under
+            // allocated blocks (the rest could move where it is needed).
+            println!(
+                "range {:?} {:?}: mapped {:.1} MiB, pages under allocated blocks {:.1} MiB, allocated {:.1} MiB, {} blocks",
+                s.stream,
+                s.pool,
+                s.mapped_size as f64 / MIB,
+                pages_in_use(s) as f64 / MIB,
+                s.allocated_size as f64 / MIB,
+                s.blocks.len()
+            );
+        }
         if free > 0 && s.total_size > (2 << 20) {
             println!("{line}");
         }
@@ -54,4 +74,13 @@ fn main() {
             free as f64 / 1048576.0
         );
     }
+}
+
+/// Bytes of the granules that allocated blocks of `s` touch.
+fn pages_in_use(s: &SegmentSnapshot) -> u64 {
+    let mut pages = BTreeSet::new();
+    for b in s.blocks.iter().filter(|b| b.state != BlockState::Free) {
+        pages.extend(b.address.0 / GRANULE..(b.address.0 + b.size).div_ceil(GRANULE));
+    }
+    pages.len() as u64 * GRANULE
 }
