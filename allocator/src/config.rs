@@ -220,11 +220,11 @@ pub struct Config {
     pub oom_flush: bool,
     /// Which free segments go first when room is needed.
     pub release_order: ReleaseOrder,
-    /// Expandable segments: [`IDLE_SLACK`] (a field, with no key, so that
-    /// tests can vary it).
+    /// Expandable segments: [`IDLE_SLACK`]; the key `expandable_slack` sets
+    /// it, and `idle_slack_hard` to twice it.
     pub idle_slack: f64,
-    /// Expandable segments: [`IDLE_SLACK_HARD`] (a field, with no key, so
-    /// that tests can vary it).
+    /// Expandable segments: [`IDLE_SLACK_HARD`] (set with `idle_slack`
+    /// through `expandable_slack`; a field of its own so that tests can vary it).
     pub idle_slack_hard: f64,
     /// Expandable segments: [`RECYCLE_BATCH`] (a field, with no key, so that
     /// tests can vary it).
@@ -1056,6 +1056,19 @@ pub static KEYS: &[Key] = &[
         set: |c, v| c.expandable_page = u(v),
     },
     Key {
+        name: "expandable_slack",
+        aliases: &[],
+        kind: SHARE,
+        stability: Stability::Experimental,
+        doc: "expandable segments: idle pages stay mapped while reserved memory is within 1 + this times the peak allocated bytes, and the device is waited for rather than grown past twice that; more slack, fewer map calls (docs/POLICY.md has the curve)",
+        group: None,
+        get: |c| Some(Value::F64(c.idle_slack)),
+        set: |c, v| {
+            c.idle_slack = f(v);
+            c.idle_slack_hard = 2.0 * c.idle_slack;
+        },
+    },
+    Key {
         name: "expandable_edges",
         aliases: &[],
         kind: KeyKind::Choice(EdgePages::WORDS),
@@ -1581,6 +1594,17 @@ mod tests {
             let conf = format!("{}:{}", key.name, u64::MAX);
             assert!(Config::parse(&conf).is_err(), "{conf} accepted");
         }
+    }
+
+    /// One key sets both recycling limits of expandable segments, and the
+    /// configuration prints it back.
+    #[test]
+    fn expandable_slack_sets_both_limits() {
+        let c = Config::parse("expandable,expandable_slack:0.05").unwrap();
+        assert_eq!((c.idle_slack, c.idle_slack_hard), (0.05, 0.1));
+        let text = c.to_conf_string();
+        assert!(text.contains("expandable_slack:0.05"), "{text}");
+        assert!(Config::parse("expandable_slack:-0.1").is_err());
     }
 
     /// Settings that leave nothing usable are refused, not silently taken.
