@@ -295,3 +295,65 @@ fn scoreboard_scales_every_trace_down() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+#[test]
+fn scoreboard_writes_the_copies_it_replays() {
+    let out = TempDir::new("copies");
+    let copies = out.0.join("copies");
+    let lines = scoreboard(&[
+        "--no-min-capacity",
+        "--write-copies",
+        copies.to_str().unwrap(),
+    ]);
+    // Each written copy, replayed as a recorded trace, gives its cell's figures.
+    let again = Command::new(env!("CARGO_BIN_EXE_cachealloc"))
+        .args([
+            "scoreboard",
+            copies.to_str().unwrap(),
+            "--json",
+            "--jitter",
+            "0",
+            "--no-min-capacity",
+        ])
+        .args(CONFIGS.iter().flat_map(|c| ["--config", c]))
+        .output()
+        .expect("the binary runs");
+    assert!(
+        again.status.success(),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    let again: Vec<Value> = String::from_utf8(again.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut checked = 0;
+    for t in TRACES {
+        let name = t.trim_end_matches(".trace.gz");
+        let copy = format!("{name}.j1");
+        assert!(
+            copies.join(format!("{copy}.trace.gz")).is_file(),
+            "{copy} written"
+        );
+        assert!(
+            !copies.join(format!("{name}.rec.trace.gz")).exists(),
+            "an unscaled recorded trace is not copied"
+        );
+        for c in CONFIGS {
+            let cell = |v: &&Value, trace: &str, copy: &str| {
+                v["trace"] == trace && v["copy"] == copy && v["config"] == c
+            };
+            let a = lines.iter().find(|v| cell(v, name, "j1")).expect("j1 cell");
+            let b = again
+                .iter()
+                .find(|v| cell(v, &copy, "rec"))
+                .expect("copy's cell");
+            for k in ["peak_allocated_bytes", "peak_reserved_bytes", "num_vmm_map"] {
+                assert_eq!(a[k], b[k], "{copy} {c} {k}");
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, TRACES.len() * CONFIGS.len());
+}

@@ -184,6 +184,11 @@ struct ScoreboardArgs {
     /// Skip the smallest-capacity search (one replay per cell).
     #[arg(long)]
     no_min_capacity: bool,
+    /// Also write every jittered (or scaled-down) copy to this folder, as
+    /// `NAME.jN.trace.gz` (`NAME.rec.trace.gz` for a scaled recorded trace),
+    /// to replay or inspect one cell on its own.
+    #[arg(long, value_name = "DIR")]
+    write_copies: Option<PathBuf>,
     /// Print one JSON object per line per cell, then one per summary.
     #[arg(long)]
     json: bool,

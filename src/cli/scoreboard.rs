@@ -14,13 +14,16 @@
 //! `--scale-down N` divides every request size of every trace (and so of
 //! its copies) by N first: a rule whose figures hold only at the recorded
 //! scale (a segment size fixed in bytes) shows up there.
+//!
+//! `--write-copies DIR` writes the copies replayed (`NAME.jN.trace.gz`), so
+//! that a cell can be replayed on its own with the same figures.
 
 use super::format::trace_name;
 use super::min_capacity::{bisect, SearchError};
 use super::{configs_or, jobs, threads, CliError, ConfigArg, ScoreboardArgs};
 use cachealloc::core::replay::{replay, ReplayOptions};
 use cachealloc::core::{TraceError, TraceEvent};
-use cachealloc::trace_file::read_all;
+use cachealloc::trace_file::{self, read_all};
 use flate2::read::MultiGzDecoder;
 use serde_json::json;
 use std::collections::HashMap;
@@ -368,6 +371,42 @@ fn summarize(values: &[(f64, String)]) -> Option<(f64, String, f64)> {
     Some((worst.0, worst.1.clone(), geo))
 }
 
+/// Writes the copies the scoreboard replays (jittered ones, and the
+/// recorded trace too when it was scaled) to `dir`, one gzip trace each.
+#[cold]
+fn write_copies(
+    dir: &Path,
+    loaded: &[Loaded],
+    names: &[String],
+    copies: usize,
+    scaled: bool,
+) -> Result<(), CliError> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| CliError::Message(format!("cannot create {}: {e}", dir.display())))?;
+    let mut written = 0;
+    for (l, name) in loaded.iter().zip(names) {
+        for c in 0..copies {
+            let path = match c {
+                0 if !scaled => continue,
+                0 => dir.join(format!("{name}.rec.trace.gz")),
+                c => dir.join(format!("{name}.j{c}.trace.gz")),
+            };
+            let jittered;
+            let events = match c {
+                0 => &l.events,
+                c => {
+                    jittered = jitter(&l.events, &l.steps, c as u64);
+                    &jittered
+                }
+            };
+            trace_file::write_all(&path, events).map_err(|e| CliError::Message(e.to_string()))?;
+            written += 1;
+        }
+    }
+    eprintln!("wrote {written} trace copies to {}", dir.display());
+    Ok(())
+}
+
 pub fn run(args: ScoreboardArgs) -> Result<(), CliError> {
     let configs = configs_or(args.configs, DEFAULT_CONFIGS);
     let files = trace_files(&args.dir).map_err(CliError::Message)?;
@@ -401,6 +440,9 @@ pub fn run(args: ScoreboardArgs) -> Result<(), CliError> {
                 .to_string()
         })
         .collect();
+    if let Some(dir) = &args.write_copies {
+        write_copies(dir, &loaded, &names, copies, args.scale_down > 1)?;
+    }
     let work = |&(t, c, k): &(usize, usize, usize), slot: &jobs::Slot| {
         let l = &loaded[t];
         let jittered;
