@@ -138,6 +138,9 @@ pub(super) struct Core<E> {
     /// is captured (an event recorded during a capture would join the graph;
     /// PyTorch defers these events too). Awaiting events, none recorded yet.
     pub(super) deferred: Vec<BlockId>,
+    /// Events a stream was made to wait for (`borrow_holes`), kept until
+    /// they complete so that none is left behind unaccounted.
+    pub(super) stream_waits: Vec<E>,
     pub(super) stats: MemoryStats,
     /// Highest reserved bytes ever (not reset by `reset_peak_stats`).
     pub(super) high_water: u64,

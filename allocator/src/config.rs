@@ -262,6 +262,12 @@ pub struct Config {
     /// may still use is taken too, the requesting stream waiting for that
     /// stream's work on the device.
     pub expandable_borrow: bool,
+    /// Plain segments: before a new segment is created, take a free block
+    /// inside another stream's partly used segment (the requesting stream
+    /// waits on the device for that stream's queued work unless it is
+    /// done; the block's free waits for the requesting stream's work, as
+    /// after `record_stream`).
+    pub borrow_holes: bool,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
     /// Freed blocks each thread keeps for its own next request of the same
@@ -313,6 +319,7 @@ impl Config {
             expandable_shadows: false,
             expandable_cross_stream: false,
             expandable_borrow: false,
+            borrow_holes: false,
             expandable_segments: false,
         }
     }
@@ -1117,6 +1124,16 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::Bool(c.expandable_borrow)),
         set: |c, v| c.expandable_borrow = b(v),
+    },
+    Key {
+        name: "borrow_holes",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Experimental,
+        doc: "plain segments: before creating a segment, take a free block inside another stream's partly used segment (the requesting stream waits on the device for that stream's queued work unless it is done; the block's free is guarded by an event on the requesting stream)",
+        group: None,
+        get: |c| Some(Value::Bool(c.borrow_holes)),
+        set: |c, v| c.borrow_holes = b(v),
     },
     Key {
         name: "expandable_cross_stream",

@@ -145,6 +145,11 @@ fn model_default() {
 }
 
 #[test]
+fn model_default_borrow_holes() {
+    run_config("default-borrow-holes", config("default-borrow-holes"), 256);
+}
+
+#[test]
 fn model_graph_pool() {
     run_config("graph-pool", config("graph-pool"), 128);
 }

@@ -141,6 +141,8 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         ),
         // One parked block per thread: every park past the first evicts.
         ("default-thread-cache-1", parse("default,thread_cache:1")),
+        // Free blocks in other streams' partly used segments before growing.
+        ("default-borrow-holes", parse("default,borrow_holes:true")),
         // Slabs for every small request, and for the smallest next to the bins.
         ("default-slabs-1024", parse("default,slab_max_kb:1024")),
         ("pytorch-slabs-16", parse("pytorch,slab_max_kb:16")),
@@ -1036,11 +1038,12 @@ impl Model {
                 if st.num_alloc_retries != before.stats.num_alloc_retries {
                     self.saw("malloc served after the flush");
                 }
-                // A block taken from another stream's range (`expandable_borrow`)
-                // belongs to that stream, used on the requesting one.
+                // A block taken from another stream's range or segment
+                // (`expandable_borrow`, `borrow_holes`) belongs to that
+                // stream, used on the requesting one.
                 let (mut owner, mut uses) = (stream, BTreeSet::new());
                 if st.num_blocks_borrowed > before.stats.num_blocks_borrowed {
-                    if !self.config.expandable_borrow {
+                    if !(self.config.expandable_borrow || self.config.borrow_holes) {
                         return Err(format!("malloc({size}) borrowed with borrowing off"));
                     }
                     let snap = self.alloc.snapshot();

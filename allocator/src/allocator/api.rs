@@ -67,6 +67,7 @@ impl<D: Device> CachingAllocator<D> {
                     pending: Vec::new(),
                     pending_blocks: 0,
                     deferred: Vec::new(),
+                    stream_waits: Vec::new(),
                     stats,
                     high_water: 0,
                     clock: 0,

@@ -273,6 +273,13 @@ impl<E> State<E> {
         dev: &D,
     ) -> Result<(), AllocError> {
         self.core.stats.num_sync_all_streams += 1;
+        while let Some(e) = self.core.stream_waits.pop() {
+            if let Err(err) = dev.wait_event(&e) {
+                self.core.stream_waits.push(e);
+                return Err(err.into());
+            }
+            dev.release_event(e);
+        }
         let mut done = Vec::new();
         let mut result = Ok(());
         for (stream, mut queue) in std::mem::take(&mut self.core.pending) {

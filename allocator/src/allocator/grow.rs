@@ -3,6 +3,11 @@
 //! and the rules that decide which free segments go back to the device.
 
 use super::*;
+use crate::bins::Entry;
+
+/// `borrow_holes`: the fits looked at per other stream (the first one in a
+/// partly used segment is taken).
+const BORROW_LOOKS: usize = 8;
 
 impl<E> State<E> {
     /// The ladder after a cache miss: new segment → release what suffices →
@@ -92,6 +97,14 @@ impl<E> State<E> {
                 kind,
             )?;
         }
+        if self.core.config.borrow_holes
+            && self.core.config.caching
+            && pool.kind() != PoolKind::Small
+        {
+            if let Some(id) = self.borrow_hole(dev, req)? {
+                return Ok(id);
+            }
+        }
         if let Some(id) = self.core.alloc_segment(dev, pool, stream, seg_size)? {
             return Ok(id);
         }
@@ -115,6 +128,95 @@ impl<E> State<E> {
         Err(AllocError::OutOfMemory(Box::new(
             self.oom_report(dev, size, seg_size),
         )))
+    }
+
+    /// `borrow_holes`: the smallest free block that fits `rounded` inside a
+    /// partly used segment of another stream's pool of the same kind (an
+    /// entirely free one is for the release rules to give back), out of its
+    /// bins once the requesting stream waits on the device for that
+    /// stream's queued work. Used on the requesting stream, its free is
+    /// guarded by an event there (`stream_uses`), as after `record_stream`.
+    #[cold]
+    fn borrow_hole<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        req: Request,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let Request {
+            pool,
+            stream,
+            rounded,
+            ..
+        } = req;
+        // (Behind a CUDA graph capture the wait would join the graph.)
+        if dev.stream_capturing(stream) {
+            return Ok(None);
+        }
+        self.retire_stream_waits(dev)?;
+        let max_split = self.core.config.max_split_size;
+        let streams = self.core.bins.len() / crate::block::POOLS_PER_STREAM as usize;
+        let mut best: Option<(Entry, usize)> = None;
+        for slot in (0..streams).filter(|&s| s != pool.stream_slot()) {
+            let other = PoolId::new(slot as u32, pool.kind());
+            let Some(bins) = self.core.bins[other.index()].as_ref() else {
+                continue;
+            };
+            for e in bins.iter_from(rounded).take(BORROW_LOOKS) {
+                if best.is_some_and(|(b, _)| b.0 <= e.0)
+                    || (rounded < max_split && e.0 >= max_split)
+                {
+                    break;
+                }
+                if self.core.blocks.get(e.2 .0).is_split()
+                    && !dev.stream_capturing(self.core.stream_list[slot])
+                {
+                    best = Some((e, slot));
+                    break;
+                }
+            }
+        }
+        let Some(((size, addr, id), slot)) = best else {
+            return Ok(None);
+        };
+        // That stream's work queued so far: done already, or waited for on the device.
+        let e = dev.record_event(self.core.stream_list[slot])?;
+        self.core.stats.num_events_recorded += 1;
+        match dev.event_completed(&e) {
+            Ok(true) => dev.release_event(e),
+            Ok(false) => {
+                if let Err(err) = dev.stream_wait_event(stream, &e) {
+                    dev.release_event(e);
+                    return Err(err.into());
+                }
+                self.core.stats.num_stream_waits += 1;
+                self.core.stream_waits.push(e);
+            }
+            Err(err) => {
+                dev.release_event(e);
+                return Err(err.into());
+            }
+        }
+        let owner = self.core.blocks.get(id.0).pool;
+        self.core.bins_mut(owner).remove(size, addr, id);
+        self.core.blocks.get_mut(id.0).stream_uses.push(stream);
+        self.core.stats.num_blocks_borrowed += 1;
+        Ok(Some(id))
+    }
+
+    /// Releases the completed events of [`Core::stream_waits`].
+    pub(super) fn retire_stream_waits<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+    ) -> Result<(), AllocError> {
+        let mut i = 0;
+        while i < self.core.stream_waits.len() {
+            if dev.event_completed(&self.core.stream_waits[i])? {
+                dev.release_event(self.core.stream_waits.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
     }
 
     pub(super) fn oom_report<D: Device<Event = E>>(

@@ -1809,3 +1809,66 @@ fn expandable_records_nothing_behind_a_capture() {
     assert_eq!(a.malloc(16 * MIB, S0).unwrap(), p);
     ok(&a);
 }
+
+/// `borrow_holes`: before creating a segment, a stream takes a free block
+/// inside another stream's partly used segment, waiting on the device for
+/// that stream's queued work; the block's free is guarded by an event on
+/// the borrowing stream before its owner may reuse it.
+#[test]
+fn plain_segments_borrow_another_streams_hole_and_guard_its_free() {
+    for borrow in [true, false] {
+        let (dev, a) = new(Config {
+            borrow_holes: borrow,
+            ..Config::pytorch()
+        });
+        // Stream 0: a 20 MiB medium segment with 4 MiB in use.
+        let p = a.malloc(4 * MIB, S0).unwrap();
+        let segments = a.stats().segment.all().current;
+        let waits = a.stats().num_stream_waits;
+        let q = a.malloc(4 * MIB, S1).unwrap();
+        ok(&a);
+        if !borrow {
+            assert_eq!(a.stats().segment.all().current, segments + 1);
+            assert_eq!(a.stats().num_blocks_borrowed, 0);
+            continue;
+        }
+        assert_eq!(
+            a.stats().segment.all().current,
+            segments,
+            "no new segment: stream 1 took the hole after stream 0's block"
+        );
+        assert_eq!(q.0, p.0 + 4 * MIB);
+        assert_eq!(a.stats().num_blocks_borrowed, 1);
+        assert_eq!(
+            a.stats().num_stream_waits,
+            waits + 1,
+            "stream 0's queued work is waited for on the device"
+        );
+        a.free(q).unwrap();
+        assert!(!dev.pending_events().is_empty(), "the free is guarded");
+        let r = a.malloc(16 * MIB - 4 * MIB, S0).unwrap();
+        assert_ne!(r, q, "stream 1 may still use it");
+        a.free(r).unwrap();
+        dev.complete_all_events();
+        assert_eq!(a.malloc(4 * MIB, S0).unwrap(), q, "the owner's again");
+        ok(&a);
+    }
+}
+
+/// A stream being captured borrows no hole: the device wait would join
+/// the graph.
+#[test]
+fn no_hole_is_borrowed_behind_a_capture() {
+    let (dev, a) = new(Config {
+        borrow_holes: true,
+        ..Config::pytorch()
+    });
+    let _p = a.malloc(4 * MIB, S0).unwrap();
+    dev.set_capturing(S1, true);
+    let segments = a.stats().segment.all().current;
+    let _q = a.malloc(4 * MIB, S1).unwrap();
+    assert_eq!(a.stats().segment.all().current, segments + 1);
+    assert_eq!(a.stats().num_blocks_borrowed, 0);
+    assert_eq!(dev.counters().events_in_capture, 0);
+    ok(&a);
+}

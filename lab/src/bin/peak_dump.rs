@@ -53,6 +53,22 @@ fn main() {
         return;
     }
     let snap = a.snapshot();
+    // Per stream and pool: segments, reserved, allocated (MiB).
+    let mut per: std::collections::BTreeMap<String, (u32, u64, u64)> = Default::default();
+    for s in &snap.segments {
+        let e = per
+            .entry(format!("{:?} {:?}", s.stream, s.pool))
+            .or_default();
+        *e = (e.0 + 1, e.1 + s.total_size, e.2 + s.allocated_size);
+    }
+    for (k, (n, total, used)) in per {
+        println!(
+            "{k}: {n} segments, {:.1} MiB, allocated {:.1} MiB, free {:.1} MiB",
+            total as f64 / 1048576.0,
+            used as f64 / 1048576.0,
+            (total - used) as f64 / 1048576.0
+        );
+    }
     for s in snap.segments.iter().filter(|s| s.total_size > (16 << 20)) {
         let (free, line) = lab::segment_line(s);
         if free > 0 {
