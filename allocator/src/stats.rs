@@ -229,16 +229,17 @@ pub struct MemoryStats {
     /// Expandable segments: markers waited for instead of synchronizing the
     /// whole device (work queued after a marker keeps running).
     pub num_marker_waits: u64,
-    /// Expandable segments: blocks carved for a stream from another stream's
-    /// free block over mapped pages (no page moved), their free guarded by
-    /// an event on the requesting stream.
+    /// Blocks carved for a stream from another stream's free block: over
+    /// mapped pages with expandable segments (no page moved), in a partly
+    /// used segment with `borrow_holes`; their free guarded by an event on
+    /// the requesting stream.
     pub num_blocks_borrowed: u64,
     /// Expandable segments: idle pages reused early by a block of their own stream
     /// before the stream was past them (mapped again at once, their old
     /// mapping dropped later) instead of waiting for a marker.
     pub num_pages_reused_early: u64,
-    /// Expandable segments: waits of a stream for another stream's work
-    /// queued on the device instead of the host (`expandable_cross_stream`).
+    /// Waits of a stream for another stream's work queued on the device
+    /// instead of the host (`expandable_cross_stream`, `borrow_holes`).
     pub num_stream_waits: u64,
     /// Expandable segments: pages mapped back where a shadow of them was
     /// kept (`expandable_shadows`), with no driver call.
