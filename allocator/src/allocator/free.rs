@@ -330,9 +330,6 @@ impl<E> Core<E> {
         (kind, slab)
     }
 
-    /// One event guarding block `id` completed; returns whether it was the
-    /// block's last (the block is then no longer awaiting events, and is to
-    /// be freed).
     /// Whether a stream block `id` was used on is being captured.
     #[inline]
     pub(super) fn uses_capturing<D: Device<Event = E>>(&self, dev: &D, id: BlockId) -> bool {
@@ -368,6 +365,9 @@ impl<E> Core<E> {
         }
     }
 
+    /// One event guarding block `id` completed; returns whether it was the
+    /// block's last (the block is then no longer awaiting events, and is to
+    /// be freed).
     pub(super) fn event_done(&mut self, id: BlockId) -> bool {
         let b = self.blocks.get_mut(id.0);
         b.pending_events -= 1;
