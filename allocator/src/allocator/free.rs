@@ -273,6 +273,10 @@ impl<E> State<E> {
         dev: &D,
     ) -> Result<(), AllocError> {
         self.core.stats.num_sync_all_streams += 1;
+        if !self.core.deferred.is_empty() {
+            // Blocks freed during a capture that has ended: guarded now, waited for below.
+            self.guard_deferred(dev)?;
+        }
         while let Some(e) = self.core.stream_waits.pop() {
             if let Err(err) = dev.wait_event(&e) {
                 self.core.stream_waits.push(e);

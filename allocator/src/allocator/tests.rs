@@ -1872,3 +1872,28 @@ fn no_hole_is_borrowed_behind_a_capture() {
     assert_eq!(dev.counters().events_in_capture, 0);
     ok(&a);
 }
+
+/// `empty_cache` after a capture guards and waits for the blocks freed
+/// during it, so their segments go back; during the capture it keeps them.
+#[test]
+fn empty_cache_after_a_capture_releases_what_was_freed_during_it() {
+    let (dev, a) = new(Config::pytorch());
+    let p = a.malloc(4096, S0).unwrap();
+    a.record_stream(p, S1).unwrap();
+    dev.set_capturing(S1, true);
+    a.free(p).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(
+        a.usage().reserved,
+        2 * MIB,
+        "still guarded behind the capture"
+    );
+    assert_eq!(dev.counters().events_in_capture, 0);
+    ok(&a);
+    dev.set_capturing(S1, false);
+    let released = a.empty_cache().unwrap();
+    assert_eq!(released.bytes, 2 * MIB);
+    assert_eq!(a.usage().reserved, 0);
+    assert_eq!(a.stats().active.all().current, 0);
+    ok(&a);
+}
