@@ -194,9 +194,6 @@ pub struct Config {
     /// request gets a segment of its own, so big segments are not carved up
     /// by smaller, longer-lived blocks.
     pub oversize_ratio: u64,
-    /// Before growing, release only segments idle for at least this many
-    /// allocator operations (mallocs and frees).
-    pub release_min_idle: u64,
     /// Before growing, release only segments that stayed free while the
     /// program allocated at least this fraction of its peak allocated bytes
     /// (0: any free segment): an idle age that means the same on every
@@ -207,11 +204,6 @@ pub struct Config {
     /// any free segment is released before growing, so the idle age costs at
     /// most this much memory.
     pub release_idle_slack: f64,
-    /// Before growing, release only free segments of the pool kind (small,
-    /// large, huge) of the segment being created, so that pools do not trade
-    /// memory back and forth every step (the out-of-memory ladder still
-    /// releases any free segment).
-    pub release_same_kind: bool,
     /// On a device out-of-memory, release cached segments (those that make
     /// room, then every entirely free one) and retry before failing (plain
     /// segments). Off for a CUDA graph's private pool: a
@@ -304,10 +296,8 @@ impl Config {
             release_before_grow: false,
             release_order: ReleaseOrder::SmallestFit,
             oversize_ratio: 0,
-            release_min_idle: 0,
             release_idle_frac: 0.0,
             release_idle_slack: 0.0,
-            release_same_kind: false,
             oom_flush: true,
             idle_slack: IDLE_SLACK,
             idle_slack_hard: IDLE_SLACK_HARD,
@@ -334,9 +324,7 @@ impl Config {
             huge_size: 256 * MIB,
             huge_segment_divisions: 16,
             oversize_ratio: 2,
-            release_same_kind: false,
             oom_flush: true,
-            release_min_idle: 0,
             slab_max: 0,
             ..Self::default()
         }
@@ -365,9 +353,7 @@ impl Config {
             // 1.140 → 1.079, map calls 2,191 → 1,248; docs/POLICY.md).
             expandable_borrow: true,
             huge_size: u64::MAX,
-            release_same_kind: false,
             oom_flush: true,
-            release_min_idle: 0,
             ..Self::default()
         }
     }
@@ -999,20 +985,6 @@ pub static KEYS: &[Key] = &[
         set: |c, v| c.release_order = ReleaseOrder::from_word(w(v)).expect("a word of the table"),
     },
     Key {
-        name: "release_min_idle",
-        aliases: &[],
-        kind: KeyKind::Count {
-            min: 0,
-            max: 1 << 40,
-            pow2: false,
-        },
-        stability: Stability::Stable,
-        doc: "before growing, release only segments idle for this many operations (mallocs and frees)",
-        group: None,
-        get: |c| Some(Value::U64(c.release_min_idle)),
-        set: |c, v| c.release_min_idle = u(v),
-    },
-    Key {
         name: "release_idle_frac",
         aliases: &[],
         kind: SHARE,
@@ -1031,16 +1003,6 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::F64(c.release_idle_slack)),
         set: |c, v| c.release_idle_slack = f(v),
-    },
-    Key {
-        name: "release_same_kind",
-        aliases: &[],
-        kind: BOOL,
-        stability: Stability::Stable,
-        doc: "before growing, release only free segments of the pool kind being grown (small, large, huge)",
-        group: None,
-        get: |c| Some(Value::Bool(c.release_same_kind)),
-        set: |c, v| c.release_same_kind = b(v),
     },
     Key {
         name: "oom_flush",
@@ -1312,9 +1274,7 @@ impl Default for Config {
             release_order: ReleaseOrder::Largest,
             thread_cache: DEFAULT_THREAD_CACHE,
             huge_size: 256 * MIB,
-            release_same_kind: false,
             oom_flush: true,
-            release_min_idle: 0,
             release_idle_frac: 0.25,
             release_idle_slack: 0.1,
             slab_max: DEFAULT_SLAB_MAX,

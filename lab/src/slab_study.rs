@@ -11,10 +11,8 @@
 //! reuses; `empty_cache` and a full device return that pool to the device (a
 //! full device also flushes the core, as its own ladder would).
 //!
-//! The slab operations count on the core's idle clock (the clock of
-//! `release_min_idle`), as they would inside the allocator: without them
-//! the small operations between training steps no longer age the segments
-//! freed at a step's end (docs/POLICY.md).
+//! The slab operations count on the core's operation clock, as they would
+//! inside the allocator.
 
 use cachealloc_core::rounding::round_size_plain;
 use cachealloc_core::TraceEvent;

@@ -190,7 +190,7 @@ impl<D: Device> CachingAllocator<D> {
     }
 
     /// Counts `ops` mallocs and frees that were served outside this
-    /// allocator on its idle clock (the clock of `release_min_idle`), as if
+    /// allocator on its operation clock, as if
     /// they had been its own: for policy studies that route some requests
     /// elsewhere (the lab's `slab_eval`). Only with the `testing` feature.
     #[cfg(feature = "testing")]

@@ -77,7 +77,6 @@ impl<E> State<E> {
             && self.core.reserved() + seg_size > self.core.high_water
         {
             let need = self.core.reserved() + seg_size - self.core.high_water;
-            let kind = self.core.config.release_same_kind.then_some(pool.kind());
             // The idle age may keep young free segments only within the slack.
             let bound = (1.0 + self.core.config.release_idle_slack)
                 * self
@@ -89,13 +88,7 @@ impl<E> State<E> {
                     .max(self.core.stats.allocated_bytes.all().current + rounded)
                     as f64;
             let idle_rule = ((self.core.reserved() + seg_size) as f64) <= bound;
-            self.release_free_segments(
-                dev,
-                need,
-                self.core.config.release_min_idle,
-                idle_rule,
-                kind,
-            )?;
+            self.release_free_segments(dev, need, idle_rule)?;
         }
         if self.core.config.borrow_holes
             && self.core.config.caching
@@ -273,27 +266,21 @@ impl<E> State<E> {
     }
 
     /// [`State::release_free_segments`] in `ReleaseOrder::Oldest`: walks the
-    /// candidates oldest first and stops once `need` bytes are released (or
-    /// at the first one idle for less than `min_idle`).
+    /// candidates oldest first and stops once `need` bytes are released.
     pub(super) fn release_oldest_segments<D: Device<Event = E>>(
         &mut self,
         dev: &D,
         need: u64,
-        min_idle: u64,
-        kind: Option<PoolKind>,
     ) -> Result<u64, AllocError> {
         use std::ops::Bound::{Excluded, Unbounded};
         let mut total = 0;
-        // Per kind: the last entry looked at; the walk merges the kinds asked for.
+        // Per kind: the last entry looked at; the walk merges the kinds.
         let mut cursor: [Option<(u64, u64, u32)>; 3] = [None; 3];
         let mut stale = Vec::new();
         let mut result = Ok(());
         while total < need {
             let mut next: Option<(usize, (u64, u64, u32))> = None;
             for (k, set) in self.core.free_candidates.iter().enumerate() {
-                if kind.is_some_and(|want| want as usize != k) {
-                    continue;
-                }
                 let from = cursor[k].map_or(Unbounded, Excluded);
                 if let Some(&e) = set.range((from, Unbounded)).next() {
                     if next.map_or(true, |(_, n)| e < n) {
@@ -308,9 +295,6 @@ impl<E> State<E> {
             if !self.core.free_candidate_holds(e) {
                 stale.push((k, e));
                 continue;
-            }
-            if self.core.clock - e.0 < min_idle {
-                break; // the rest are younger
             }
             match self.release_segment(dev, SegmentId(e.2)) {
                 Ok(size) => total += size,
@@ -352,35 +336,24 @@ impl<E> State<E> {
     }
 
     /// Releases entirely free segments totalling at least `need` bytes, in
-    /// `release_order`; only segments idle for `min_idle` operations and
-    /// (`release_idle_frac`, when `idle_rule` is set) for that fraction of
-    /// the peak allocated bytes allocated since, and only of pool kind
-    /// `kind` when given.
+    /// `release_order`; with `idle_rule`, only segments that stayed free
+    /// while `release_idle_frac` of the peak allocated bytes was allocated.
     /// Returns the bytes released (possibly less than `need`).
     pub(super) fn release_free_segments<D: Device<Event = E>>(
         &mut self,
         dev: &D,
         need: u64,
-        min_idle: u64,
         idle_rule: bool,
-        kind: Option<PoolKind>,
     ) -> Result<u64, AllocError> {
         let frac = self.core.config.release_idle_frac;
         if self.core.config.release_order == ReleaseOrder::Oldest && !(idle_rule && frac > 0.0) {
             // The walk in idle order; with an idle age in bytes, the filter below.
-            return self.release_oldest_segments(dev, need, min_idle, kind);
+            return self.release_oldest_segments(dev, need);
         }
         let mut free = self.core.free_segments();
         if idle_rule && frac > 0.0 {
             let min_bytes = (frac * self.core.stats.allocated_bytes.all().peak as f64) as u64;
             free.retain(|&(_, seg)| self.core.bytes_since(self.core.free_since(seg)) >= min_bytes);
-        }
-        if let Some(k) = kind {
-            free.retain(|&(_, seg)| self.core.segments.get(seg.0).pool.kind() == k);
-        }
-        if min_idle > 0 {
-            let now = self.core.clock;
-            free.retain(|&(_, seg)| now - self.core.free_since(seg) >= min_idle);
         }
         if free.is_empty() {
             return Ok(0);
@@ -434,7 +407,7 @@ impl<E> State<E> {
             None => dev.mem_info()?.free,
         };
         let need = seg_size.saturating_sub(headroom).max(1);
-        Ok(self.release_free_segments(dev, need, 0, false, None)? > 0)
+        Ok(self.release_free_segments(dev, need, false)? > 0)
     }
 
     /// PyTorch's `release_available_cached_blocks` (only with `max_split_size`):

@@ -481,7 +481,6 @@ fn release_before_grow_reuses_the_previous_peak() {
     // first returns entirely free segments instead of growing past the peak
     // (here even one freed just before: no minimum idle time).
     let (_, a) = new(Config {
-        release_min_idle: 0,
         ..Config::default()
     });
     let p = a.malloc(100 * MIB, S0).unwrap();
@@ -597,7 +596,6 @@ fn an_oversize_free_huge_segment_goes_back_for_one_that_fits() {
 fn release_before_grow_releases_the_longest_idle_segment_first() {
     let config = Config {
         release_order: crate::config::ReleaseOrder::Oldest,
-        release_min_idle: 0,
         ..Config::default()
     };
     let (dev, a) = new(config);
@@ -617,39 +615,15 @@ fn release_before_grow_releases_the_longest_idle_segment_first() {
 }
 
 #[test]
-fn release_min_idle_keeps_recently_freed_segments() {
-    let config = Config {
-        release_min_idle: 10,
-        ..Config::default()
-    };
-    let (dev, a) = new(config);
-    let x = a.malloc(40 * MIB, S0).unwrap();
-    a.free(x).unwrap();
-    a.malloc(50 * MIB, S0).unwrap();
-    assert_eq!(dev.segments().len(), 2, "x was freed one malloc ago: kept");
+fn release_before_grow_releases_free_segments_of_any_pool_kind() {
+    // A free huge segment goes back before a large one is created.
+    let (dev, a) = new(Config::default());
+    let h = a.malloc(300 * MIB, S0).unwrap();
+    a.free(h).unwrap();
+    a.malloc(100 * MIB, S0).unwrap();
+    assert_eq!(dev.segments().len(), 1, "the huge segment was released");
     ok(&a);
-}
-
-#[test]
-fn release_before_grow_keeps_free_segments_of_other_pool_kinds() {
-    // A free huge segment is not traded for a large one (the next step's
-    // huge tensor would need it again); the out-of-memory ladder still may.
-    let run = |same_kind: bool| {
-        let config = Config {
-            release_same_kind: same_kind,
-            release_min_idle: 0,
-            ..Config::default()
-        };
-        let (dev, a) = new(config);
-        let h = a.malloc(300 * MIB, S0).unwrap();
-        a.free(h).unwrap();
-        a.malloc(100 * MIB, S0).unwrap();
-        ok(&a);
-        dev.segments().len()
-    };
-    assert_eq!(run(true), 2, "the huge segment stays");
-    assert_eq!(run(false), 1, "without the rule it is released");
-    // Under a 350 MiB cap the ladder releases it to make room.
+    // Under a 350 MiB cap too, before any out-of-memory retry.
     let (dev, a) = with_capacity(Config::default(), 350 * MIB);
     let h = a.malloc(300 * MIB, S0).unwrap();
     a.free(h).unwrap();

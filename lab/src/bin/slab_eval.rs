@@ -8,17 +8,16 @@
 //! reserved, min-capacity (the smallest device that replays the trace, to
 //! 0.1%), device calls over `pytorch`'s, and the share of operations the
 //! slabs took. `FOREIGN_OPS=0` leaves the slab operations off the core's
-//! idle clock (to show what the clock does); `MIN_IDLE=N` sets the idle age
-//! (`release_min_idle`, 25 operations by default).
+//! operation clock.
 
 use cachealloc_core::rounding::SLAB_MAX;
 use cachealloc_core::Config;
-use lab::slab_study::{bins_default, replay, Study, BINS_DEFAULT};
+use lab::slab_study::{bins_default, replay, Study};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 3 {
-        eprintln!("usage: slab_eval LIMIT_KIB TRACE.gz...  (env: MIN_IDLE=N, FOREIGN_OPS=0)");
+        eprintln!("usage: slab_eval LIMIT_KIB TRACE.gz...  (env: FOREIGN_OPS=0)");
         std::process::exit(2);
     }
     let limit: u64 = match args[1].parse::<u64>() {
@@ -31,9 +30,6 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let idle: Option<u64> = std::env::var("MIN_IDLE")
-        .ok()
-        .map(|v| v.parse().expect("MIN_IDLE, a number of operations"));
     let base = Study {
         limit: 0,
         config: bins_default(),
@@ -41,12 +37,7 @@ fn main() {
     };
     let study = Study {
         limit,
-        config: match idle {
-            Some(n) => {
-                Config::parse(&format!("{BINS_DEFAULT},release_min_idle:{n}")).expect("config")
-            }
-            None => bins_default(),
-        },
+        config: bins_default(),
         tick: std::env::var("FOREIGN_OPS").map_or(true, |v| v != "0"),
     };
     for path in &args[2..] {
@@ -60,10 +51,9 @@ fn main() {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         let pa = b.peak_allocated as f64;
         println!(
-            "{:<24} slabs <= {:>4} KiB, min idle {:>2}{}: {:>4.1}% of ops in slabs | reserved / allocated {:.3} (default {:.3}) | min-capacity {:.3} (default {:.3}) | calls {:.2}x PyTorch's (default {:.2}x) | slabs at most {:.3} GiB",
+            "{:<24} slabs <= {:>4} KiB{}: {:>4.1}% of ops in slabs | reserved / allocated {:.3} (default {:.3}) | min-capacity {:.3} (default {:.3}) | calls {:.2}x PyTorch's (default {:.2}x) | slabs at most {:.3} GiB",
             path.rsplit('/').next().unwrap_or(path),
             limit / 1024,
-            idle.unwrap_or(25),
             if study.tick { "" } else { ", slab ops off the clock" },
             100.0 * run.slab_share,
             run.peak_reserved as f64 / pa,
