@@ -8,7 +8,7 @@
 //! ```text
 //! cargo run --release --example cudarc_mlp_replay -- [STEPS] [HIDDEN] [MAX_BATCH] [ROUNDS] [CONF...]
 //! ```
-//! (defaults 200 2048 2048 3, and the presets default, pytorch, expandable, lowmem).
+//! (defaults 200 2048 2048 3, and the presets default, pytorch, expandable).
 
 use cachealloc::{CachingAllocator, Config, DevicePtr, SimulatedDevice, StreamId};
 
@@ -31,7 +31,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (steps, hidden, max_batch, rounds) = (num(0, 200), num(1, 2048), num(2, 2048), num(3, 3));
     let mut confs: Vec<&str> = args.iter().skip(4).map(String::as_str).collect();
     if confs.is_empty() {
-        confs = vec!["default", "pytorch", "expandable", "lowmem"];
+        confs = vec!["default", "pytorch", "expandable"];
     }
     let sizes = [256u64, hidden, hidden, 10];
     println!("MLP {sizes:?}, {rounds} rounds of {steps} steps, batch 32..={max_batch}");

@@ -247,14 +247,7 @@ impl<E> Core<E> {
         } else if rounded < c.large_threshold.min(medium / 2) {
             medium
         } else {
-            let mut size = rounded;
-            if rounded >= c.huge_size && c.huge_segment_divisions > 1 {
-                size = crate::rounding::round_power2_division(
-                    rounded,
-                    u64::from(c.huge_segment_divisions),
-                );
-            }
-            size.div_ceil(c.segment_round) * c.segment_round
+            rounded.div_ceil(c.segment_round) * c.segment_round
         }
     }
 }

@@ -171,10 +171,6 @@ pub struct Config {
     /// Requests at or above this size go to the huge pool, whose blocks only
     /// huge requests may take (`u64::MAX`: no huge pool).
     pub huge_size: u64,
-    /// Segments of the huge pool are rounded up to the next of this many equal
-    /// steps between powers of two (0: to `segment_round` only), so that
-    /// huge requests of varying size fit each other's segments.
-    pub huge_segment_divisions: u32,
     /// Large blocks are split only when the remainder is larger than this.
     pub large_split_remainder: u64,
     /// PyTorch's `max_split_size`: blocks this large are never split, and
@@ -286,7 +282,6 @@ impl Config {
             segment_round: 2 * MIB,
             large_split_remainder: MIB,
             huge_size: u64::MAX,
-            huge_segment_divisions: 0,
             thread_cache: 0,
             slab_max: 0,
             max_split_size: u64::MAX,
@@ -311,22 +306,6 @@ impl Config {
             expandable_borrow: false,
             borrow_holes: false,
             expandable_segments: false,
-        }
-    }
-
-    /// Our policy with a huge pool for requests ≥ 256 MiB (segments rounded to
-    /// 1/16 of a power of two, never taken by a request under half their
-    /// size): less stranded memory on workloads with very large, varying
-    /// tensors, at the price of more driver calls. See `docs/POLICY.md`.
-    pub fn lowmem() -> Self {
-        Config {
-            name: "lowmem".into(),
-            huge_size: 256 * MIB,
-            huge_segment_divisions: 16,
-            oversize_ratio: 2,
-            oom_flush: true,
-            slab_max: 0,
-            ..Self::default()
         }
     }
 
@@ -369,14 +348,13 @@ impl Config {
 
     /// The named presets, for help texts.
     pub const PRESETS: &'static [&'static str] =
-        &["default", "pytorch", "expandable", "lowmem", "no-caching"];
+        &["default", "pytorch", "expandable", "no-caching"];
 
     /// A preset by name.
     pub fn preset(name: &str) -> Option<Self> {
         match name {
             "default" => Some(Self::default()),
             "pytorch" => Some(Self::pytorch()),
-            "lowmem" => Some(Self::lowmem()),
             "expandable" => Some(Self::expandable()),
             "no-caching" | "no_caching" | "none" => Some(Self::no_caching()),
             _ => None,
@@ -935,20 +913,6 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::U64(c.huge_size)),
         set: |c, v| c.huge_size = u(v),
-    },
-    Key {
-        name: "huge_segment_divisions",
-        aliases: &[],
-        kind: KeyKind::Count {
-            min: 0,
-            max: 1 << 16,
-            pow2: true,
-        },
-        stability: Stability::Experimental,
-        doc: "round huge segments up to 1/N of their power-of-two interval (0: off)",
-        group: None,
-        get: |c| Some(Value::U64(u64::from(c.huge_segment_divisions))),
-        set: |c, v| c.huge_segment_divisions = u(v) as u32,
     },
     Key {
         name: "oversize_ratio",
@@ -1539,8 +1503,7 @@ mod tests {
             Config::pytorch(),
             Config::no_caching(),
             Config::parse("pytorch,max_split_size_mb:64,roundup_power2_divisions:[1:1,2:2,>:4],memory_cap:1GiB").unwrap(),
-            Config::lowmem(),
-            Config::parse("lowmem,huge_size_mb:unlimited,release_order:smallest_fit").unwrap(),
+            Config::parse("default,huge_size_mb:unlimited,release_order:smallest_fit").unwrap(),
             Config::parse("default,release_order:smallest_fit,garbage_collection_threshold:0.5,per_process_memory_fraction:0.5")
                 .unwrap(),
         ] {

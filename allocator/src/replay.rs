@@ -480,7 +480,6 @@ mod tests {
             Config::parse("pytorch,expandable_segments:True").unwrap(),
             Config::pytorch(),
             Config::default(),
-            Config::lowmem(),
             Config::no_caching(),
         ];
         for config in &configs {

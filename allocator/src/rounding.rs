@@ -83,7 +83,9 @@ pub fn slab_class(rounded: u64) -> (usize, u64) {
     (class, up * MIN_BLOCK)
 }
 
-/// Rounds `size` up to the next of `d` equal steps between the powers of two around it.
+/// Rounds `size` up to the next of `d` equal steps between the powers of two
+/// around it (the reference the branch-free rounding is tested against).
+#[cfg(test)]
 pub(crate) fn round_power2_division(size: u64, d: u64) -> u64 {
     if size.is_power_of_two() {
         return size;

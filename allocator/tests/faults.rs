@@ -204,11 +204,6 @@ fn faults_expandable() {
 }
 
 #[test]
-fn faults_lowmem() {
-    run_preset("lowmem");
-}
-
-#[test]
 fn faults_no_caching() {
     run_preset("no-caching");
 }

@@ -32,7 +32,7 @@ fn configs() -> Vec<(String, Config)> {
         "pytorch,max_split_size_mb:64",
         "pytorch,roundup_power2_divisions:4",
         "pytorch,garbage_collection_threshold:0.6,per_process_memory_fraction:0.8",
-        "default,huge_size_mb:64,huge_segment_divisions:4",
+        "default,huge_size_mb:64",
         "default,slab_max_kb:1024",
         "expandable,expandable_page_mb:8",
         "expandable,expandable_edges:small",

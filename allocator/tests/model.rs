@@ -175,11 +175,6 @@ fn model_pytorch_roundup_power2() {
 }
 
 #[test]
-fn model_lowmem() {
-    run_config("lowmem", config("lowmem"), 96);
-}
-
-#[test]
 fn model_default_huge_pool_64() {
     run_config("default-huge-64", config("default-huge-64"), 96);
 }

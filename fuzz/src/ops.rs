@@ -29,7 +29,7 @@ pub fn options() -> Options {
 ///
 /// Byte 0 below 128: the model's own choice of configuration (what
 /// `model::run_bytes` does: one of `model::configs()`, i.e. pytorch,
-/// default, no-caching, lowmem, expandable and variants).
+/// default, no-caching, expandable and variants).
 /// 128 and above: one of the named presets ([`presets`]).
 pub fn run(data: &[u8]) -> Result<(), String> {
     let Some((&choice, rest)) = data.split_first() else {

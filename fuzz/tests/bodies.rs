@@ -107,7 +107,7 @@ fn config_every_key_full_range() {
         "5e-324".into(),
         "1.0000000000000002".into(),
     ];
-    for preset in ["default", "expandable", "lowmem"] {
+    for preset in ["default", "expandable", "pytorch"] {
         for key in cachealloc_core::config::KEYS {
             for v in &values {
                 let conf = format!("{preset},{}:{v}", key.name);

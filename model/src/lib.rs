@@ -134,10 +134,9 @@ pub fn configs() -> Vec<(&'static str, Config)> {
             "pytorch-roundup",
             parse("pytorch,roundup_power2_divisions:4"),
         ),
-        ("lowmem", Config::lowmem()),
         (
             "default-huge-64",
-            parse("default,huge_size_mb:64,huge_segment_divisions:4"),
+            parse("default,huge_size_mb:64"),
         ),
         // One parked block per thread: every park past the first evicts.
         ("default-thread-cache-1", parse("default,thread_cache:1")),

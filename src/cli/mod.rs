@@ -178,7 +178,7 @@ struct ScoreboardArgs {
           value_parser = clap::value_parser!(u64).range(1..))]
     scale_down: u64,
     /// Configuration (repeat for several; default: pytorch,
-    /// pytorch,expandable_segments:True, default, expandable, lowmem).
+    /// pytorch,expandable_segments:True, default, expandable).
     #[arg(long = "config", short = 'c', value_name = "NAME|CONF", value_parser = parse_config)]
     configs: Vec<ConfigArg>,
     /// Skip the smallest-capacity search (one replay per cell).

@@ -37,7 +37,6 @@ pub const DEFAULT_CONFIGS: &[&str] = &[
     "pytorch,expandable_segments:True",
     "default",
     "expandable",
-    "lowmem",
 ];
 /// How far (in events) the jitter moves an event within its step.
 pub const SHUFFLE_WINDOW: f64 = 64.0;
