@@ -8,6 +8,10 @@ use std::os::raw::c_char;
 use std::ptr;
 use std::sync::OnceLock;
 
+/// `CUresult` of a query on the legacy default stream while another stream
+/// is being captured in global mode.
+const CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: i32 = 906;
+
 /// A device of the process, through its **primary context**, so that the
 /// pointers it hands out are valid for cust, PyTorch and any runtime-API
 /// code of the process (they all use the primary context).
@@ -266,8 +270,11 @@ impl Device for CudaDevice {
         // SAFETY: `h` is a live stream (a special handle, or registered under
         // `register_stream`'s contract) and `status` a valid out-pointer.
         let rc = unsafe { ffi::cuStreamIsCapturing(h, &mut status) };
-        // Active or invalidated: either way still inside the capture.
-        rc == 0 && status != 0
+        // Active or invalidated: either way still inside the capture. The
+        // legacy default stream while another stream is captured in global
+        // mode answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: work queued on it
+        // would join that capture, so it counts as captured too.
+        (rc == 0 && status != 0) || rc == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
     }
 
     fn release_event(&self, event: CudaEvent) {
