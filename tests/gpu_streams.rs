@@ -371,3 +371,62 @@ fn unregistered_stream_ids_never_reach_the_driver() {
     alloc.check_invariants().unwrap();
     alloc.empty_cache().unwrap();
 }
+
+// The stream-capture entry points (not wrapped by the crate: only this test
+// captures). `CUresult` is an `i32`, `CUstreamCaptureMode` a `u32`.
+extern "C" {
+    fn cuStreamBeginCapture_v2(stream: *mut std::ffi::c_void, mode: u32) -> i32;
+    fn cuStreamEndCapture(stream: *mut std::ffi::c_void, graph: *mut *mut std::ffi::c_void) -> i32;
+    fn cuGraphDestroy(graph: *mut std::ffi::c_void) -> i32;
+}
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`.
+const CAPTURE_MODE_RELAXED: u32 = 2;
+
+/// A block used on a stream that is being captured into a CUDA graph and
+/// freed during the capture: nothing is recorded behind the capture (it
+/// ends cleanly), the block stays out of use until the capture is over, and
+/// is guarded by an event then; `empty_cache` returns its memory at the end.
+#[test]
+fn a_block_freed_during_a_capture_is_guarded_after_it() {
+    let _serial = serial();
+    let Some(dev) = gpu_device() else { return };
+    dev.bind_thread().unwrap();
+    let s = Stream::new(&dev).unwrap();
+    let alloc = CachingAllocator::new(dev, Config::default());
+    let size = 4 * MIB;
+    let x = alloc.malloc(size, StreamId(0)).unwrap();
+    alloc.record_stream(x, s.id()).unwrap();
+    let raw = s.id().0 as usize as *mut std::ffi::c_void;
+    // SAFETY: `raw` is the live stream `s` (its id is its handle).
+    assert_eq!(
+        unsafe { cuStreamBeginCapture_v2(raw, CAPTURE_MODE_RELAXED) },
+        0
+    );
+    assert!(alloc.device().stream_capturing(s.id()));
+    // Captured work over x, then x freed while the capture goes on.
+    // SAFETY: x is ours; stream s uses it (record_stream above).
+    unsafe { driver::memset_d32_async(x, 0x5eed_5eed, (size / 4) as usize, s.id()) }.unwrap();
+    alloc.free(x).unwrap();
+    assert_eq!(
+        alloc.stats().active.all().current,
+        1,
+        "held until the capture ends"
+    );
+    let y = alloc.malloc(size, StreamId(0)).unwrap();
+    assert_ne!(y, x, "not reused during the capture");
+    let mut graph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above; `graph` is a valid out-pointer.
+    let ended = unsafe { cuStreamEndCapture(raw, &mut graph) };
+    assert_eq!(ended, 0, "the capture was not invalidated");
+    // SAFETY: the graph made by the capture, destroyed once.
+    unsafe { cuGraphDestroy(graph) };
+    assert!(!alloc.device().stream_capturing(s.id()));
+    alloc.free(y).unwrap();
+    s.synchronize().unwrap();
+    // The capture is over: the next call guards x; empty_cache waits for it.
+    let z = alloc.malloc(size, StreamId(0)).unwrap();
+    alloc.free(z).unwrap();
+    alloc.check_invariants().unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.usage().reserved, 0, "x's memory came back");
+}
