@@ -100,7 +100,8 @@ pub enum EdgePages {
     /// Whole big pages while there is room; under pressure (reserved memory
     /// within `idle_slack_hard` of the cap or of the device's capacity)
     /// granularity-sized pages only, so that no memory is lost to the
-    /// partly used big pages at blocks' edges.
+    /// partly used big pages at blocks' edges; where only the mapping at
+    /// hand would reach that point, granules at its edges only.
     Pressure,
     /// As `Pressure`, and granularity-sized pages at the edges as well once
     /// a mapping would lift reserved memory more than `idle_slack_hard` above

@@ -1,6 +1,7 @@
 //! Mixed page sizes in expandable segments: big pages where there
 //! is room, granularity-sized ones at blocks' edges (`expandable_edges:small`)
-//! or everywhere under pressure (the default, `expandable_edges:pressure`),
+//! or everywhere near the limit (the default, `expandable_edges:pressure`; at the
+//! edges only where just the mapping at hand would reach it),
 //! the pool of unmapped pages kept per size. Each test checks the mappings
 //! the simulated device holds (which rejects partial unmaps and misaligned
 //! maps) and the allocator's invariants, page map included.
@@ -100,7 +101,7 @@ fn pooled_pages_of_another_size_make_room_on_a_full_device() {
 }
 
 #[test]
-fn under_pressure_only_granules_are_mapped_and_the_end_page_is_trimmed() {
+fn near_the_limit_only_granules_are_mapped_and_the_end_page_is_trimmed() {
     // 64 MiB device: pressure once a mapping would bring reserved memory
     // within 2% (idle_slack_hard) of it.
     let dev = SimulatedDevice::new(64 * MIB);
@@ -108,12 +109,14 @@ fn under_pressure_only_granules_are_mapped_and_the_end_page_is_trimmed() {
     let small = a.malloc(512, S0).unwrap(); // the small pool's one page
     let x = a.malloc(48 * MIB, S0).unwrap();
     assert_eq!(mapped_under(&dev, x, 48 * MIB).len(), 6, "six big pages");
-    // Whole big pages would need 16 MiB (64 in all): only its 7 granules.
+    // Whole big pages would need 16 MiB (64 in all): only this mapping
+    // would reach the limit, so the big page wholly under it stays big and
+    // its end takes granules (14 MiB: one big page and 3 granules).
     let y = a.malloc(14 * MIB, S0).unwrap();
     assert_eq!(y.0, x.0 + 48 * MIB);
     assert_eq!(
         mapped_under(&dev, y, 14 * MIB),
-        (0..7).map(|i| (2 * i, 2)).collect::<Vec<_>>()
+        vec![(0, 8), (8, 2), (10, 2), (12, 2)]
     );
     assert_eq!(a.usage().reserved, 64 * MIB);
     a.free(x).unwrap();

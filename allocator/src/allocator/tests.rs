@@ -1870,3 +1870,28 @@ fn empty_cache_after_a_capture_releases_what_was_freed_during_it() {
     assert_eq!(a.stats().active.all().current, 0);
     ok(&a);
 }
+
+/// A large block whose mapping alone would bring reserved memory near the
+/// device's capacity, while the rest is far from it, gets big pages where
+/// they lie wholly under it (granules only at its edges): all granules
+/// there made pages of both sizes churn under a cap.
+#[test]
+fn a_large_mapping_short_of_the_limit_keeps_its_big_pages() {
+    let (dev, a) = new(Config {
+        memory_cap: Some(crate::config::MemoryCap::Bytes(100 * MIB)),
+        ..Config::expandable()
+    });
+    let keep = a.malloc(20 * MIB, S0).unwrap();
+    let before = dev.counters().vmm_creates;
+    // 24 MiB mapped, and 77 more: past 98% of the 100 MiB cap only with this mapping.
+    let big = a.malloc(77 * MIB, S0).unwrap();
+    let created = dev.counters().vmm_creates - before;
+    assert!(
+        created <= 16,
+        "{created} pages for 77 MiB: big pages expected under the block"
+    );
+    ok(&a);
+    a.free(big).unwrap();
+    a.free(keep).unwrap();
+    ok(&a);
+}
