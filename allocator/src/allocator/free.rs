@@ -74,11 +74,7 @@ impl<E> State<E> {
             if shared {
                 self.core.blocks.get_mut(id.0).stream_uses.take();
             }
-            self.free_block(id);
-            if !self.core.config.caching {
-                let seg = self.core.blocks.get(id.0).segment;
-                self.release_or_keep(dev, seg);
-            }
+            self.recycle_block(dev, id);
             return Ok(requested);
         }
         self.core.await_events(id, events);
@@ -101,7 +97,7 @@ impl<E> State<E> {
                     // Made safe by a synchronize instead: free now.
                     self.core.blocks.get_mut(id.0).stream_uses.take();
                     self.core.pending_blocks -= 1;
-                    self.free_block(id);
+                    self.recycle_block(dev, id);
                 }
                 Ok(events) => self.core.await_events(id, events),
                 Err(e) => {
@@ -227,14 +223,21 @@ impl<E> State<E> {
         // segment on the way (that segment stays cached).
         for id in done {
             if self.core.event_done(id) {
-                self.free_block(id);
-                if !self.core.config.caching {
-                    let seg = self.core.blocks.get(id.0).segment;
-                    self.release_or_keep(dev, seg);
-                }
+                self.recycle_block(dev, id);
             }
         }
         Ok(())
+    }
+
+    /// Block `id`, freed and safe to reuse, goes back to its pool; without
+    /// caching its segment goes back to the device.
+    #[inline]
+    fn recycle_block<D: Device<Event = E>>(&mut self, dev: &D, id: BlockId) {
+        self.free_block(id);
+        if !self.core.config.caching {
+            let seg = self.core.blocks.get(id.0).segment;
+            self.release_or_keep(dev, seg);
+        }
     }
 
     pub(super) fn process_events<D: Device<Event = E>>(

@@ -197,10 +197,7 @@ impl<E> State<E> {
     }
 
     /// Releases the completed events of [`Core::stream_waits`].
-    pub(super) fn retire_stream_waits<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-    ) -> Result<(), AllocError> {
+    fn retire_stream_waits<D: Device<Event = E>>(&mut self, dev: &D) -> Result<(), AllocError> {
         let mut i = 0;
         while i < self.core.stream_waits.len() {
             if dev.event_completed(&self.core.stream_waits[i])? {

@@ -1895,3 +1895,27 @@ fn a_large_mapping_short_of_the_limit_keeps_its_big_pages() {
     a.free(keep).unwrap();
     ok(&a);
 }
+
+/// Without caching, a block freed during a capture whose guard cannot be
+/// recorded after it (the device synchronizes instead) gives its segment
+/// back to the device at once, as any other free does.
+#[test]
+fn without_caching_a_deferred_free_gives_its_segment_back() {
+    let (dev, a) = new(Config::no_caching());
+    let p = a.malloc(4 * MIB, S0).unwrap();
+    a.record_stream(p, S1).unwrap();
+    dev.set_capturing(S1, true);
+    a.free(p).unwrap();
+    assert_eq!(dev.segments().len(), 1, "held behind the capture");
+    dev.set_capturing(S1, false);
+    dev.fail_calls(crate::simulated::calls::RECORD_EVENT, 1);
+    let q = a.malloc(4 * MIB, S0).unwrap();
+    assert_eq!(
+        dev.segments().len(),
+        1,
+        "p's segment went back; only q's is left"
+    );
+    a.free(q).unwrap();
+    assert_eq!(a.usage().reserved, 0);
+    ok(&a);
+}
