@@ -370,6 +370,15 @@ fn summarize(values: &[(f64, String)]) -> Option<(f64, String, f64)> {
     Some((worst.0, worst.1.clone(), geo))
 }
 
+/// The events of copy `c` of a trace: the trace itself for 0, else its
+/// jittered copy seeded with `c`.
+fn copy_events(l: &Loaded, c: usize) -> std::borrow::Cow<'_, [TraceEvent]> {
+    match c {
+        0 => std::borrow::Cow::Borrowed(&l.events),
+        c => std::borrow::Cow::Owned(jitter(&l.events, &l.steps, c as u64)),
+    }
+}
+
 /// Writes the copies the scoreboard replays (jittered ones, and the
 /// recorded trace too when it was scaled) to `dir`, one gzip trace each.
 #[cold]
@@ -390,15 +399,8 @@ fn write_copies(
                 0 => dir.join(format!("{name}.rec.trace.gz")),
                 c => dir.join(format!("{name}.j{c}.trace.gz")),
             };
-            let jittered;
-            let events = match c {
-                0 => &l.events,
-                c => {
-                    jittered = jitter(&l.events, &l.steps, c as u64);
-                    &jittered
-                }
-            };
-            trace_file::write_all(&path, events).map_err(|e| CliError::Message(e.to_string()))?;
+            trace_file::write_all(&path, copy_events(l, c).iter())
+                .map_err(|e| CliError::Message(e.to_string()))?;
             written += 1;
         }
     }
@@ -443,15 +445,9 @@ pub fn run(args: ScoreboardArgs) -> Result<(), CliError> {
         write_copies(dir, &loaded, &names, copies, args.scale_down > 1)?;
     }
     let work = |&(t, c, k): &(usize, usize, usize), slot: &jobs::Slot| {
-        let l = &loaded[t];
-        let jittered;
-        let events = if c == 0 {
-            &l.events
-        } else {
-            jittered = jitter(&l.events, &l.steps, c as u64);
-            &jittered
-        };
-        score(events, &configs[k], search, &|f| slot.set(f))
+        score(&copy_events(&loaded[t], c), &configs[k], search, &|f| {
+            slot.set(f)
+        })
     };
     let mut out = io::stdout().lock();
     let name_w = names.iter().map(|n| n.len()).max().unwrap_or(5).max(5);
