@@ -11,7 +11,7 @@ ended; then whether torch.cuda.empty_cache() gave memory back to the driver.
     python3 python/harness.py --cap-bytes 13780000000            # + capped nmt runs
     python3 python/harness.py --smoke                            # a few steps, to catch errors
 
-Variants (--variants, comma-separated; order kept):
+Variants (--variants and --cap-variants, comma-separated, or `;`-separated when a CONF has commas; order kept):
     native                  PyTorch's caching allocator, default settings
     native-expandable       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     cachealloc              libcachealloc.so through PyTorch's C++ allocator interface, CACHEALLOC_CONF=default
@@ -324,6 +324,12 @@ def markdown(head, rows):
                      + [fmt(r) for r in rows])
 
 
+def split_variants(text):
+    """A variant list: `;` separates variants whose CONF has commas
+    ("native;cachealloc:expandable,expandable_page_mb:2"), else `,` does."""
+    return text.split(";" if ";" in text else ",")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -355,9 +361,9 @@ def main():
     steps = dict(kv.split("=") for kv in (a.steps or (SMOKE_STEPS if a.smoke else DEFAULT_STEPS)).split(","))
     warmup = 2 if a.smoke and a.warmup == 5 else a.warmup
     workloads = a.workloads.split(",")
-    # `;` separates variants whose CONF has commas: "native;cachealloc:expandable,expandable_page_mb:2".
-    variants = a.variants.split(";" if ";" in a.variants else ",")
-    for v in variants + a.cap_variants.split(","):
+    variants = split_variants(a.variants)
+    cap_variants = split_variants(a.cap_variants)
+    for v in variants + cap_variants:
         parse_variant(v)
     specs = []
     if a.rounds < 1:
@@ -368,7 +374,7 @@ def main():
                 specs.append(dict(workload=w, variant=v, round=r + 1, steps=int(steps[w]), seed=a.seed,
                                   warmup=warmup, lib=a.lib))
     if a.cap_bytes:
-        for v in a.cap_variants.split(","):
+        for v in cap_variants:
             n = a.cap_steps or int(steps.get(a.cap_workload, steps.get("nmt", 120)))
             specs.append(dict(workload=a.cap_workload, variant=v, steps=n, seed=a.seed,
                               warmup=warmup, lib=a.lib, cap_bytes=a.cap_bytes))

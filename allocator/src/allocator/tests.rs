@@ -1919,3 +1919,36 @@ fn without_caching_a_deferred_free_gives_its_segment_back() {
     assert_eq!(a.usage().reserved, 0);
     ok(&a);
 }
+
+/// A cap above the hard limit lets no more pages be created than no cap
+/// does: a large request that finds recently freed pages (not yet past a
+/// marker) takes them back, instead of creating new ones up to the cap.
+#[test]
+fn a_cap_above_the_hard_limit_creates_no_more_than_no_cap() {
+    let reserved_after = |cap: Option<u64>| {
+        let (_dev, a) = new(Config {
+            memory_cap: cap.map(crate::config::MemoryCap::Bytes),
+            ..Config::expandable()
+        });
+        let x = a.malloc(96 * MIB, S0).unwrap();
+        let w = a.malloc(2 * MIB, S0).unwrap();
+        a.free(x).unwrap();
+        // Too big for x's hole: new pages, or x's pages moved under it.
+        let z = a.malloc(144 * MIB, S0).unwrap();
+        let reserved = a.usage().reserved;
+        ok(&a);
+        a.free(z).unwrap();
+        a.free(w).unwrap();
+        reserved
+    };
+    let free = reserved_after(None);
+    assert!(
+        free < 200 * MIB,
+        "{free}: x's pages should serve z with no cap"
+    );
+    let capped = reserved_after(Some(240 * MIB));
+    assert!(
+        capped <= free,
+        "under a 240 MiB cap {capped} bytes reserved, with none {free}"
+    );
+}
