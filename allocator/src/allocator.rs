@@ -141,6 +141,9 @@ pub(super) struct Core<E> {
     /// Events a stream was made to wait for (`borrow_holes`), kept until
     /// they complete so that none is left behind unaccounted.
     pub(super) stream_waits: Vec<E>,
+    /// `borrow_holes`: the stream slot its next search starts from (it
+    /// looks at `BORROW_STREAMS` other streams, in turn).
+    pub(super) borrow_from: usize,
     pub(super) stats: MemoryStats,
     /// Highest reserved bytes ever (not reset by `reset_peak_stats`).
     pub(super) high_water: u64,

@@ -145,8 +145,12 @@ fn model_default() {
 }
 
 #[test]
-fn model_default_borrow_holes() {
-    run_config("default-borrow-holes", config("default-borrow-holes"), 256);
+fn model_default_no_borrow_holes() {
+    run_config(
+        "default-no-borrow-holes",
+        config("default-no-borrow-holes"),
+        256,
+    );
 }
 
 #[test]

@@ -141,7 +141,7 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         // One parked block per thread: every park past the first evicts.
         ("default-thread-cache-1", parse("default,thread_cache:1")),
         // Free blocks in other streams' partly used segments before growing.
-        ("default-borrow-holes", parse("default,borrow_holes:true")),
+        ("default-no-borrow-holes", parse("default,borrow_holes:false")),
         // Slabs for every small request, and for the smallest next to the bins.
         ("default-slabs-1024", parse("default,slab_max_kb:1024")),
         ("pytorch-slabs-16", parse("pytorch,slab_max_kb:16")),

@@ -68,6 +68,7 @@ impl<D: Device> CachingAllocator<D> {
                     pending_blocks: 0,
                     deferred: Vec::new(),
                     stream_waits: Vec::new(),
+                    borrow_from: 0,
                     stats,
                     high_water: 0,
                     clock: 0,

@@ -9,6 +9,10 @@ use crate::bins::Entry;
 /// partly used segment is taken).
 const BORROW_LOOKS: usize = 8;
 
+/// `borrow_holes`: the other streams one search looks at, taken in turn, so
+/// that a growth costs the same with thousands of streams as with a few.
+const BORROW_STREAMS: usize = 32;
+
 impl<E> State<E> {
     /// The ladder after a cache miss: new segment → release what suffices →
     /// full flush → out of memory.
@@ -149,7 +153,11 @@ impl<E> State<E> {
         let max_split = self.core.config.max_split_size;
         let streams = self.core.bins.len() / crate::block::POOLS_PER_STREAM as usize;
         let mut best: Option<(Entry, usize)> = None;
-        for slot in (0..streams).filter(|&s| s != pool.stream_slot()) {
+        let first = self.core.borrow_from % streams;
+        let looked = streams.min(BORROW_STREAMS + 1);
+        self.core.borrow_from = first + looked;
+        let slots = (first..first + looked).map(|s| s % streams);
+        for slot in slots.filter(|&s| s != pool.stream_slot()) {
             let other = PoolId::new(slot as u32, pool.kind());
             let Some(bins) = self.core.bins[other.index()].as_ref() else {
                 continue;
