@@ -1062,14 +1062,10 @@ impl<E> Expandable<E> {
         slot: usize,
         waiter: usize,
     ) -> Result<(), AllocError> {
-        let e = dev.record_event(core.stream_list[slot])?;
-        core.stats.num_events_recorded += 1;
-        if let Err(err) = dev.stream_wait_event(core.stream_list[waiter], &e) {
-            dev.release_event(e);
-            return Err(err.into());
+        let (from, to) = (core.stream_list[slot], core.stream_list[waiter]);
+        if let Some(e) = core.wait_for_stream(dev, from, to, false)? {
+            self.marks[slot].push(core.clock, e);
         }
-        core.stats.num_stream_waits += 1;
-        self.marks[slot].push(core.clock, e);
         Ok(())
     }
 

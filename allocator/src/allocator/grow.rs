@@ -180,22 +180,9 @@ impl<E> State<E> {
             return Ok(None);
         };
         // That stream's work queued so far: done already, or waited for on the device.
-        let e = dev.record_event(self.core.stream_list[slot])?;
-        self.core.stats.num_events_recorded += 1;
-        match dev.event_completed(&e) {
-            Ok(true) => dev.release_event(e),
-            Ok(false) => {
-                if let Err(err) = dev.stream_wait_event(stream, &e) {
-                    dev.release_event(e);
-                    return Err(err.into());
-                }
-                self.core.stats.num_stream_waits += 1;
-                self.core.stream_waits.push(e);
-            }
-            Err(err) => {
-                dev.release_event(e);
-                return Err(err.into());
-            }
+        let other = self.core.stream_list[slot];
+        if let Some(e) = self.core.wait_for_stream(dev, other, stream, true)? {
+            self.core.stream_waits.push(e);
         }
         let owner = self.core.blocks.get(id.0).pool;
         self.core.bins_mut(owner).remove(size, addr, id);
@@ -552,6 +539,43 @@ impl<E> State<E> {
 }
 
 impl<E> Core<E> {
+    /// Makes `waiter` wait on the device for the work `from` queued so far,
+    /// through an event recorded on `from` now. With `unless_done`, an event
+    /// already complete is released and `None` returned; otherwise the event
+    /// is returned, for the caller to keep until it completes.
+    #[cold]
+    pub(super) fn wait_for_stream<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        from: StreamId,
+        waiter: StreamId,
+        unless_done: bool,
+    ) -> Result<Option<E>, AllocError> {
+        let e = dev.record_event(from)?;
+        self.stats.num_events_recorded += 1;
+        let wait = || -> Result<bool, DeviceError> {
+            if unless_done && dev.event_completed(&e)? {
+                return Ok(false);
+            }
+            dev.stream_wait_event(waiter, &e)?;
+            Ok(true)
+        };
+        match wait() {
+            Ok(true) => {
+                self.stats.num_stream_waits += 1;
+                Ok(Some(e))
+            }
+            Ok(false) => {
+                dev.release_event(e);
+                Ok(None)
+            }
+            Err(err) => {
+                dev.release_event(e);
+                Err(err.into())
+            }
+        }
+    }
+
     /// Asks the device for a segment; `Ok(None)` when the cap or the device says no.
     pub(super) fn alloc_segment<D: Device<Event = E>>(
         &mut self,
