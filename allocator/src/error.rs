@@ -87,6 +87,26 @@ pub struct OomReport {
     pub largest_free_block: u64,
     /// `(free − largest_free) / free` over the cached free blocks.
     pub external_fragmentation: f64,
+    /// Whether the allocator maps expandable segments (the advice differs).
+    pub expandable: bool,
+}
+
+impl OomReport {
+    /// Whether the bytes missing under the limit (the cap, or what the
+    /// device could still give) are fewer than the cached bytes no block
+    /// uses: the request failed because those bytes are scattered.
+    pub fn fragmented(&self) -> bool {
+        let unallocated = self.reserved.saturating_sub(self.allocated);
+        let limit = self
+            .cap
+            .unwrap_or(u64::MAX)
+            .min(self.reserved.saturating_add(self.device_free));
+        let short = self
+            .reserved
+            .saturating_add(self.segment_size)
+            .saturating_sub(limit);
+        unallocated > self.requested || (short > 0 && short <= unallocated)
+    }
 }
 
 fn gib(b: u64) -> String {
@@ -116,7 +136,12 @@ impl fmt::Display for OomReport {
             gib(self.largest_free_block),
             self.external_fragmentation * 100.0,
         )?;
-        if unallocated > self.requested {
+        if self.fragmented() && self.expandable {
+            write!(
+                f,
+                " The cache holds enough free bytes, but in pages partly under other blocks: set `expandable_edges:peak` in CACHEALLOC_CONF to map fewer pages past blocks' edges."
+            )
+        } else if self.fragmented() {
             write!(
                 f,
                 " The cache holds enough free bytes but no block large enough: set `expandable_segments:True` or lower `max_split_size_mb` in CACHEALLOC_CONF to reduce fragmentation."
@@ -129,5 +154,44 @@ impl fmt::Display for OomReport {
                 " Reduce the batch size or model size, or free other users of the device."
             )
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    /// The advice follows the cause: scattered free bytes name the setting
+    /// that addresses them in the mode at hand; bytes truly missing name the
+    /// cap or the device.
+    #[test]
+    fn the_advice_follows_the_cause() {
+        // 50 MiB wanted, 20 free on the device: 30 missing, 35 unused in the cache.
+        let scattered = OomReport {
+            requested: 50 * MIB,
+            segment_size: 50 * MIB,
+            device_free: 20 * MIB,
+            device_total: 100 * MIB,
+            allocated: 45 * MIB,
+            reserved: 80 * MIB,
+            ..OomReport::default()
+        };
+        assert!(scattered.fragmented());
+        assert!(scattered.to_string().contains("expandable_segments:True"));
+        let expandable = OomReport {
+            expandable: true,
+            ..scattered.clone()
+        };
+        let msg = expandable.to_string();
+        assert!(msg.contains("expandable_edges:peak"), "{msg}");
+        assert!(!msg.contains("expandable_segments:True"), "{msg}");
+        let missing = OomReport {
+            device_free: 0,
+            ..scattered
+        };
+        assert!(!missing.fragmented());
+        assert!(missing.to_string().contains("Reduce the batch size"));
     }
 }

@@ -226,6 +226,7 @@ impl<E> State<E> {
             } else {
                 (frag.0 - frag.1) as f64 / frag.0 as f64
             },
+            expandable: self.core.config.expandable_segments,
         }
     }
 

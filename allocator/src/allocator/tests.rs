@@ -1952,3 +1952,41 @@ fn a_cap_above_the_hard_limit_creates_no_more_than_no_cap() {
         "under a 240 MiB cap {capped} bytes reserved, with none {free}"
     );
 }
+
+/// Under a cap, a request that fails only because the cache's free bytes are
+/// scattered (fewer bytes missing under the cap than the cache holds unused,
+/// though fewer unused than requested) is reported as fragmentation, with
+/// the advice that addresses it, not as a cap to raise.
+#[test]
+fn an_oom_under_a_cap_from_scattered_free_bytes_says_fragmentation() {
+    let (_dev, a) = new(Config {
+        memory_cap: Some(crate::config::MemoryCap::Bytes(100 * MIB)),
+        ..Config::pytorch()
+    });
+    let x = a.malloc(40 * MIB, S0).unwrap();
+    let y = a.malloc(40 * MIB, S0).unwrap();
+    a.free(x).unwrap();
+    a.free(y).unwrap();
+    // 20 MiB in the first segment, 25 in the second: 35 MiB free, scattered.
+    let c = a.malloc(20 * MIB, S0).unwrap();
+    let d = a.malloc(25 * MIB, S0).unwrap();
+    let e = a.malloc(50 * MIB, S0).unwrap_err();
+    let AllocError::OutOfMemory(report) = &e else {
+        panic!("{e}")
+    };
+    assert_eq!((report.reserved, report.allocated), (80 * MIB, 45 * MIB));
+    assert!(report.fragmented(), "{report:?}");
+    let msg = e.to_string();
+    assert!(msg.contains("no block large enough"), "{msg}");
+    assert!(!msg.contains("Raise the memory cap"), "{msg}");
+    // Short of the cap by more than the cache holds unused: the cap it is.
+    let f = a.malloc(70 * MIB, S0).unwrap_err();
+    let AllocError::OutOfMemory(report) = &f else {
+        panic!("{f}")
+    };
+    assert!(!report.fragmented(), "{report:?}");
+    assert!(f.to_string().contains("Raise the memory cap"), "{f}");
+    a.free(c).unwrap();
+    a.free(d).unwrap();
+    ok(&a);
+}
