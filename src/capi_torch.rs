@@ -297,9 +297,10 @@ pub fn last_error() -> String {
 pub use exports::*;
 
 /// The configuration of a private pool's allocator, from the device's
-/// `config` (see `cachealloc_torch_pool_new`): no thread caches, slabs or
-/// expandable segments (nothing records stream events behind a capture),
-/// nothing given back on its own (no release before growing, no garbage
+/// `config` (see `cachealloc_torch_pool_new`): no thread caches, slabs,
+/// expandable segments or holes borrowed from another stream's segments
+/// (nothing records stream events behind a capture, and a block the graph
+/// freed stays where its stream left it), nothing given back on its own (no release before growing, no garbage
 /// collection, no release on out-of-memory, no oversize segment given back
 /// for a smaller request), and PyTorch's 20 MiB medium segments (a pool's
 /// peak starts at zero with its capture).
@@ -307,6 +308,7 @@ pub fn pool_config(mut config: Config) -> Config {
     config.thread_cache = 0;
     config.slab_max = 0;
     config.expandable_segments = false;
+    config.borrow_holes = false;
     config.release_before_grow = false;
     config.garbage_collection_threshold = None;
     config.oom_flush = false;
@@ -780,7 +782,7 @@ mod tests {
             (c.thread_cache, c.slab_max, c.expandable_segments),
             (0, 0, false)
         );
-        assert!(!c.release_before_grow && !c.oom_flush);
+        assert!(!c.release_before_grow && !c.oom_flush && !c.borrow_holes);
         assert!(c.garbage_collection_threshold.is_none());
         // A fresh pool's first medium request takes a 20 MiB segment, as
         // PyTorch's graph pools do (`default` alone would make it 4 MiB).
