@@ -1,5 +1,6 @@
-//! `cachealloc scoreboard` on the two smallest corpus traces (and one
-//! jittered copy of each), against the committed baseline
+//! `cachealloc scoreboard` on the two smallest corpus traces and the one
+//! with several streams (and one jittered copy of each), against the
+//! committed baseline
 //! `tests/data/scoreboard_baseline.json`: a cell whose reserved / allocated
 //! or min-capacity / allocated ratio rises by more than [`TOLERANCE`] (plus
 //! the min-capacity search's precision) fails the test.
@@ -19,7 +20,12 @@ use std::process::Command;
 const TOLERANCE: f64 = 0.005;
 /// The min-capacity search stops at max(2 MiB, 0.1%).
 const MIB: f64 = (1u64 << 20) as f64;
-const TRACES: [&str; 2] = ["gnn_varsize.trace.gz", "recsys_ragged.trace.gz"];
+const TRACES: [&str; 3] = [
+    "gnn_varsize.trace.gz",
+    "recsys_ragged.trace.gz",
+    // The only trace with several streams: it guards the cross-stream rules.
+    "multistream_infer.trace.gz",
+];
 const CONFIGS: [&str; 3] = ["pytorch", "default", "expandable"];
 const BASELINE: &str = "tests/data/scoreboard_baseline.json";
 
@@ -147,9 +153,14 @@ fn scoreboard_pytorch_emulation_matches_pytorch_on_the_recorded_traces() {
             .unwrap();
     let lines = scoreboard(&["--no-min-capacity"]);
     let mut checked = 0;
+    // With several streams, PyTorch reuses a block another stream used once
+    // its event completes on the GPU; replay completes events at once, so
+    // multistream_infer's emulation is only close (3.865 against 3.780).
+    let single_stream = |v: &&Value| v["trace"] != "multistream_infer";
     for v in lines
         .iter()
         .filter(|v| v.get("summary").is_none() && v["copy"] == "rec" && v["config"] == "pytorch")
+        .filter(single_stream)
     {
         checked += 1;
         let rec = corpus
@@ -167,7 +178,7 @@ fn scoreboard_pytorch_emulation_matches_pytorch_on_the_recorded_traces() {
             v["trace"]
         );
     }
-    assert_eq!(checked, TRACES.len(), "rows checked: {lines:?}");
+    assert_eq!(checked, TRACES.len() - 1, "rows checked: {lines:?}");
 }
 
 #[test]
