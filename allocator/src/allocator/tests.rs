@@ -1828,6 +1828,39 @@ fn plain_segments_borrow_another_streams_hole_and_guard_its_free() {
     }
 }
 
+/// With more streams than one search looks at, the searches take the other
+/// streams in turn: a hole in the last of 40 streams is found by the second
+/// growth at the latest.
+#[test]
+fn with_many_streams_every_streams_holes_are_looked_at_in_turn() {
+    let (_dev, a) = new(Config {
+        borrow_holes: true,
+        ..Config::pytorch()
+    });
+    // Streams 0..39 known to the allocator, each with a small block.
+    let small: Vec<_> = (0..40)
+        .map(|s| a.malloc(4096, StreamId(s)).unwrap())
+        .collect();
+    // Stream 39: a 20 MiB medium segment with 4 MiB in use, 16 MiB free.
+    let last = StreamId(39);
+    let p = a.malloc(4 * MIB, last).unwrap();
+    let mut mine = Vec::new();
+    for _ in 0..2 {
+        // Stream 0 has no free large block: each request grows.
+        mine.push(a.malloc(4 * MIB, S0).unwrap());
+        if a.stats().num_blocks_borrowed > 0 {
+            break;
+        }
+    }
+    assert_eq!(a.stats().num_blocks_borrowed, 1, "stream 39's hole found");
+    assert!(mine.iter().any(|&q| q.0 == p.0 + 4 * MIB));
+    ok(&a);
+    for q in mine.into_iter().chain(small).chain([p]) {
+        a.free(q).unwrap();
+    }
+    ok(&a);
+}
+
 /// A stream being captured borrows no hole: the device wait would join
 /// the graph.
 #[test]
