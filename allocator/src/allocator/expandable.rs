@@ -785,11 +785,7 @@ impl<E> Expandable<E> {
                 // fits under it, which may be more than the growth itself.
                 let need = core.reserved() + grow;
                 let past_hard = need.saturating_sub(hard_limit).min(grow);
-                let excess = if need > cap {
-                    (need - cap).max(past_hard)
-                } else {
-                    past_hard
-                };
+                let excess = need.saturating_sub(cap).max(past_hard);
                 self.recycle(core, dev, tail, excess, true, &sizes)?;
                 stage = 2;
                 continue;
