@@ -25,7 +25,10 @@ fn main() {
     let config = lab::config_arg(&args, 2, "default");
     let capacity: u64 = lab::arg(&args, 3, "capacity", 0);
     let events = lab::load_trace(&args[1]);
-    let a = CachingAllocator::new(SimulatedDevice::new(capacity), config);
+    let a = CachingAllocator::new(
+        SimulatedDevice::new(capacity).with_auto_complete(true),
+        config,
+    );
     let mut live = HashMap::new();
     for (i, e) in events.iter().enumerate() {
         match *e {

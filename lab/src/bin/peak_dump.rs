@@ -25,7 +25,10 @@ fn main() {
         ..Default::default()
     };
     let r = replay(|| Ok(events.iter().copied().map(Ok)), &config, opts).unwrap();
-    let a = CachingAllocator::new(SimulatedDevice::unlimited(), config);
+    let a = CachingAllocator::new(
+        SimulatedDevice::unlimited().with_auto_complete(true),
+        config,
+    );
     let mut live = HashMap::new();
     for (i, e) in events.iter().enumerate() {
         match *e {
