@@ -50,6 +50,14 @@ pub(super) const MAX_MARKERS: usize = 64;
 /// corpus traces (docs/POLICY.md).
 const PLACE_ROOM: f64 = 0.2;
 
+/// The widest margin below the device's memory or the cap within which
+/// mappings count as under pressure (granule pages at blocks' edges): the
+/// margin is the hard slack, so without this bound an `expandable_slack` of
+/// 0.5 or more put every mapping under pressure (granule pages only, four
+/// times the map calls of 8 MiB pages). Up to a slack of 0.05 the margin is
+/// as before, and so are the minimum capacities (docs/POLICY.md).
+const MAX_PRESSURE_MARGIN: f64 = 0.1;
+
 /// Largest virtual range reserved at once: 256 GiB.
 const MAX_RANGE: u64 = 1 << 38;
 
@@ -506,11 +514,13 @@ impl<E> Expandable<E> {
     }
 
     /// Whether mapping `bytes` more would bring reserved memory within
-    /// `idle_slack_hard` of the cap, of the device's total memory, or of the
-    /// level at which the device was last found full.
+    /// `idle_slack_hard` (at most [`MAX_PRESSURE_MARGIN`]) of the cap, of the
+    /// device's total memory, or of the level at which the device was last
+    /// found full.
     fn under_pressure(&self, core: &Core<E>, bytes: u64) -> bool {
         let limit = self.memory_limit(core);
-        let limit = (limit as f64 * (1.0 - core.config.idle_slack_hard).max(0.0)) as u64;
+        let margin = core.config.idle_slack_hard.min(MAX_PRESSURE_MARGIN);
+        let limit = (limit as f64 * (1.0 - margin)) as u64;
         core.reserved() + bytes > limit
     }
 

@@ -1929,6 +1929,27 @@ fn a_large_mapping_short_of_the_limit_keeps_its_big_pages() {
     ok(&a);
 }
 
+/// A large `expandable_slack` lets idle pages stay mapped; it does not put
+/// mappings far from the device's limit under pressure, so blocks still get
+/// big pages (with a slack of 0.5 or more every mapping took granules).
+#[test]
+fn a_large_slack_keeps_big_pages() {
+    for slack in ["0.01", "0.5", "2"] {
+        let (dev, a) = new(Config::parse(&format!("expandable,expandable_slack:{slack}")).unwrap());
+        let first = a.malloc(8 * MIB, S0).unwrap();
+        let before = dev.counters().vmm_maps;
+        let p = a.malloc(64 * MIB, S0).unwrap();
+        let maps = dev.counters().vmm_maps - before;
+        assert!(
+            maps <= 9,
+            "slack {slack}: {maps} maps for 64 MiB, 8 MiB pages expected"
+        );
+        a.free(p).unwrap();
+        a.free(first).unwrap();
+        ok(&a);
+    }
+}
+
 /// Without caching, a block freed during a capture whose guard cannot be
 /// recorded after it (the device synchronizes instead) gives its segment
 /// back to the device at once, as any other free does.

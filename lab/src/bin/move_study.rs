@@ -3,6 +3,7 @@
 //! mapped pages (not old mappings kept as shadows) long enough to serve it.
 //! Maps made by requests with such a run are what any placement over idle
 //! pages could save; the rest are needed by the layout the trace had then.
+//! Also prints the maps by the size of the request that made them.
 //!
 //! ```text
 //! cargo run -p lab --release --bin move_study -- TRACE.gz CONF
@@ -105,5 +106,28 @@ fn main() {
     });
     let events = lab::load_trace(&args[1]);
     let first = run(&events, &config, None);
+    // Maps by the size of the request that made them.
+    const CLASSES: [(&str, u64); 6] = [
+        ("< 8 MiB", 8),
+        ("8-64 MiB", 64),
+        ("64-256 MiB", 256),
+        ("256 MiB-1 GiB", 1024),
+        ("1-2 GiB", 2048),
+        ("> 2 GiB", u64::MAX),
+    ];
+    let mut by_size = [0u64; CLASSES.len()];
+    for &(maps, bytes) in first.values() {
+        let k = CLASSES
+            .iter()
+            .position(|&(_, mib)| bytes >> 20 < mib)
+            .unwrap();
+        by_size[k] += maps;
+    }
+    let parts: Vec<String> = CLASSES
+        .iter()
+        .zip(by_size)
+        .map(|((name, _), n)| format!("{name}: {n}"))
+        .collect();
+    println!("maps by request size: {}", parts.join(", "));
     run(&events, &config, Some(&first));
 }
