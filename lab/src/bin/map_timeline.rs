@@ -3,22 +3,19 @@
 //! trace an expandable configuration moves pages.
 //!
 //! ```text
-//! cargo run -p lab --release --bin map_timeline -- TRACE.gz CONF [WINDOWS]
+//! cargo run -p lab --release --bin map_timeline -- TRACE.gz [CONF] [WINDOWS]
 //! ```
-use cachealloc_core::{CachingAllocator, Config, SimulatedDevice, StreamId, TraceEvent};
+use cachealloc_core::{CachingAllocator, SimulatedDevice, StreamId, TraceEvent};
 use std::collections::HashMap;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    if args.len() < 3 {
-        eprintln!("usage: map_timeline TRACE.gz CONF [WINDOWS]");
+    if !(2..=4).contains(&args.len()) {
+        eprintln!("usage: map_timeline TRACE.gz [CONF (default: expandable)] [WINDOWS]");
         std::process::exit(2);
     }
-    let config = Config::parse(&args[2]).unwrap_or_else(|e| {
-        eprintln!("{e}");
-        std::process::exit(2)
-    });
-    let windows: usize = args.get(3).map_or(40, |w| w.parse().expect("WINDOWS"));
+    let config = lab::config_arg(&args, 2, "expandable");
+    let windows: usize = lab::arg(&args, 3, "windows", 40);
     let events = lab::load_trace(&args[1]);
     let per = events.len().div_ceil(windows).max(1);
     let a = CachingAllocator::new(

@@ -6,7 +6,7 @@
 //! Also prints the maps by the size of the request that made them.
 //!
 //! ```text
-//! cargo run -p lab --release --bin move_study -- TRACE.gz CONF
+//! cargo run -p lab --release --bin move_study -- TRACE.gz [CONF]
 //! ```
 use cachealloc_core::{
     BlockState, CachingAllocator, Config, PoolKind, SegmentSnapshot, SimulatedDevice, StreamId,
@@ -96,14 +96,11 @@ fn run(events: &[TraceEvent], config: &Config, probe: Option<&Mapping>) -> Mappi
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    if args.len() != 3 {
-        eprintln!("usage: move_study TRACE.gz CONF");
+    if !(2..=3).contains(&args.len()) {
+        eprintln!("usage: move_study TRACE.gz [CONF (default: expandable)]");
         std::process::exit(2);
     }
-    let config = Config::parse(&args[2]).unwrap_or_else(|e| {
-        eprintln!("{e}");
-        std::process::exit(2)
-    });
+    let config = lab::config_arg(&args, 2, "expandable");
     let events = lab::load_trace(&args[1]);
     let first = run(&events, &config, None);
     // Maps by the size of the request that made them.
