@@ -98,7 +98,7 @@ pub enum EdgePages {
     /// Always a whole big page (one page size per range, as before mixed pages).
     Big,
     /// Whole big pages while there is room; under pressure (reserved memory
-    /// within `idle_slack_hard` of the cap or of the device's capacity)
+    /// within `idle_slack_hard`, at most 0.1, of the cap or of the device's capacity)
     /// granularity-sized pages only, so that no memory is lost to the
     /// partly used big pages at blocks' edges; where only the mapping at
     /// hand would reach that point, granules at its edges only.

@@ -51,11 +51,10 @@ pub(super) const MAX_MARKERS: usize = 64;
 const PLACE_ROOM: f64 = 0.2;
 
 /// The widest margin below the device's memory or the cap within which
-/// mappings count as under pressure (granule pages at blocks' edges): the
-/// margin is the hard slack, so without this bound an `expandable_slack` of
-/// 0.5 or more put every mapping under pressure (granule pages only, four
-/// times the map calls of 8 MiB pages). Up to a slack of 0.05 the margin is
-/// as before, and so are the minimum capacities (docs/POLICY.md).
+/// mappings count as under pressure (granule pages at blocks' edges). The
+/// margin is the hard slack, twice `expandable_slack`, up to this bound: a
+/// slack of 0.5 or more would otherwise put every mapping under pressure
+/// (granule pages only, four times the map calls of 8 MiB pages).
 const MAX_PRESSURE_MARGIN: f64 = 0.1;
 
 /// Largest virtual range reserved at once: 256 GiB.
