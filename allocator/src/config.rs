@@ -298,8 +298,11 @@ impl Config {
             idle_slack: IDLE_SLACK,
             idle_slack_hard: IDLE_SLACK_HARD,
             recycle_batch: RECYCLE_BATCH,
-            expandable_page: 8 * MIB,
-            expandable_edges: EdgePages::Pressure,
+            // PyTorch's expandable segments map 20 MiB pages in the large
+            // pools (`kLargeBuffer`), each whole wherever a block reaches
+            // into it.
+            expandable_page: 20 * MIB,
+            expandable_edges: EdgePages::Big,
             expandable_place: false,
             expandable_early_reuse: true,
             expandable_shadows: false,
@@ -1249,6 +1252,10 @@ impl Default for Config {
             // segment (multistream_infer's jittered copies: worst ratio
             // 1.257 → 1.209; step time on an H200 no worse, docs/POLICY.md).
             borrow_holes: true,
+            // 8 MiB pages, big at blocks' edges while there is room
+            // (docs/POLICY.md has the page sizes measured).
+            expandable_page: 8 * MIB,
+            expandable_edges: EdgePages::Pressure,
             ..Self::pytorch()
         }
     }
