@@ -1950,6 +1950,24 @@ fn a_large_slack_keeps_big_pages() {
     }
 }
 
+/// The emulation of PyTorch's expandable segments maps its large pool in
+/// PyTorch's 20 MiB pages (`kLargeBuffer`), each whole: 30 MiB takes two
+/// pages, 40 MiB reserved, where `expandable`'s 8 MiB pages hold 32.
+#[test]
+fn pytorch_expandable_segments_map_20_mib_pages() {
+    for (conf, maps, reserved) in [
+        ("pytorch,expandable_segments:True", 2, 40 * MIB),
+        ("expandable", 4, 32 * MIB),
+    ] {
+        let (dev, a) = new(Config::parse(conf).unwrap());
+        let p = a.malloc(30 * MIB, S0).unwrap();
+        assert_eq!(dev.counters().vmm_maps, maps, "{conf}");
+        assert_eq!(a.usage().reserved, reserved, "{conf}");
+        a.free(p).unwrap();
+        ok(&a);
+    }
+}
+
 /// Without caching, a block freed during a capture whose guard cannot be
 /// recorded after it (the device synchronizes instead) gives its segment
 /// back to the device at once, as any other free does.
