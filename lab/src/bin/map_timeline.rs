@@ -16,6 +16,10 @@ fn main() {
     }
     let config = lab::config_arg(&args, 2, "expandable");
     let windows: usize = lab::arg(&args, 3, "windows", 40);
+    if windows == 0 {
+        eprintln!("windows: at least 1");
+        std::process::exit(2);
+    }
     let events = lab::load_trace(&args[1]);
     let per = events.len().div_ceil(windows).max(1);
     let a = CachingAllocator::new(
