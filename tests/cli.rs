@@ -830,8 +830,9 @@ fn expandable_config_meets_its_goals_on_the_shipped_traces() {
 /// for the whole device (the traces have no `empty_cache` and no
 /// out-of-memory), and bound their map calls against PyTorch's expandable
 /// segments (`pytorch,expandable_segments:True`: 20 MiB pages that never
-/// move, and 7% more memory on nmt): nmt 4,587 against 647, cnn_multiscale
-/// 411 against 178.
+/// move, and 7% more memory on nmt): nmt 4,497 against 647, cnn_multiscale
+/// 673 against 178 (its first gigabyte mapped in pages of 2 and 4 MiB,
+/// `expandable_page_divisor`).
 #[test]
 fn expandable_replays_never_synchronize_and_bound_map_calls() {
     let traces = ["traces/nmt.trace.gz", "traces/cnn_multiscale.trace.gz"];
@@ -850,7 +851,7 @@ fn expandable_replays_never_synchronize_and_bound_map_calls() {
     let lines = json_lines(&o);
     assert_eq!(lines.len(), 4);
     // Map calls allowed per map call of the emulation of PyTorch's.
-    let max_ratio = [8.0, 2.5];
+    let max_ratio = [8.0, 4.0];
     for (trace, max_ratio) in traces.iter().zip(max_ratio) {
         let row = |config: &str| {
             lines

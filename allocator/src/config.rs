@@ -24,6 +24,8 @@ pub const SMALL_SIZE: u64 = MIB;
 /// strand 20 MiB per partly used segment while one of 1.3 GiB and more gets
 /// PyTorch's size.
 const DEFAULT_MEDIUM_DIVISOR: u64 = 64;
+/// `expandable_page_divisor` of `default` and `expandable`.
+const DEFAULT_PAGE_DIVISOR: u64 = 128;
 /// Smallest medium segment (`medium_segment_divisor`).
 pub const MEDIUM_SEGMENT_MIN: u64 = 2 * MIB;
 /// Segment size for large requests below `large_threshold` (PyTorch's `kLargeBuffer`).
@@ -221,6 +223,11 @@ pub struct Config {
     /// Expandable segments: page size of the large pools (a multiple of the
     /// device granularity; the small pool always uses the granularity).
     pub expandable_page: u64,
+    /// Expandable segments: large-pool pages are at most the peak allocated
+    /// bytes divided by this (halving `expandable_page` down to the device's
+    /// granularity), so a small workload's pages stay small next to its
+    /// blocks (0: always `expandable_page`).
+    pub expandable_page_divisor: u64,
     /// Expandable segments: page size at the edges of a block, where a big
     /// page would lie only partly under it.
     pub expandable_edges: EdgePages,
@@ -302,6 +309,7 @@ impl Config {
             // pools (`kLargeBuffer`), each whole wherever a block reaches
             // into it.
             expandable_page: 20 * MIB,
+            expandable_page_divisor: 0,
             expandable_edges: EdgePages::Big,
             expandable_place: false,
             expandable_early_reuse: true,
@@ -993,6 +1001,20 @@ pub static KEYS: &[Key] = &[
         set: |c, v| c.expandable_page = u(v),
     },
     Key {
+        name: "expandable_page_divisor",
+        aliases: &[],
+        kind: KeyKind::Count {
+            min: 0,
+            max: 65536,
+            pow2: false,
+        },
+        stability: Stability::Experimental,
+        doc: "expandable segments: large-pool pages are at most the peak allocated bytes divided by this (`expandable_page` halved down to the device's granularity; 0: always `expandable_page`)",
+        group: None,
+        get: |c| Some(Value::U64(c.expandable_page_divisor)),
+        set: |c, v| c.expandable_page_divisor = u(v),
+    },
+    Key {
         name: "expandable_slack",
         aliases: &[],
         kind: SHARE,
@@ -1255,6 +1277,7 @@ impl Default for Config {
             // 8 MiB pages, big at blocks' edges while there is room
             // (docs/POLICY.md has the page sizes measured).
             expandable_page: 8 * MIB,
+            expandable_page_divisor: DEFAULT_PAGE_DIVISOR,
             expandable_edges: EdgePages::Pressure,
             ..Self::pytorch()
         }

@@ -12,7 +12,11 @@ const MIB: u64 = 1 << 20;
 const S0: StreamId = StreamId(0);
 
 fn config(edges: &str) -> Config {
-    Config::parse(&format!("expandable,expandable_edges:{edges}")).unwrap()
+    // Pages of the preset's 8 MiB whatever the workload's size.
+    Config::parse(&format!(
+        "expandable,expandable_edges:{edges},expandable_page_divisor:0"
+    ))
+    .unwrap()
 }
 
 /// The device's mappings from `p` on, up to `bytes` past it, as (offset in MiB, MiB).

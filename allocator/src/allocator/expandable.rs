@@ -305,6 +305,25 @@ impl<E> Expandable<E> {
         }
     }
 
+    /// The big page of range `s` for mapping `bytes` now, in granules: its
+    /// page size, halved down to the peak allocated bytes (counting these)
+    /// over `expandable_page_divisor`, or one granule where an odd number of
+    /// granules does not halve. Every size so chosen divides the larger
+    /// ones, so pages of each size stay aligned to it.
+    #[inline]
+    pub(super) fn big_granules(core: &Core<E>, s: &Segment, bytes: u64) -> u32 {
+        let g = core.granularity.expect("expandable mode has a granularity");
+        let mut big = (s.page_size() / g) as u32;
+        let alloc = core.stats.allocated_bytes.all();
+        let scale = alloc.peak.max(alloc.current.saturating_add(bytes));
+        if let Some(most) = scale.checked_div(core.config.expandable_page_divisor) {
+            while big > 1 && u64::from(big) * g > most {
+                big = if big % 2 == 0 { big / 2 } else { 1 };
+            }
+        }
+        big
+    }
+
     /// With `expandable_place`, where a block of `rounded` bytes of `pool`
     /// goes: the best fit `fit` (size, address, block) of the bins if its
     /// pages are all mapped;
@@ -598,7 +617,7 @@ impl<E> Expandable<E> {
         let pages = s.pages().expect("expandable");
         let big = match style {
             Style::Granules => 1,
-            Style::BigEdges | Style::SmallEdges => (s.page_size() / g) as u32,
+            Style::BigEdges | Style::SmallEdges => Self::big_granules(core, s, end - start),
         };
         let limit = (s.size / g) as u32;
         let first = ((start - s.addr) / g) as u32;
@@ -1370,7 +1389,11 @@ impl<E> Expandable<E> {
         for &seg in self.ranges.iter().flatten() {
             let s = core.segments.get(seg.0);
             let pages = s.pages().ok_or("a range without a page map")?;
-            let sizes = [1, (s.page_size() / g) as u32];
+            let max = (s.page_size() / g) as u32;
+            let sizes: Vec<u32> =
+                std::iter::successors(Some(max), |&n| (n % 2 == 0).then_some(n / 2))
+                    .chain([1])
+                    .collect();
             pages
                 .check((s.size / g) as u32, &sizes)
                 .map_err(|e| format!("range at {:#x}: {e}", s.addr))?;

@@ -720,7 +720,10 @@ mod expandable {
 
     #[test]
     fn large_pool_pages_are_the_configured_multiple() {
-        let (dev, a) = new(Config::expandable());
+        let (dev, a) = new(Config {
+            expandable_page_divisor: 0,
+            ..Config::expandable()
+        });
         a.malloc(3 * MIB, S0).unwrap();
         assert_eq!(
             a.usage().reserved,
@@ -905,6 +908,7 @@ mod expandable {
         // without shadows, so that every page taken is unmapped.
         let (dev, a) = new(Config {
             expandable_shadows: false,
+            expandable_page_divisor: 0,
             ..Config::expandable()
         });
         let pair = |stream| {
@@ -1461,6 +1465,7 @@ fn expandable_peak_edges_map_granules_at_edges_past_the_peak() {
         let config = Config {
             idle_slack: 0.0,
             idle_slack_hard: 0.0,
+            expandable_page_divisor: 0,
             ..Config::parse(&format!("expandable,expandable_edges:{edges}")).unwrap()
         };
         let dev = SimulatedDevice::new(1 << 30);
@@ -1912,6 +1917,7 @@ fn empty_cache_after_a_capture_releases_what_was_freed_during_it() {
 fn a_large_mapping_short_of_the_limit_keeps_its_big_pages() {
     let (dev, a) = new(Config {
         memory_cap: Some(crate::config::MemoryCap::Bytes(100 * MIB)),
+        expandable_page_divisor: 0,
         ..Config::expandable()
     });
     let keep = a.malloc(20 * MIB, S0).unwrap();
@@ -1935,7 +1941,10 @@ fn a_large_mapping_short_of_the_limit_keeps_its_big_pages() {
 #[test]
 fn a_large_slack_keeps_big_pages() {
     for slack in ["0.01", "0.5", "2"] {
-        let (dev, a) = new(Config::parse(&format!("expandable,expandable_slack:{slack}")).unwrap());
+        let (dev, a) = new(Config::parse(&format!(
+            "expandable,expandable_slack:{slack},expandable_page_divisor:0"
+        ))
+        .unwrap());
         let first = a.malloc(8 * MIB, S0).unwrap();
         let before = dev.counters().vmm_maps;
         let p = a.malloc(64 * MIB, S0).unwrap();
@@ -1957,7 +1966,7 @@ fn a_large_slack_keeps_big_pages() {
 fn pytorch_expandable_segments_map_20_mib_pages() {
     for (conf, maps, reserved) in [
         ("pytorch,expandable_segments:True", 2, 40 * MIB),
-        ("expandable", 4, 32 * MIB),
+        ("expandable,expandable_page_divisor:0", 4, 32 * MIB),
     ] {
         let (dev, a) = new(Config::parse(conf).unwrap());
         let p = a.malloc(30 * MIB, S0).unwrap();
@@ -1965,6 +1974,41 @@ fn pytorch_expandable_segments_map_20_mib_pages() {
         assert_eq!(a.usage().reserved, reserved, "{conf}");
         a.free(p).unwrap();
         ok(&a);
+    }
+}
+
+/// `expandable_page_divisor`: large-pool pages are at most the peak
+/// allocated bytes over the divisor, so a small workload maps granules and
+/// pages grow with it to the configured size; an odd number of granules
+/// (20 MiB = 10 granules, halved to 5) goes to one granule next.
+#[test]
+fn expandable_pages_scale_with_the_workload() {
+    // (config, sizes allocated in turn, the page size each maps, in MiB)
+    let cases: [(&str, &[(u64, u64)]); 3] = [
+        ("expandable", &[(30, 2), (600, 4), (600, 8), (24, 8)]),
+        ("expandable,expandable_page_divisor:0", &[(30, 8)]),
+        (
+            "expandable,expandable_page_mb:20",
+            &[(30, 2), (1400, 10), (1400, 20)],
+        ),
+    ];
+    for (conf, steps) in cases {
+        let (dev, a) = new(Config::parse(conf).unwrap());
+        for &(mib, page) in steps {
+            let p = a.malloc(mib * MIB, S0).unwrap();
+            let under = dev
+                .mappings()
+                .into_iter()
+                .filter(|&(at, n)| at.0 >= p.0 && at.0 + n <= p.0 + mib * MIB)
+                .map(|(_, n)| n / MIB)
+                .max();
+            assert_eq!(
+                under,
+                Some(page),
+                "{conf}: {mib} MiB after the earlier blocks"
+            );
+            ok(&a);
+        }
     }
 }
 
