@@ -763,6 +763,12 @@ const SHARE: KeyKind = KeyKind::Number {
     max_included: true,
 };
 const BOOL: KeyKind = KeyKind::Bool;
+/// A divisor of the peak (0: the rule is off).
+const DIVISOR: KeyKind = KeyKind::Count {
+    min: 0,
+    max: 65536,
+    pow2: false,
+};
 /// `MAX_SIZE` in MiB.
 const MAX_MIB: u64 = MAX_SIZE / MIB;
 
@@ -885,11 +891,7 @@ pub static KEYS: &[Key] = &[
     Key {
         name: "medium_segment_divisor",
         aliases: &[],
-        kind: KeyKind::Count {
-            min: 0,
-            max: 65536,
-            pow2: false,
-        },
+        kind: DIVISOR,
         stability: Stability::Experimental,
         doc: "medium segments are the peak reserved memory divided by this (2 to 20 MiB), and large requests from half of one on get their own (0: always 20 MiB)",
         group: None,
@@ -1003,11 +1005,7 @@ pub static KEYS: &[Key] = &[
     Key {
         name: "expandable_page_divisor",
         aliases: &[],
-        kind: KeyKind::Count {
-            min: 0,
-            max: 65536,
-            pow2: false,
-        },
+        kind: DIVISOR,
         stability: Stability::Experimental,
         doc: "expandable segments: large-pool pages are at most the peak allocated bytes divided by this (`expandable_page` halved down to the device's granularity; 0: always `expandable_page`)",
         group: None,
