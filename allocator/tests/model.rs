@@ -247,6 +247,15 @@ fn model_expandable_big_edges() {
 }
 
 #[test]
+fn model_expandable_scaled_pages() {
+    run_config(
+        "expandable-scaled-pages",
+        config("expandable-scaled-pages"),
+        128,
+    );
+}
+
+#[test]
 fn model_expandable_small_pages() {
     run_config(
         "expandable-small-pages",

@@ -162,10 +162,17 @@ pub fn configs() -> Vec<(&'static str, Config)> {
             "expandable-no-shadows",
             parse("expandable,expandable_shadows:false"),
         ),
-        // Big pages at every edge, and slabs for small requests.
+        // Big pages at every edge, whatever the workload's size, and slabs
+        // for small requests.
         (
             "expandable-big-edges",
-            parse("expandable,expandable_edges:big,expandable_page_mb:4,slab_max_kb:64"),
+            parse("expandable,expandable_edges:big,expandable_page_mb:4,expandable_page_divisor:0,slab_max_kb:64"),
+        ),
+        // Pages scaled to the workload where the model's peaks cross the
+        // steps: 2 MiB below 40 MiB, 10 MiB below 80 MiB, then 20 MiB.
+        (
+            "expandable-scaled-pages",
+            parse("expandable,expandable_page_mb:20,expandable_page_divisor:4"),
         ),
         // Granule pages everywhere, recycling before growing past the peak;
         // blocks placed over idle pages (free blocks split in the middle).
@@ -178,7 +185,7 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         // Big edge pages and placement over idle pages.
         (
             "expandable-place",
-            parse("expandable,expandable_page_mb:8,expandable_place:true"),
+            parse("expandable,expandable_page_mb:8,expandable_page_divisor:0,expandable_place:true"),
         ),
         // A CUDA graph pool's allocator: never gives segments back on its own.
         (
