@@ -24,7 +24,9 @@ pub const SMALL_SIZE: u64 = MIB;
 /// strand 20 MiB per partly used segment while one of 1.3 GiB and more gets
 /// PyTorch's size.
 const DEFAULT_MEDIUM_DIVISOR: u64 = 64;
-/// `expandable_page_divisor` of `default` and `expandable`.
+/// `expandable_page_divisor` of `default` and `expandable`: pages are at
+/// most 1/128 of the peak allocated bytes. Larger divisors leave the
+/// corpus's worst case where it is and only add map calls (docs/POLICY.md).
 const DEFAULT_PAGE_DIVISOR: u64 = 128;
 /// Smallest medium segment (`medium_segment_divisor`).
 pub const MEDIUM_SEGMENT_MIN: u64 = 2 * MIB;
