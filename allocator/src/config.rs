@@ -107,11 +107,6 @@ pub enum EdgePages {
     /// partly used big pages at blocks' edges; where only the mapping at
     /// hand would reach that point, granules at its edges only.
     Pressure,
-    /// As `Pressure`, and granularity-sized pages at the edges as well once
-    /// a mapping would lift reserved memory more than `idle_slack_hard` above
-    /// the peak allocated bytes: less memory held in partly used big pages,
-    /// for more map calls (the memory-optimal choice; docs/POLICY.md).
-    Peak,
 }
 
 /// The words of a choice key and the values they stand for, in one table
@@ -150,7 +145,6 @@ choice_words!(EdgePages, WORDS:
     "pressure" => Pressure,
     "small" => Small,
     "big" => Big,
-    "peak" => Peak,
 );
 
 /// How the allocator carves segments and blocks. See `docs/POLICY.md`.
@@ -1032,7 +1026,7 @@ pub static KEYS: &[Key] = &[
         aliases: &[],
         kind: KeyKind::Choice(EdgePages::WORDS),
         stability: Stability::Experimental,
-        doc: "expandable page sizes at block edges: big pages while there is room (`pressure`), granules always (`small`), big pages always (`big`), granules also once past the hard limit over the peak (`peak`: less memory, more map calls)",
+        doc: "expandable page sizes at block edges: big pages while there is room (`pressure`), granules always (`small`), big pages always (`big`)",
         group: None,
         get: |c| Some(Value::Word(c.expandable_edges.word())),
         set: |c, v| c.expandable_edges = EdgePages::from_word(w(v)).expect("a word of the table"),

@@ -139,7 +139,7 @@ impl fmt::Display for OomReport {
         if self.fragmented() && self.expandable {
             write!(
                 f,
-                " The cache holds enough free bytes, but in pages partly under other blocks: set `expandable_edges:peak` in CACHEALLOC_CONF to map fewer pages past blocks' edges."
+                " The cache holds enough free bytes, but in pages partly under other blocks: set `expandable_page_mb:2` in CACHEALLOC_CONF to map pages of the device's granularity everywhere (more map calls)."
             )
         } else if self.fragmented() {
             write!(
@@ -185,7 +185,7 @@ mod tests {
             ..scattered.clone()
         };
         let msg = expandable.to_string();
-        assert!(msg.contains("expandable_edges:peak"), "{msg}");
+        assert!(msg.contains("expandable_page_mb:2"), "{msg}");
         assert!(!msg.contains("expandable_segments:True"), "{msg}");
         let missing = OomReport {
             device_free: 0,

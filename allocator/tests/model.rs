@@ -233,15 +233,6 @@ fn model_expandable_host_waits() {
 }
 
 #[test]
-fn model_expandable_peak_edges() {
-    run_config(
-        "expandable-peak-edges",
-        config("expandable-peak-edges"),
-        128,
-    );
-}
-
-#[test]
 fn model_expandable_big_edges() {
     run_config("expandable-big-edges", config("expandable-big-edges"), 128);
 }

@@ -152,11 +152,6 @@ pub fn configs() -> Vec<(&'static str, Config)> {
             "expandable-host-waits",
             parse("expandable,expandable_cross_stream:false"),
         ),
-        // Granules at blocks' edges once past the peak.
-        (
-            "expandable-peak-edges",
-            parse("expandable,expandable_edges:peak"),
-        ),
         // Pages moved away unmapped at once (no shadows).
         (
             "expandable-no-shadows",

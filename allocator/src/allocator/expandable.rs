@@ -486,7 +486,7 @@ impl<E> Expandable<E> {
         let mut style = match core.config.expandable_edges {
             EdgePages::Small => Style::SmallEdges,
             EdgePages::Big => Style::BigEdges,
-            edges @ (EdgePages::Pressure | EdgePages::Peak) => {
+            EdgePages::Pressure => {
                 let plan = self.plan(core, seg, start, end, Style::BigEdges);
                 let bytes: u64 = plan.iter().map(|&(_, n)| u64::from(n) * g).sum();
                 if self.under_pressure(core, 0) {
@@ -498,8 +498,6 @@ impl<E> Expandable<E> {
                     // pages of both sizes churn under a cap (gpt2_finetune at
                     // 1.05 × its peak: 45,689 pages created, 101,898 maps;
                     // now 2,479 and 14,716).
-                    Style::SmallEdges
-                } else if edges == EdgePages::Peak && self.past_peak(core, bytes) {
                     Style::SmallEdges
                 } else {
                     Style::BigEdges
@@ -518,10 +516,7 @@ impl<E> Expandable<E> {
                 // The device or the cap is full after all: only the granules needed.
                 Err(AllocError::OutOfMemory(_))
                     if style != Style::Granules
-                        && matches!(
-                            core.config.expandable_edges,
-                            EdgePages::Pressure | EdgePages::Peak
-                        ) =>
+                        && core.config.expandable_edges == EdgePages::Pressure =>
                 {
                     style = Style::Granules;
                     self.trim_end_page(core, dev, seg, start, end, (block_end, since))?;
@@ -540,13 +535,6 @@ impl<E> Expandable<E> {
         let margin = core.config.idle_slack_hard.min(MAX_PRESSURE_MARGIN);
         let limit = (limit as f64 * (1.0 - margin)) as u64;
         core.reserved() + bytes > limit
-    }
-
-    /// Whether mapping `bytes` more would lift reserved memory more than
-    /// `idle_slack_hard` above the peak allocated bytes.
-    fn past_peak(&self, core: &Core<E>, bytes: u64) -> bool {
-        let peak = core.stats.allocated_bytes.all().peak;
-        (core.reserved() + bytes) as f64 > peak as f64 * (1.0 + core.config.idle_slack_hard)
     }
 
     /// The most reserved memory can reach: the cap, the device's memory, or

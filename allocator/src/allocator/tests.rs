@@ -1456,33 +1456,6 @@ fn expandable_steps_around_an_old_mapping_queued_work_may_use() {
 }
 
 #[test]
-fn expandable_peak_edges_map_granules_at_edges_past_the_peak() {
-    // 3 MiB in the large pool (8 MiB pages): `pressure` maps the whole big
-    // page under it while there is room; `peak` maps only the granules under
-    // it once that lifts reserved memory past the peak (here at once: no
-    // slack), and big pages again where the peak leaves room.
-    let reserved_after = |edges: &str| {
-        let config = Config {
-            idle_slack: 0.0,
-            idle_slack_hard: 0.0,
-            expandable_page_divisor: 0,
-            ..Config::parse(&format!("expandable,expandable_edges:{edges}")).unwrap()
-        };
-        let dev = SimulatedDevice::new(1 << 30);
-        let a = CachingAllocator::new(dev.clone(), config);
-        let p = a.malloc(3 * MIB, S0).unwrap();
-        let first = a.usage().reserved;
-        a.check_invariants().unwrap();
-        a.free(p).unwrap();
-        a.empty_cache().unwrap();
-        assert!(dev.mappings().is_empty());
-        first
-    };
-    assert_eq!(reserved_after("pressure"), 8 * MIB);
-    assert_eq!(reserved_after("peak"), 4 * MIB, "two 2 MiB granules");
-}
-
-#[test]
 fn expandable_cross_stream_waits_on_the_device_not_the_host() {
     // x's pages, freed on stream 1 whose work may still use them, are all
     // there is when stream 0 needs pages past the peak. With
