@@ -89,6 +89,9 @@ pub struct OomReport {
     pub external_fragmentation: f64,
     /// Whether the allocator maps expandable segments (the advice differs).
     pub expandable: bool,
+    /// Expandable segments: whether the large pools map pages larger than
+    /// the device's granularity at this point (smaller pages are the advice).
+    pub big_pages: bool,
 }
 
 impl OomReport {
@@ -136,10 +139,15 @@ impl fmt::Display for OomReport {
             gib(self.largest_free_block),
             self.external_fragmentation * 100.0,
         )?;
-        if self.fragmented() && self.expandable {
+        if self.fragmented() && self.expandable && self.big_pages {
             write!(
                 f,
                 " The cache holds enough free bytes, but in pages partly under other blocks: set `expandable_page_mb:2` in CACHEALLOC_CONF to map pages of the device's granularity everywhere (more map calls)."
+            )
+        } else if self.fragmented() && self.expandable {
+            write!(
+                f,
+                " The cache holds enough free bytes, but in pages of the device's granularity partly under other blocks: free tensors no longer needed, or reduce the batch size."
             )
         } else if self.fragmented() {
             write!(
@@ -182,11 +190,20 @@ mod tests {
         assert!(scattered.to_string().contains("expandable_segments:True"));
         let expandable = OomReport {
             expandable: true,
+            big_pages: true,
             ..scattered.clone()
         };
         let msg = expandable.to_string();
         assert!(msg.contains("expandable_page_mb:2"), "{msg}");
         assert!(!msg.contains("expandable_segments:True"), "{msg}");
+        // Pages already of the device's granularity: no setting to suggest.
+        let granules = OomReport {
+            big_pages: false,
+            ..expandable
+        };
+        let msg = granules.to_string();
+        assert!(!msg.contains("expandable_page_mb"), "{msg}");
+        assert!(msg.contains("reduce the batch size"), "{msg}");
         let missing = OomReport {
             device_free: 0,
             ..scattered

@@ -116,6 +116,21 @@ fn round_up(bytes: u64, page: u64) -> u64 {
     bytes.div_ceil(page).max(1) * page
 }
 
+/// A big page of `big` granules, halved down to the peak allocated bytes
+/// (counting `bytes` about to be mapped) over `expandable_page_divisor`,
+/// or one granule where an odd number of granules does not halve.
+pub(super) fn scaled_granules<E>(core: &Core<E>, mut big: u32, bytes: u64) -> u32 {
+    let g = core.granularity.expect("expandable mode has a granularity");
+    let alloc = core.stats.allocated_bytes.all();
+    let scale = alloc.peak.max(alloc.current.saturating_add(bytes));
+    if let Some(most) = scale.checked_div(core.config.expandable_page_divisor) {
+        while big > 1 && u64::from(big) * g > most {
+            big = if big % 2 == 0 { big / 2 } else { 1 };
+        }
+    }
+    big
+}
+
 /// Whether every granule under `[start, end)` of `seg` is mapped.
 #[inline]
 fn range_mapped<E>(core: &Core<E>, seg: SegmentId, start: u64, end: u64) -> bool {
@@ -313,15 +328,7 @@ impl<E> Expandable<E> {
     #[inline]
     pub(super) fn big_granules(core: &Core<E>, s: &Segment, bytes: u64) -> u32 {
         let g = core.granularity.expect("expandable mode has a granularity");
-        let mut big = (s.page_size() / g) as u32;
-        let alloc = core.stats.allocated_bytes.all();
-        let scale = alloc.peak.max(alloc.current.saturating_add(bytes));
-        if let Some(most) = scale.checked_div(core.config.expandable_page_divisor) {
-            while big > 1 && u64::from(big) * g > most {
-                big = if big % 2 == 0 { big / 2 } else { 1 };
-            }
-        }
-        big
+        scaled_granules(core, (s.page_size() / g) as u32, bytes)
     }
 
     /// With `expandable_place`, where a block of `rounded` bytes of `pool`

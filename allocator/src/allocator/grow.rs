@@ -227,6 +227,10 @@ impl<E> State<E> {
                 (frag.0 - frag.1) as f64 / frag.0 as f64
             },
             expandable: self.core.config.expandable_segments,
+            big_pages: self.core.granularity.is_some_and(|g| {
+                let page = self.core.config.expandable_page.div_ceil(g) as u32;
+                expandable::scaled_granules(&self.core, page, size) > 1
+            }),
         }
     }
 

@@ -2042,6 +2042,29 @@ fn a_cap_above_the_hard_limit_creates_no_more_than_no_cap() {
     );
 }
 
+/// An expandable allocator's out-of-memory report says whether its large
+/// pools map pages larger than the device's granularity now (pages scaled
+/// to a small workload are granules already), which decides the advice.
+#[test]
+fn an_expandable_oom_report_knows_its_page_size() {
+    for (conf, big) in [
+        ("expandable", false),
+        ("expandable,expandable_page_divisor:0", true),
+    ] {
+        let (_dev, a) = new(Config {
+            memory_cap: Some(crate::config::MemoryCap::Bytes(64 * MIB)),
+            ..Config::parse(conf).unwrap()
+        });
+        let e = a.malloc(100 * MIB, S0).unwrap_err();
+        let AllocError::OutOfMemory(report) = &e else {
+            panic!("{e}")
+        };
+        assert!(report.expandable, "{conf}");
+        assert_eq!(report.big_pages, big, "{conf}");
+        ok(&a);
+    }
+}
+
 /// Under a cap, a request that fails only because the cache's free bytes are
 /// scattered (fewer bytes missing under the cap than the cache holds unused,
 /// though fewer unused than requested) is reported as fragmentation, with
