@@ -116,16 +116,27 @@ fn round_up(bytes: u64, page: u64) -> u64 {
     bytes.div_ceil(page).max(1) * page
 }
 
-/// A big page of `big` granules, halved down to the peak allocated bytes
-/// (counting `bytes` about to be mapped) over `expandable_page_divisor`,
-/// or one granule where an odd number of granules does not halve.
+/// The next smaller page size, in granules, after one of `big` granules:
+/// half, or one granule where an odd number does not halve. Every size so
+/// reached divides the larger ones, so pages of each size stay aligned to it.
+fn smaller_page(big: u32) -> u32 {
+    if big % 2 == 0 {
+        big / 2
+    } else {
+        1
+    }
+}
+
+/// A big page of `big` granules, made smaller ([`smaller_page`]) down to
+/// the peak allocated bytes (counting `bytes` about to be mapped) over
+/// `expandable_page_divisor`.
 pub(super) fn scaled_granules<E>(core: &Core<E>, mut big: u32, bytes: u64) -> u32 {
     let g = core.granularity.expect("expandable mode has a granularity");
     let alloc = core.stats.allocated_bytes.all();
     let scale = alloc.peak.max(alloc.current.saturating_add(bytes));
     if let Some(most) = scale.checked_div(core.config.expandable_page_divisor) {
         while big > 1 && u64::from(big) * g > most {
-            big = if big % 2 == 0 { big / 2 } else { 1 };
+            big = smaller_page(big);
         }
     }
     big
@@ -321,10 +332,7 @@ impl<E> Expandable<E> {
     }
 
     /// The big page of range `s` for mapping `bytes` now, in granules: its
-    /// page size, halved down to the peak allocated bytes (counting these)
-    /// over `expandable_page_divisor`, or one granule where an odd number of
-    /// granules does not halve. Every size so chosen divides the larger
-    /// ones, so pages of each size stay aligned to it.
+    /// page size, scaled to the workload ([`scaled_granules`]).
     #[inline]
     pub(super) fn big_granules(core: &Core<E>, s: &Segment, bytes: u64) -> u32 {
         let g = core.granularity.expect("expandable mode has a granularity");
@@ -1386,9 +1394,7 @@ impl<E> Expandable<E> {
             let pages = s.pages().ok_or("a range without a page map")?;
             let max = (s.page_size() / g) as u32;
             let sizes: Vec<u32> =
-                std::iter::successors(Some(max), |&n| (n % 2 == 0).then_some(n / 2))
-                    .chain([1])
-                    .collect();
+                std::iter::successors(Some(max), |&n| (n > 1).then(|| smaller_page(n))).collect();
             pages
                 .check((s.size / g) as u32, &sizes)
                 .map_err(|e| format!("range at {:#x}: {e}", s.addr))?;

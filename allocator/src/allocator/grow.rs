@@ -228,8 +228,8 @@ impl<E> State<E> {
             },
             expandable: self.core.config.expandable_segments,
             big_pages: self.core.granularity.is_some_and(|g| {
-                let page = self.core.config.expandable_page.div_ceil(g) as u32;
-                expandable::scaled_granules(&self.core, page, size) > 1
+                let page = self.vmm.page_size(&self.core, PoolKind::Large) / g;
+                expandable::scaled_granules(&self.core, page as u32, size) > 1
             }),
         }
     }
