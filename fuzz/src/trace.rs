@@ -25,6 +25,7 @@ use flate2::write::GzEncoder;
 use flate2::Compression;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// What a reader made of a trace: its events up to the first error, and the
 /// error's line and kind (`None` if it read cleanly).
@@ -80,8 +81,24 @@ pub fn read_core(text: &[u8]) -> Outcome {
     }
 }
 
-fn scratch_path() -> PathBuf {
-    std::env::temp_dir().join(format!("cachealloc-fuzz-trace-{}", std::process::id()))
+/// A scratch file of its own for one check (test threads run checks side by
+/// side), removed when the check ends, however it ends.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        Scratch(
+            std::env::temp_dir().join(format!("cachealloc-fuzz-trace-{}-{n}", std::process::id())),
+        )
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// Reads the file at `path` with `trace_file`, checking that errors name the file.
@@ -159,7 +176,8 @@ pub fn check_counted(data: &[u8]) -> u64 {
         );
     }
 
-    let path = scratch_path();
+    let scratch = Scratch::new();
+    let path = &scratch.0;
     let file = match mode & 3 {
         1 | 2 => gzip(text),
         _ => text.to_vec(),
@@ -171,8 +189,8 @@ pub fn check_counted(data: &[u8]) -> u64 {
     } else {
         file
     };
-    std::fs::write(&path, &file).expect("scratch file");
-    let got = read_file(&path);
+    std::fs::write(path, &file).expect("scratch file");
+    let got = read_file(path);
     match mode & 3 {
         0 | 3 if !file.starts_with(&[0x1f, 0x8b]) => {
             assert_eq!(
@@ -211,4 +229,20 @@ pub fn check_counted(data: &[u8]) -> u64 {
         return events.len() as u64;
     }
     0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each check writes a file of its own and leaves nothing behind.
+    #[test]
+    fn scratch_files_are_distinct_and_removed() {
+        let (a, b) = (Scratch::new(), Scratch::new());
+        assert_ne!(a.0, b.0);
+        std::fs::write(&a.0, b"a 1 512 0\n").unwrap();
+        let path = a.0.clone();
+        drop(a);
+        assert!(!path.exists(), "{} left behind", path.display());
+    }
 }
