@@ -94,10 +94,7 @@ impl<E> State<E> {
             let idle_rule = ((self.core.reserved() + seg_size) as f64) <= bound;
             self.release_free_segments(dev, need, idle_rule)?;
         }
-        if self.core.config.borrow_holes
-            && self.core.config.caching
-            && pool.kind() != PoolKind::Small
-        {
+        if self.core.config.borrow_holes && self.core.config.caching {
             if let Some(id) = self.borrow_hole(dev, req)? {
                 return Ok(id);
             }
