@@ -51,6 +51,71 @@ fn cross_stream_block_not_reused_before_work_completes_expandable() {
     cross_stream_with(Config::expandable());
 }
 
+/// A stream that takes a hole in another stream's partly used segment
+/// (`borrow_holes`) waits on the device for that stream's queued work, so
+/// its writes land after the owner's last write there: a small block under
+/// `default`, a block of a 20 MiB medium segment under PyTorch's sizes.
+#[test]
+fn a_borrowed_hole_waits_for_its_owners_work() {
+    let _serial = serial();
+    for (config, size) in [
+        ("default", 64 * 1024),
+        ("pytorch,borrow_holes:true", 4 * MIB),
+    ] {
+        borrowed_hole_with(Config::parse(config).unwrap(), size);
+    }
+}
+
+fn borrowed_hole_with(config: Config, size: u64) {
+    let Some(dev) = gpu_device() else { return };
+    println!(
+        "device: {}; config {}, blocks of {size} bytes",
+        dev.name(),
+        config.name
+    );
+    dev.bind_thread().unwrap();
+    let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
+    let alloc = CachingAllocator::new(dev, config);
+    let busy_size = 256 * MIB;
+    let busy = alloc.malloc(busy_size, a.id()).unwrap();
+    let keep = alloc.malloc(size, a.id()).unwrap();
+    let x = alloc.malloc(size, a.id()).unwrap();
+    // Stream a: long work on `busy`, then its last write of x; x freed on a
+    // (stream-ordered: a's own later work could reuse it at once).
+    long_work(busy, busy_size, a.id(), 2000, 1);
+    long_work(x, size, a.id(), 1, 0xA0A0_A0A0);
+    let a_done = alloc.device().record_event(a.id()).unwrap();
+    alloc.free(x).unwrap();
+
+    let borrowed = alloc.stats().num_blocks_borrowed;
+    let y = alloc.malloc(size, b.id()).unwrap();
+    assert_eq!(
+        alloc.stats().num_blocks_borrowed,
+        borrowed + 1,
+        "stream b took a hole of stream a's segment"
+    );
+    assert_eq!(y, x, "the hole x left");
+    assert!(
+        !alloc.device().event_completed(&a_done).unwrap(),
+        "stream a finished too early for the test to mean anything"
+    );
+    // SAFETY: y is ours, on stream b.
+    unsafe { driver::memset_d32_async(y, 0xB0B0_B0B0, (size / 4) as usize, b.id()) }.unwrap();
+    b.synchronize().unwrap();
+    a.synchronize().unwrap();
+    alloc.device().release_event(a_done);
+    assert_eq!(
+        mismatches(y, size, b.id(), 0xB0B0_B0B0),
+        0,
+        "stream a's last write of x landed after stream b's"
+    );
+    for p in [y, keep, busy] {
+        alloc.free(p).unwrap();
+    }
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.stats().num_sync_all_streams, 0);
+}
+
 /// A slab's chunk used by a second stream comes back to its slab only
 /// after that stream's work on it completes: the chunk is small, so the
 /// second stream is kept busy on a large buffer first.
