@@ -188,6 +188,13 @@ fn model_default_slabs_1024() {
     run_config("default-slabs-1024", config("default-slabs-1024"), 256);
 }
 
+/// Slabs up to 64 KiB next to plain small blocks, whose holes other
+/// streams borrow: a slab is never made of a borrowed hole.
+#[test]
+fn model_default_slabs_64() {
+    run_config("default-slabs-64", config("default-slabs-64"), 192);
+}
+
 #[test]
 fn model_pytorch_slabs_16() {
     run_config("pytorch-slabs-16", config("pytorch-slabs-16"), 128);

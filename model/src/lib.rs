@@ -145,6 +145,9 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         // Slabs for every small request, and for the smallest next to the bins.
         ("default-slabs-1024", parse("default,slab_max_kb:1024")),
         ("pytorch-slabs-16", parse("pytorch,slab_max_kb:16")),
+        // Slabs for the smallest requests, plain small blocks above them
+        // whose holes other streams borrow.
+        ("default-slabs-64", parse("default,slab_max_kb:64")),
         // Page-backed segments: virtual ranges, physical pages mapped under blocks.
         ("expandable", Config::expandable()),
         // Other streams' busy pages waited for on the host instead.

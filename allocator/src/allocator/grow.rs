@@ -94,7 +94,9 @@ impl<E> State<E> {
             let idle_rule = ((self.core.reserved() + seg_size) as f64) <= bound;
             self.release_free_segments(dev, need, idle_rule)?;
         }
-        if self.core.config.borrow_holes && self.core.config.caching {
+        // (A slab is made of a segment of its own, never of a borrowed hole.)
+        let slab = pool.kind() == PoolKind::Small && self.slabs.serves(rounded);
+        if self.core.config.borrow_holes && self.core.config.caching && !slab {
             if let Some(id) = self.borrow_hole(dev, req)? {
                 return Ok(id);
             }

@@ -1835,6 +1835,31 @@ fn small_requests_borrow_holes_in_another_streams_small_segment() {
     }
 }
 
+/// A request served by slabs makes a slab of a segment of its own: a hole
+/// in another stream's plain small segment is no slab.
+#[test]
+fn slab_requests_borrow_no_holes() {
+    let (_dev, a) = new(Config {
+        borrow_holes: true,
+        slab_max: 64 * 1024,
+        ..Config::pytorch()
+    });
+    // Stream 0: a plain small segment (requests above the slab limit), partly used.
+    let p = a.malloc(512 * 1024, S0).unwrap();
+    let segments = a.stats().segment.all().current;
+    let q = a.malloc(4096, S1).unwrap();
+    ok(&a);
+    assert_eq!(a.stats().num_blocks_borrowed, 0);
+    assert_eq!(
+        a.stats().segment.all().current,
+        segments + 1,
+        "a slab of its own"
+    );
+    a.free(q).unwrap();
+    a.free(p).unwrap();
+    ok(&a);
+}
+
 /// With more streams than one search looks at, the searches take the other
 /// streams in turn: a hole in the last of 40 streams is found by the second
 /// growth at the latest.
