@@ -5,6 +5,9 @@
 //! - `random_256_slots/<config>`: one op per iteration on 256 slots: a random
 //!   slot is freed if live, else filled with a log-uniform 512 B–8 MiB
 //!   request; pre-warmed so that the cache holds the segments it needs.
+//! - `cold_growth/<config>/<size>`: one request that grows an empty
+//!   expandable allocator by `size` (every page created and mapped), freed
+//!   and given back with `empty_cache`: the host cost of the page loop.
 //!
 //! Run: `cargo bench -p cachealloc-core --bench hot_path`
 //! (add `-- --warm-up-time 1 --measurement-time 3` for a quicker run).
@@ -122,5 +125,34 @@ fn random_256_slots(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, cached_pair, random_256_slots);
+fn cold_growth(c: &mut Criterion) {
+    let mut g = c.benchmark_group("cold_growth");
+    g.sample_size(10);
+    let cases = [
+        ("expandable", "1GiB", 1u64 << 30),
+        ("expandable", "16GiB", 16 << 30),
+        ("expandable-2MiB-pages", "16GiB", 16 << 30),
+    ];
+    for (name, label, size) in cases {
+        let config = match name {
+            "expandable" => Config::expandable(),
+            _ => Config::parse("expandable,expandable_page_mb:2").expect("valid"),
+        };
+        let a = CachingAllocator::new(SimulatedDevice::unlimited(), config);
+        g.bench_with_input(BenchmarkId::new(name, label), &size, |b, &size| {
+            b.iter(|| {
+                let p = a.malloc(black_box(size), S0).unwrap();
+                a.free(p).unwrap();
+                a.empty_cache().unwrap();
+            })
+        });
+        eprintln!(
+            "cold_growth/{name}/{label}: {} pages created",
+            a.stats().num_page_create
+        );
+    }
+    g.finish();
+}
+
+criterion_group!(benches, cached_pair, random_256_slots, cold_growth);
 criterion_main!(benches);

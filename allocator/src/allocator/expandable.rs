@@ -790,11 +790,11 @@ impl<E> Expandable<E> {
                 }
                 if have < count {
                     grow += (count - have) as u64 * size;
-                    short.get_or_insert(size);
+                    short.get_or_insert((size, count - have));
                     sizes.push(size);
                 }
             }
-            let Some(size) = short else {
+            let Some((size, missing)) = short else {
                 return Ok(());
             };
             // Past the soft limit, take idle pages no queued work can touch
@@ -835,34 +835,44 @@ impl<E> Expandable<E> {
             if core.reserved() + grow > cap {
                 return Err(AllocError::OutOfMemory(Box::default()));
             }
-            match dev.vmm_create_page(size) {
-                Ok(handle) => {
-                    out.push(Page {
-                        handle,
-                        size,
-                        counted_as: None,
-                    });
-                    core.stats.num_page_create += 1;
-                    // The device had room for this much after all.
-                    let now = core.reserved() + out_new_bytes(out);
-                    if let Some(full) = self.device_full_at.as_mut() {
-                        *full = (*full).max(now);
+            // The checks above hold for the whole growth, which only shrinks
+            // as pages are made: the missing pages of this size are made in
+            // one go (a round per page cost a scan of `out` and the pool
+            // each, quadratic in the pages of one request).
+            let mut made_bytes = out_new_bytes(out);
+            for _ in 0..missing {
+                match dev.vmm_create_page(size) {
+                    Ok(handle) => {
+                        out.push(Page {
+                            handle,
+                            size,
+                            counted_as: None,
+                        });
+                        made_bytes += size;
+                        grow -= size;
+                        core.stats.num_page_create += 1;
+                        // The device had room for this much after all.
+                        let now = core.reserved() + made_bytes;
+                        if let Some(full) = self.device_full_at.as_mut() {
+                            *full = (*full).max(now);
+                        }
                     }
-                }
-                Err(DeviceError::OutOfMemory) if stage < 3 => {
-                    self.device_full_at = Some(core.reserved() + out_new_bytes(out));
-                    if stage < 2 {
-                        self.recycle(core, dev, tail, grow, true, &sizes)?;
+                    Err(DeviceError::OutOfMemory) if stage < 3 => {
+                        self.device_full_at = Some(core.reserved() + made_bytes);
+                        if stage < 2 {
+                            self.recycle(core, dev, tail, grow, true, &sizes)?;
+                        }
+                        // Device full: pooled pages of other sizes make room.
+                        self.release_pooled(core, dev, grow)?;
+                        stage = 3;
+                        break;
                     }
-                    // Device full: pooled pages of other sizes make room.
-                    self.release_pooled(core, dev, grow)?;
-                    stage = 3;
+                    Err(DeviceError::OutOfMemory) => {
+                        self.device_full_at = Some(core.reserved() + made_bytes);
+                        return Err(AllocError::OutOfMemory(Box::default()));
+                    }
+                    Err(e) => return Err(e.into()),
                 }
-                Err(DeviceError::OutOfMemory) => {
-                    self.device_full_at = Some(core.reserved() + out_new_bytes(out));
-                    return Err(AllocError::OutOfMemory(Box::default()));
-                }
-                Err(e) => return Err(e.into()),
             }
         }
     }
