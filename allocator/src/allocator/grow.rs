@@ -95,7 +95,7 @@ impl<E> State<E> {
             self.release_free_segments(dev, need, idle_rule)?;
         }
         // (A slab is made of a segment of its own, never of a borrowed hole.)
-        let slab = pool.kind() == PoolKind::Small && self.slabs.serves(rounded);
+        let slab = self.slabs.serves(rounded);
         if self.core.config.borrow_holes && self.core.config.caching && !slab {
             if let Some(id) = self.borrow_hole(dev, req)? {
                 return Ok(id);
