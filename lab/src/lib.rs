@@ -9,6 +9,9 @@
 //!   on the shipped traces ([`slab_study`])?
 //! - `policy_eval`: how do presets fare on perturbed traces (sizes jittered)?
 //! - `peak_dump`: the segment map at the reserved peak of a replay.
+//! - `oom_dump`: the segment map at the first out-of-memory on a device of a
+//!   given capacity, or before a given event (to compare configurations).
+//! - `call_log`: every trace event that made device allocations or frees.
 //! - `random_ops`, `pair_ops`: host time per operation of the core on the
 //!   simulated device, for profiling.
 //!

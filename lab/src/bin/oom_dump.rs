@@ -5,7 +5,7 @@
 //! mapped memory lies under allocated blocks: why a layout needs a bigger device.
 //!
 //! ```text
-//! cargo run -p lab --release --bin oom_dump -- TRACE.gz CONF CAPACITY_BYTES
+//! cargo run -p lab --release --bin oom_dump -- TRACE.gz CONF CAPACITY_BYTES [EVENT]
 //! ```
 use cachealloc_core::{
     BlockState, CachingAllocator, SegmentSnapshot, SimulatedDevice, StreamId, TraceEvent,
@@ -18,12 +18,15 @@ const GRANULE: u64 = 2 << 20;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    if args.len() != 4 {
-        eprintln!("usage: oom_dump TRACE.gz CONF CAPACITY_BYTES");
+    if args.len() != 4 && args.len() != 5 {
+        eprintln!("usage: oom_dump TRACE.gz CONF CAPACITY_BYTES [EVENT]");
         std::process::exit(2);
     }
     let config = lab::config_arg(&args, 2, "default");
     let capacity: u64 = lab::arg(&args, 3, "capacity", 0);
+    // With an event index, the layout is printed just before that event
+    // even if nothing fails (to compare configurations at one point).
+    let stop_at: usize = lab::arg(&args, 4, "event", usize::MAX);
     let events = lab::load_trace(&args[1]);
     let a = CachingAllocator::new(
         SimulatedDevice::new(capacity).with_auto_complete(true),
@@ -31,6 +34,10 @@ fn main() {
     );
     let mut live = HashMap::new();
     for (i, e) in events.iter().enumerate() {
+        if i == stop_at {
+            println!("event {i}: {:?}", a.usage());
+            break;
+        }
         match *e {
             TraceEvent::Alloc { id, bytes, stream } => match a.malloc(bytes, StreamId(stream)) {
                 Ok(p) => {
