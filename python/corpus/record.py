@@ -2,9 +2,10 @@
 # allocator with torch.cuda.memory._record_memory_history and writes the plain trace format
 # (docs/TRACE_FORMAT.md), with a comment line "# step N" at every step boundary.
 #
-#   python3 python/corpus/record.py --out DIR [--only a,b] [--lanes 3] [--timeout 150]
-#       runs every workload in its own process (LANES at a time, each with a timeout) and
-#       writes DIR/NAME.trace.gz, DIR/NAME.json and DIR/summary.json
+#   python3 python/corpus/record.py --out DIR [--set holdout] [--only a,b] [--lanes 3] [--timeout 150]
+#       runs every workload of the set (families.py, or holdout.py with --set holdout) in its
+#       own process (LANES at a time, each with a timeout) and writes DIR/NAME.trace.gz,
+#       DIR/NAME.json and DIR/summary.json
 #   python3 python/corpus/record.py --one NAME --out DIR [--steps N] [--seed S] [--max-seconds T]
 #       records one workload in this process
 #
@@ -62,10 +63,18 @@ def write_trace(snap, path, marker_stream, max_events):
     return n, steps, truncated
 
 
+def workloads(name):
+    """The workloads of a set: the corpus (families.py) or the held-out ones (holdout.py)."""
+    if name == "holdout":
+        from holdout import HOLDOUT
+        return HOLDOUT
+    from families import FAMILIES
+    return FAMILIES
+
+
 def record_one(a):
     import torch
-    from families import FAMILIES
-    gen, cap = FAMILIES[a.one]
+    gen, cap = workloads(a.set)[a.one]
     steps = a.steps or cap
     torch.cuda.init()
     marker = torch.cuda.Stream()
@@ -99,8 +108,11 @@ def record_one(a):
 
 
 def record_all(a):
-    from families import FAMILIES
-    names = a.only.split(",") if a.only else list(FAMILIES)
+    known = workloads(a.set)
+    names = a.only.split(",") if a.only else list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        sys.exit(f"unknown workloads in set {a.set}: {', '.join(unknown)}")
     queue, running, results = list(names), [], {}
     os.makedirs(a.out, exist_ok=True)
     while queue or running:
@@ -108,6 +120,7 @@ def record_all(a):
             name = queue.pop(0)
             log = open(os.path.join(a.out, name + ".log"), "w")
             cmd = [sys.executable, os.path.abspath(__file__), "--one", name, "--out", a.out,
+                   "--set", a.set,
                    "--seed", str(a.seed), "--max-seconds", str(a.max_seconds)]
             p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             running.append((name, p, time.time(), log))
@@ -146,6 +159,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--one")
+    ap.add_argument("--set", choices=["corpus", "holdout"], default="corpus")
     ap.add_argument("--only")
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
