@@ -178,7 +178,8 @@ def worker(spec):
                         marker_waits=extra.get("num_marker_waits"),
                         stream_waits=extra.get("num_stream_waits"),
                         borrowed=extra.get("num_blocks_borrowed"),
-                        revived=extra.get("num_pages_revived"))
+                        revived=extra.get("num_pages_revived"),
+                        releases_paused=extra.get("num_releases_paused"))
         st = ca.memory_stats()
         return dict(reserved=st["reserved_bytes.all.current"],
                     allocated=st["allocated_bytes.all.current"],
@@ -191,7 +192,8 @@ def worker(spec):
                     marker_waits=st.get("num_marker_waits"),
                     stream_waits=st.get("num_stream_waits"),
                     borrowed=st.get("num_blocks_borrowed"),
-                    revived=st.get("num_pages_revived"))
+                    revived=st.get("num_pages_revived"),
+                    releases_paused=st.get("num_releases_paused"))
 
     before = figures()
     res.update({k: v for k, v in before.items() if k not in ("reserved", "allocated")})

@@ -18,6 +18,7 @@ use crate::bins::Bins;
 use crate::block::{
     Block, BlockId, BlockState, Listed, PoolId, PoolKind, Segment, SegmentId, SegmentKind,
 };
+use crate::churn::ChurnBudget;
 use crate::config::{
     Config, MemoryCap, ReleaseOrder, MEDIUM_SEGMENT, MEDIUM_SEGMENT_MIN, OVERSIZE_SLACK, SMALL_SIZE,
 };
@@ -167,6 +168,9 @@ pub(super) struct Core<E> {
     /// `oversize_ratio` times the request: growing for that request gives
     /// it back first ([`State::grow`]).
     pub(super) oversize_refused: Option<SegmentId>,
+    /// `release_time_budget`: the driver time of releasing and growing again
+    /// against run time; while spent, the release rules pause.
+    pub(super) churn: ChurnBudget,
 }
 
 /// An allocator's state under its lock: the shared records and the

@@ -199,6 +199,12 @@ pub struct Config {
     /// any free segment is released before growing, so the idle age costs at
     /// most this much memory.
     pub release_idle_slack: f64,
+    /// Plain segments: the share of run time that releasing segments before
+    /// growing and allocating them again may take, measured on the device's
+    /// clock; past it the release rules pause and reserved memory grows
+    /// instead, so that the memory policy does not cost step time (0: no
+    /// limit; a device without a clock, such as a replay, never pauses).
+    pub release_time_budget: f64,
     /// On a device out-of-memory, release cached segments (those that make
     /// room, then every entirely free one) and retry before failing (plain
     /// segments). Off for a CUDA graph's private pool: a
@@ -297,6 +303,7 @@ impl Config {
             oversize_ratio: 0,
             release_idle_frac: 0.0,
             release_idle_slack: 0.0,
+            release_time_budget: 0.0,
             oom_flush: true,
             idle_slack: IDLE_SLACK,
             idle_slack_hard: IDLE_SLACK_HARD,
@@ -758,6 +765,13 @@ const SHARE: KeyKind = KeyKind::Number {
     max: 100.0,
     max_included: true,
 };
+/// A share of run time.
+const BUDGET: KeyKind = KeyKind::Number {
+    min: 0.0,
+    min_included: true,
+    max: 1.0,
+    max_included: true,
+};
 const BOOL: KeyKind = KeyKind::Bool;
 /// A divisor of the peak (0: the rule is off).
 const DIVISOR: KeyKind = KeyKind::Count {
@@ -977,6 +991,16 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::F64(c.release_idle_slack)),
         set: |c, v| c.release_idle_slack = f(v),
+    },
+    Key {
+        name: "release_time_budget",
+        aliases: &[],
+        kind: BUDGET,
+        stability: Stability::Experimental,
+        doc: "plain segments: the share of run time that releasing before growing and allocating again may take (device clock); past it the release rules pause and reserved grows (0: no limit)",
+        group: None,
+        get: |c| Some(Value::F64(c.release_time_budget)),
+        set: |c, v| c.release_time_budget = f(v),
     },
     Key {
         name: "oom_flush",
@@ -1261,6 +1285,10 @@ impl Default for Config {
             oom_flush: true,
             release_idle_frac: 0.25,
             release_idle_slack: 0.1,
+            // No time budget: pausing the release rules bought an LSTM
+            // language model its step time back but raised other programs'
+            // memory above PyTorch's (docs/POLICY.md).
+            release_time_budget: 0.0,
             slab_max: DEFAULT_SLAB_MAX,
             medium_segment_divisor: DEFAULT_MEDIUM_DIVISOR,
             oversize_ratio: 2,

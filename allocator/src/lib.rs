@@ -36,6 +36,7 @@ mod allocator;
 mod arena;
 mod bins;
 mod block;
+mod churn;
 pub mod config;
 pub mod device;
 pub mod error;

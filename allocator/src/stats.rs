@@ -234,6 +234,9 @@ pub struct MemoryStats {
     /// used segment with `borrow_holes`; their free guarded by an event on
     /// the requesting stream.
     pub num_blocks_borrowed: u64,
+    /// Growths past the peak that released nothing because the release
+    /// rules' driver time was over `release_time_budget`.
+    pub num_releases_paused: u64,
     /// Expandable segments: idle pages reused early by a block of their own stream
     /// before the stream was past them (mapped again at once, their old
     /// mapping dropped later) instead of waiting for a marker.
@@ -360,6 +363,7 @@ impl MemoryStats {
         out.push(("num_sync_all_streams".into(), v(self.num_sync_all_streams)));
         out.push(("num_marker_waits".into(), v(self.num_marker_waits)));
         out.push(("num_blocks_borrowed".into(), v(self.num_blocks_borrowed)));
+        out.push(("num_releases_paused".into(), v(self.num_releases_paused)));
         out.push((
             "num_pages_reused_early".into(),
             v(self.num_pages_reused_early),
@@ -552,6 +556,6 @@ mod tests {
             assert!(keys.contains(&k), "missing {k}");
         }
         assert!(e.contains(&("max_split_size".to_string(), -1)));
-        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 18);
+        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 19);
     }
 }

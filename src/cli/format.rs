@@ -87,6 +87,7 @@ pub fn record(
         "num_sync_all_streams": s.num_sync_all_streams,
         "num_marker_waits": s.num_marker_waits,
         "num_blocks_borrowed": s.num_blocks_borrowed,
+        "num_releases_paused": s.num_releases_paused,
         "num_pages_reused_early": s.num_pages_reused_early,
         "num_pages_revived": s.num_pages_revived,
         "num_stream_waits": s.num_stream_waits,

@@ -53,7 +53,6 @@ impl<D: Device> CachingAllocator<D> {
             divisions,
             state: Mutex::new(State {
                 core: Core {
-                    config,
                     cap,
                     blocks: Arena::default(),
                     segments: Arena::default(),
@@ -79,6 +78,12 @@ impl<D: Device> CachingAllocator<D> {
                     granularity,
                     idle_index: Default::default(),
                     oversize_refused: None,
+                    churn: ChurnBudget::new(if granularity.is_none() {
+                        config.release_time_budget
+                    } else {
+                        0.0
+                    }),
+                    config,
                 },
                 vmm: expandable::Expandable::<D::Event>::new(range_size),
                 caches: thread_cache::ThreadCaches::new(thread_cache),

@@ -27,7 +27,9 @@ impl<E> State<E> {
             // for the one it gets instead, whatever its idle age (not in an
             // allocator that never gives segments back on its own).
             if self.core.config.release_before_grow && self.core.segment_is_free(seg) {
+                let before = dev.now_ns();
                 self.release_segment(dev, seg)?;
+                self.core.churn.charge(before, dev.now_ns());
             }
         }
         if pool.kind() == PoolKind::Small && self.slabs.unslab_empty(&mut self.core, pool) {
@@ -79,6 +81,7 @@ impl<E> State<E> {
         }
         if self.core.config.release_before_grow
             && self.core.reserved() + seg_size > self.core.high_water
+            && !self.release_paused(dev)
         {
             let need = self.core.reserved() + seg_size - self.core.high_water;
             // The idle age may keep young free segments only within the slack.
@@ -92,7 +95,9 @@ impl<E> State<E> {
                     .max(self.core.stats.allocated_bytes.all().current + rounded)
                     as f64;
             let idle_rule = ((self.core.reserved() + seg_size) as f64) <= bound;
+            let before = dev.now_ns();
             self.release_free_segments(dev, need, idle_rule)?;
+            self.core.churn.charge(before, dev.now_ns());
         }
         // (A slab is made of a segment of its own, never of a borrowed hole.)
         let slab = self.slabs.serves(rounded);
@@ -124,6 +129,18 @@ impl<E> State<E> {
         Err(AllocError::OutOfMemory(Box::new(
             self.oom_report(dev, size, seg_size),
         )))
+    }
+
+    /// Whether the release rules pause for `release_time_budget`: the driver
+    /// time of releasing and growing again took more than its share of the
+    /// run time (counted in `num_releases_paused`).
+    #[cold]
+    fn release_paused<D: Device<Event = E>>(&mut self, dev: &D) -> bool {
+        let paused = self.core.churn.check(dev.now_ns());
+        if paused {
+            self.core.stats.num_releases_paused += 1;
+        }
+        paused
     }
 
     /// `borrow_holes`: the smallest free block that fits `rounded` inside a
@@ -594,11 +611,17 @@ impl<E> Core<E> {
         {
             return Ok(None);
         }
+        // Growing again below the peak is the second half of a release's cost.
+        let regrowth = self.reserved() + size <= self.high_water;
+        let before = if regrowth { dev.now_ns() } else { None };
         let ptr = match dev.allocate(size) {
             Ok(p) => p,
             Err(DeviceError::OutOfMemory) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
+        if regrowth {
+            self.churn.charge(before, dev.now_ns());
+        }
         let seg = self.add_segment(ptr, size, stream, pool, None);
         let id = self.segments.get(seg.0).head;
         let kind = pool.kind();

@@ -5,6 +5,10 @@ use super::*;
 use crate::bins::Entry;
 use crate::rounding::slab_class;
 
+/// While the release rules pause for their time budget, every this many
+/// allocations look again whether they may resume.
+const CHURN_RECHECK: u64 = 256;
+
 impl<E> State<E> {
     // Inlined into the locked wrapper: returned through memory, its result
     // was reloaded there with a store-forwarding stall (perf, random mix).
@@ -26,6 +30,11 @@ impl<E> State<E> {
         }
         self.core.clock += 1;
         self.core.tick_bytes(rounded);
+        if self.core.churn.paused() && self.core.clock % CHURN_RECHECK == 0 {
+            // Paused rules look again now and then whether run time has
+            // brought the churn back under its budget.
+            self.core.churn.check(dev.now_ns());
+        }
         let kind = if rounded <= SMALL_SIZE {
             PoolKind::Small
         } else if rounded >= self.core.config.huge_size {
@@ -260,6 +269,7 @@ impl<E> Core<E> {
             && ratio > 0
             && bsize / ratio > size
             && !self.blocks.get(id.0).is_split()
+            && !self.churn.paused()
         {
             self.oversize_refused = Some(self.blocks.get(id.0).segment);
             return None;

@@ -701,6 +701,82 @@ fn release_idle_slack_bounds_what_the_idle_age_may_keep() {
     assert_eq!(run(0.1), 1, "90 MiB is past 1.1 x 50 MiB: x released");
 }
 
+/// A loop whose every turn makes the release rules churn: a 300 MiB huge
+/// request refuses the free 700 MiB segment (`oversize_ratio:2`), which goes
+/// back so that a 300 MiB one is made, and the 700 MiB request then releases
+/// that one to stay under the peak. With a simulated clock, each allocator
+/// call stands for 1 ms of the program's work and each driver call takes
+/// 1 ms. Returns (driver calls, simulated run time in ms, peak reserved MiB,
+/// releases paused).
+fn churn_loop(budget: f64, turns: u32) -> (u64, u64, u64, u64) {
+    let config = Config {
+        release_time_budget: budget,
+        thread_cache: 0,
+        ..Config::default()
+    };
+    let dev = SimulatedDevice::new(1 << 40).with_clock(1_000_000);
+    let a = CachingAllocator::new(dev.clone(), config);
+    for _ in 0..turns {
+        for size in [300 * MIB, 700 * MIB] {
+            let p = a.malloc(size, S0).unwrap();
+            dev.advance(1_000_000);
+            a.free(p).unwrap();
+            dev.advance(1_000_000);
+        }
+    }
+    ok(&a);
+    let c = dev.counters();
+    let st = a.stats();
+    (
+        c.allocs + c.frees,
+        dev.now_ns().unwrap() / 1_000_000,
+        st.reserved_bytes.all().peak / MIB,
+        st.num_releases_paused,
+    )
+}
+
+#[test]
+fn release_rules_churn_without_a_time_budget() {
+    // The loop's pattern: two frees and two allocations every turn but the first.
+    let (calls, _, peak, paused) = churn_loop(0.0, 2000);
+    assert!(calls >= 4 * 2000 - 4, "{calls} driver calls");
+    assert_eq!(peak, 700, "reserved never passes the largest request");
+    assert_eq!(paused, 0);
+}
+
+#[test]
+fn release_time_budget_caps_the_driver_time_of_the_release_rules() {
+    let (calls, run_ms, peak, paused) = churn_loop(0.01, 2000);
+    // Each call took 1 ms: together at most about 1% of the run (the first
+    // second is judged against a whole second, and the last window's churn
+    // may overshoot by what one pause lets through).
+    assert!(
+        (calls as f64) < 0.02 * run_ms as f64 + 20.0,
+        "{calls} ms of driver calls in {run_ms} ms"
+    );
+    assert!(paused > 0);
+    // What it costs: both segments stay, as PyTorch would keep them.
+    assert!(peak <= 1000, "peak reserved {peak} MiB");
+}
+
+#[test]
+fn without_a_clock_the_time_budget_changes_nothing() {
+    // A replay's device has no clock: the rules release as they always did.
+    let (dev, a) = new(Config {
+        release_time_budget: 0.01,
+        ..Config::default()
+    });
+    for _ in 0..50 {
+        for size in [300 * MIB, 700 * MIB] {
+            let p = a.malloc(size, S0).unwrap();
+            a.free(p).unwrap();
+        }
+    }
+    assert!(dev.counters().allocs >= 100);
+    assert_eq!(a.stats().num_releases_paused, 0);
+    assert_eq!(a.stats().reserved_bytes.all().peak, 700 * MIB);
+}
+
 mod expandable {
     use super::*;
     use crate::allocator::expandable::{MARKER_INTERVAL, MAX_MARKERS};
