@@ -202,8 +202,9 @@ pub struct Config {
     /// Plain segments: the share of run time that releasing segments before
     /// growing and allocating them again may take, measured on the device's
     /// clock; past it the release rules pause and reserved memory grows
-    /// instead, so that the memory policy does not cost step time (0: no
-    /// limit; a device without a clock, such as a replay, never pauses).
+    /// instead: step time back for memory, for a program whose steps the
+    /// release rules slow down (0: no limit; a device without a clock, such
+    /// as a replay's, never pauses).
     pub release_time_budget: f64,
     /// On a device out-of-memory, release cached segments (those that make
     /// room, then every entirely free one) and retry before failing (plain
