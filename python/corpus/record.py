@@ -31,9 +31,19 @@ def write_trace(snap, path, marker_stream, max_events):
     truncated = False
     lines = []
     last_step_len = 0
+    in_release = False
     for e in snap["device_traces"][0]:
         act = e["action"]
         s = e.get("stream", 0)
+        # Segments go back to the driver only in torch.cuda.empty_cache() (called by the
+        # program or by PyTorch itself, e.g. around cuDNN's autotuner) and in the retry
+        # after an out-of-memory; one run of segment frees is one such call: an "e" line.
+        if act == "segment_free":
+            if not in_release:
+                lines.append("e\n")
+                in_release = True
+            continue
+        in_release = False
         if s == marker_stream:
             if act == "alloc":
                 lines.append(f"# step {steps}\n")
@@ -56,9 +66,10 @@ def write_trace(snap, path, marker_stream, max_events):
                 n += 1
     if truncated:
         lines = lines[:last_step_len]
-        n = sum(1 for x in lines if not x.startswith("#"))
+        n = sum(1 for x in lines if x[0] in "af")
     with gzip.open(path, "wt", compresslevel=9) as f:
-        f.write("# plain allocation trace v1: 'a <id> <bytes> <stream>' allocates, 'f <id>' frees\n")
+        f.write("# plain allocation trace v1: 'a <id> <bytes> <stream>' allocates, 'f <id>' frees,"
+                " 'e' empties the cache\n")
         f.writelines(lines)
     return n, steps, truncated
 
