@@ -10,6 +10,7 @@ use cachealloc_core::{Config, MemoryCap, MAX_REQUEST};
 use cachealloc_model::{self as model, log_size, Op, Setup, CAPACITIES};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as PropConfig, TestRunner};
+use std::collections::BTreeMap;
 
 const MIB: u64 = 1 << 20;
 
@@ -71,12 +72,17 @@ fn cases(default: u32) -> u32 {
 
 /// Runs the model over random sequences with `config`; panics with the
 /// shrunk failing sequence and the violated property.
-fn run_config(name: &str, config: Config, n_cases: u32) {
-    run_config_with(name, config, n_cases, 2);
+fn run_config(name: &str, config: Config, n_cases: u32) -> BTreeMap<&'static str, u64> {
+    run_config_with(name, config, n_cases, 2)
 }
 
 /// [`run_config`] with `faults` as the weight of injected device failures.
-fn run_config_with(name: &str, config: Config, n_cases: u32, faults: u32) {
+fn run_config_with(
+    name: &str,
+    config: Config,
+    n_cases: u32,
+    faults: u32,
+) -> BTreeMap<&'static str, u64> {
     let mut runner = TestRunner::new(PropConfig {
         cases: cases(n_cases),
         max_shrink_iters: 4096,
@@ -90,7 +96,7 @@ fn run_config_with(name: &str, config: Config, n_cases: u32, faults: u32) {
     );
     let ooms = std::cell::Cell::new(0);
     let mallocs = std::cell::Cell::new(0);
-    let coverage = std::cell::RefCell::new(std::collections::BTreeMap::new());
+    let coverage = std::cell::RefCell::new(BTreeMap::new());
     let result = runner.run(&strategy, |(capacity, streams, ops)| {
         let setup = Setup {
             config: config.clone(),
@@ -124,6 +130,7 @@ fn run_config_with(name: &str, config: Config, n_cases: u32, faults: u32) {
         "{name}: {mallocs} successful mallocs, {ooms} OOMs checked; {coverage:?}",
         coverage = coverage.borrow()
     );
+    coverage.into_inner()
 }
 
 fn config(name: &str) -> Config {
@@ -193,6 +200,17 @@ fn model_default_slabs_1024() {
 #[test]
 fn model_default_slabs_64() {
     run_config("default-slabs-64", config("default-slabs-64"), 192);
+}
+
+/// Release rules that pause for their time budget: growth past the peak
+/// without releasing, and the huge pool's oversize rule skipped.
+#[test]
+fn model_default_time_budget() {
+    let seen = run_config("default-time-budget", config("default-time-budget"), 128);
+    assert!(
+        seen.contains_key("malloc grew past the peak, release rules paused"),
+        "{seen:?}"
+    );
 }
 
 #[test]

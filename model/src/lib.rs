@@ -116,6 +116,10 @@ pub enum Op {
 pub const STREAMS: [StreamId; 3] = [StreamId(0), StreamId(0x7f3a_1000), StreamId(u64::MAX)];
 
 /// The configurations the model tests run: name and config.
+/// With `release_time_budget`, what one segment allocation or free takes on
+/// the model device's clock.
+const CLOCK_CALL_NS: u64 = 1_000_000;
+
 pub fn configs() -> Vec<(&'static str, Config)> {
     let parse = |s: &str| Config::parse(s).expect("valid test config");
     vec![
@@ -190,6 +194,9 @@ pub fn configs() -> Vec<(&'static str, Config)> {
             "graph-pool",
             parse("default,oom_flush:false,release_before_grow:false"),
         ),
+        // Release rules that pause once their driver calls pass 1% of run
+        // time (the model's device gets a clock: see `Model::with_options`).
+        ("default-time-budget", parse("default,release_time_budget:0.01")),
     ]
 }
 
@@ -488,7 +495,12 @@ impl Model {
 
     /// A fresh model judged with `options`.
     pub fn with_options(setup: &Setup, options: Options) -> Self {
-        let dev = SimulatedDevice::new(setup.capacity);
+        let mut dev = SimulatedDevice::new(setup.capacity);
+        if setup.config.release_time_budget > 0.0 {
+            // A clock only driver calls move: the budget is spent after a few
+            // releases, so the paused rules run too.
+            dev = dev.with_clock(CLOCK_CALL_NS);
+        }
         let alloc = CachingAllocator::new(dev.clone(), setup.config.clone());
         let expandable = alloc.is_expandable();
         let cap = setup.config.memory_cap.map(|c| c.bytes(setup.capacity));
@@ -1038,6 +1050,9 @@ impl Model {
                     }
                 } else if st.num_device_alloc == before.stats.num_device_alloc {
                     self.saw("malloc from the cache");
+                }
+                if st.num_releases_paused != before.stats.num_releases_paused {
+                    self.saw("malloc grew past the peak, release rules paused");
                 }
                 if st.num_alloc_retries != before.stats.num_alloc_retries {
                     self.saw("malloc served after the flush");
