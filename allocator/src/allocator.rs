@@ -223,6 +223,17 @@ impl<E> Core<E> {
         self.stats.reserved_bytes.all().current
     }
 
+    /// The device's clock for `release_time_budget`, read only when a budget
+    /// is set (each reading is a system call on a real device).
+    #[inline]
+    fn churn_clock<D: Device<Event = E>>(&self, dev: &D) -> Option<u64> {
+        if self.churn.limited() {
+            dev.now_ns()
+        } else {
+            None
+        }
+    }
+
     /// The size of the segments large requests below the threshold share:
     /// [`MEDIUM_SEGMENT`], or with `medium_segment_divisor` that share of the
     /// peak reserved memory, in 2 MiB steps from 2 to 20 MiB.

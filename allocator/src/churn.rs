@@ -36,6 +36,12 @@ impl ChurnBudget {
         }
     }
 
+    /// Whether a budget is set: without one the clock is never read.
+    #[inline]
+    pub(crate) fn limited(&self) -> bool {
+        self.budget > 0.0
+    }
+
     /// Adds the time a churn call took, from clock readings before and after
     /// it (nothing without a clock).
     #[inline]

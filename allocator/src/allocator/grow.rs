@@ -27,9 +27,9 @@ impl<E> State<E> {
             // for the one it gets instead, whatever its idle age (not in an
             // allocator that never gives segments back on its own).
             if self.core.config.release_before_grow && self.core.segment_is_free(seg) {
-                let before = dev.now_ns();
+                let before = self.core.churn_clock(dev);
                 self.release_segment(dev, seg)?;
-                self.core.churn.charge(before, dev.now_ns());
+                self.core.churn.charge(before, self.core.churn_clock(dev));
             }
         }
         if pool.kind() == PoolKind::Small && self.slabs.unslab_empty(&mut self.core, pool) {
@@ -95,9 +95,9 @@ impl<E> State<E> {
                     .max(self.core.stats.allocated_bytes.all().current + rounded)
                     as f64;
             let idle_rule = ((self.core.reserved() + seg_size) as f64) <= bound;
-            let before = dev.now_ns();
+            let before = self.core.churn_clock(dev);
             self.release_free_segments(dev, need, idle_rule)?;
-            self.core.churn.charge(before, dev.now_ns());
+            self.core.churn.charge(before, self.core.churn_clock(dev));
         }
         // (A slab is made of a segment of its own, never of a borrowed hole.)
         let slab = self.slabs.serves(rounded);
@@ -136,7 +136,7 @@ impl<E> State<E> {
     /// run time (counted in `num_releases_paused`).
     #[cold]
     fn release_paused<D: Device<Event = E>>(&mut self, dev: &D) -> bool {
-        let paused = self.core.churn.check(dev.now_ns());
+        let paused = self.core.churn.check(self.core.churn_clock(dev));
         if paused {
             self.core.stats.num_releases_paused += 1;
         }
@@ -613,14 +613,18 @@ impl<E> Core<E> {
         }
         // Growing again below the peak is the second half of a release's cost.
         let regrowth = self.reserved() + size <= self.high_water;
-        let before = if regrowth { dev.now_ns() } else { None };
+        let before = if regrowth {
+            self.churn_clock(dev)
+        } else {
+            None
+        };
         let ptr = match dev.allocate(size) {
             Ok(p) => p,
             Err(DeviceError::OutOfMemory) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
         if regrowth {
-            self.churn.charge(before, dev.now_ns());
+            self.churn.charge(before, self.churn_clock(dev));
         }
         let seg = self.add_segment(ptr, size, stream, pool, None);
         let id = self.segments.get(seg.0).head;
