@@ -194,7 +194,7 @@ fn scoreboard_summaries_name_the_worst_trace() {
     let lines = scoreboard(&["--no-min-capacity"]);
     let summaries: Vec<&Value> = lines
         .iter()
-        .filter(|v| v.get("summary").is_some())
+        .filter(|v| v["summary"] == "recorded" || v["summary"] == "all")
         .collect();
     assert_eq!(summaries.len(), 2 * CONFIGS.len());
     for s in summaries {
@@ -212,6 +212,69 @@ fn scoreboard_summaries_name_the_worst_trace() {
             .collect();
         assert_eq!(rows.iter().cloned().fold(0.0, f64::max), worst, "{s}");
     }
+}
+
+/// Every configuration but `pytorch` gets a line of its figures above the
+/// `pytorch` emulation's, recomputed here from the cells (without the
+/// min-capacity search only ratios are compared).
+#[test]
+fn scoreboard_lists_the_figures_above_pytorch() {
+    let lines = scoreboard(&["--no-min-capacity"]);
+    let cells = cells_ratio(&lines);
+    let above: Vec<&Value> = lines
+        .iter()
+        .filter(|v| v["summary"] == "above_pytorch")
+        .collect();
+    assert_eq!(above.len(), CONFIGS.len() - 1);
+    for s in above {
+        let config = s["config"].as_str().unwrap();
+        assert_ne!(config, "pytorch");
+        let mut expected = Vec::new();
+        let mut compared = 0;
+        for ((trace, copy, c), ratio) in &cells {
+            if c == config {
+                compared += 1;
+                let theirs = cells[&(trace.clone(), copy.clone(), "pytorch".to_string())];
+                if *ratio > theirs {
+                    let at = match copy.as_str() {
+                        "rec" => trace.clone(),
+                        j => format!("{trace} {j}"),
+                    };
+                    expected.push(at);
+                }
+            }
+        }
+        assert_eq!(s["compared"].as_u64().unwrap(), compared, "{s}");
+        let mut got: Vec<String> = s["figures"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| {
+                assert_eq!(f["measure"], "ratio", "{f}");
+                assert!(f["value"].as_f64() > f["pytorch"].as_f64(), "{f}");
+                f["at"].as_str().unwrap().to_string()
+            })
+            .collect();
+        got.sort();
+        expected.sort();
+        assert_eq!(got, expected, "{config}");
+        assert_eq!(s["above"].as_u64().unwrap() as usize, got.len());
+    }
+}
+
+/// (trace, copy, config) → reserved / allocated, of a run without the search.
+fn cells_ratio(lines: &[Value]) -> BTreeMap<(String, String, String), f64> {
+    lines
+        .iter()
+        .filter(|v| v.get("summary").is_none())
+        .map(|v| {
+            let s = |k: &str| v[k].as_str().unwrap().to_string();
+            (
+                (s("trace"), s("copy"), s("config")),
+                v["reserved_over_allocated"].as_f64().unwrap(),
+            )
+        })
+        .collect()
 }
 
 /// Each cell counts its map calls: expandable segments map pages, plain

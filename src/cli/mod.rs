@@ -189,7 +189,9 @@ struct ScoreboardArgs {
     /// to replay or inspect one cell on its own.
     #[arg(long, value_name = "DIR")]
     write_copies: Option<PathBuf>,
-    /// Print one JSON object per line per cell, then one per summary.
+    /// Print one JSON object per line per cell, then one per summary (and,
+    /// with `pytorch` among the configurations, one per other configuration
+    /// listing its figures above `pytorch`'s).
     #[arg(long)]
     json: bool,
     /// Replays to run at once (default: the number of CPUs).
