@@ -452,7 +452,22 @@ def check_multi_device(torch):
     with torch.cuda.device(0):
         d = torch.randn(1 << 18, device="cuda") * 1
     assert d.device.index == 0
-    return f"{n} GPUs"
+    # Copies that cannot be one memcpy run as a kernel on one device reading
+    # the other's memory when the devices are peers: with expandable segments
+    # that needs access to the pages, mapped before the copy and after it.
+    p2p = torch.cuda.can_device_access_peer(0, 1) and torch.cuda.can_device_access_peer(1, 0)
+    x0 = torch.arange(1 << 20, device="cuda:0", dtype=torch.float32).view(1024, 1024)
+    y1 = x0.t().to("cuda:1")
+    assert torch.equal(y1.cpu(), x0.t().cpu()), "0 -> 1 transposed copy"
+    x1 = torch.arange(1 << 20, device="cuda:1", dtype=torch.float32).view(1024, 1024) * 2
+    y0 = x1.t().to("cuda:0")
+    assert torch.equal(y0.cpu(), x1.t().cpu()), "1 -> 0 transposed copy"
+    later = torch.randn(2048, 2048, device="cuda:0")
+    z1 = later.t().to("cuda:1")
+    assert torch.equal(z1.cpu(), later.t().cpu()), "copy of a tensor mapped after peer access"
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    return f"{n} GPUs, peer copies {'over P2P' if p2p else 'staged'}"
 
 
 def check_ddp(torch):

@@ -31,6 +31,9 @@
 //!                                                     // back to a snapshot's layout: addresses
 //!                                                     // allocated (written to out), or -1
 //! int     cachealloc_torch_is_expandable(void* h);   // 1 page-backed segments, 0 plain, -1 error
+//! int     cachealloc_torch_enable_peer_access(int device, int peer);
+//!                                                     // 0; -1 on error: `peer` may use the
+//!                                                     // pages of `device`, now and later
 //! size_t  cachealloc_torch_last_error(char* buf, size_t cap);  // this thread's last error
 //! ```
 //!
@@ -741,6 +744,27 @@ mod exports {
                 return -1;
             };
             c_int::from(a.is_expandable())
+        })
+    }
+
+    /// Lets device `peer` read and write the expandable-segment pages of
+    /// `device` (every allocator of it, pages mapped now and later), for
+    /// PyTorch's `enablePeerAccess`; plain segments need only
+    /// `cudaDeviceEnablePeerAccess`. 0, or -1 with the last error set.
+    #[no_mangle]
+    pub extern "C" fn cachealloc_torch_enable_peer_access(device: c_int, peer: c_int) -> c_int {
+        guard(-1, || {
+            // The registry of mappings is by device, so no allocator needs
+            // to exist yet (one made later grants the peer at every map).
+            match crate::cuda::driver::enable_peer_access(device, peer) {
+                Ok(()) => 0,
+                Err(e) => {
+                    set_error(&format!(
+                        "cachealloc: peer access of device {peer} to device {device}'s pages: {e}"
+                    ));
+                    -1
+                }
+            }
         })
     }
 

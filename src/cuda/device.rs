@@ -129,6 +129,17 @@ impl CudaDevice {
         check(unsafe { ffi::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
     }
 
+    /// Lets device `peer` read and write this device's expandable-segment
+    /// pages, mapped now and later (`cuMemSetAccess`): what
+    /// `cudaDeviceEnablePeerAccess` gives `cuMemAlloc` memory, which pages of
+    /// the virtual memory API do not get from it. Idempotent; every
+    /// allocator of this device's pages is covered. Fails (and grants
+    /// nothing more) if the driver refuses, e.g. devices without a peer link.
+    pub fn enable_peer_access(&self, peer: i32) -> Result<(), DeviceError> {
+        let _ctx = self.enter()?;
+        driver::enable_peer_access(self.ordinal, peer)
+    }
+
     /// The `CUdevice` handle.
     pub(crate) fn raw_device(&self) -> ffi::CuDevice {
         self.dev

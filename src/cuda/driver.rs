@@ -411,6 +411,12 @@ pub unsafe fn mem_release(handle: u64) -> Result<(), DeviceError> {
 /// (`cuMemMap`) and makes it readable and writable from device `ordinal`
 /// (`cuMemSetAccess`). If the access cannot be set, the mapping is undone.
 pub fn mem_map(ptr: DevicePtr, handle: u64, bytes: u64, ordinal: i32) -> Result<(), DeviceError> {
+    let mut all = MAPPINGS.lock().unwrap_or_else(|e| e.into_inner());
+    let peers = all.get(&ordinal).map_or(&[][..], |m| &m.peers[..]);
+    let descs: Vec<ffi::CuMemAccessDesc> = std::iter::once(ordinal)
+        .chain(peers.iter().copied())
+        .map(access_desc)
+        .collect();
     check(
         // SAFETY: maps into a reserved range; the driver validates the range,
         // the handle, the size and that nothing is mapped there yet. Mapping
@@ -418,23 +424,74 @@ pub fn mem_map(ptr: DevicePtr, handle: u64, bytes: u64, ordinal: i32) -> Result<
         unsafe { ffi::cuMemMap(ptr.0, bytes as usize, 0, handle, 0) },
         "cuMemMap",
     )?;
-    let desc = ffi::CuMemAccessDesc {
-        location: ffi::CuMemLocation {
-            type_: ffi::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: ordinal,
-        },
-        flags: ffi::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-    };
-    // SAFETY: one fully initialised CUmemAccessDesc, read by the driver;
-    // the range is the one just mapped.
-    let rc = unsafe { ffi::cuMemSetAccess(ptr.0, bytes as usize, &desc, 1) };
+    // SAFETY: `descs` holds `descs.len()` fully initialised CUmemAccessDesc
+    // (the device's own, then its peers'), read by the driver; the range is
+    // the one just mapped.
+    let rc = unsafe { ffi::cuMemSetAccess(ptr.0, bytes as usize, descs.as_ptr(), descs.len()) };
     if let Err(e) = check(rc, "cuMemSetAccess") {
         // SAFETY: the range was mapped just above and was never accessible,
         // so no work can use it.
         unsafe { ffi::cuMemUnmap(ptr.0, bytes as usize) };
         return Err(e);
     }
+    all.entry(ordinal).or_default().ranges.insert(ptr.0, bytes);
     Ok(())
+}
+
+/// Read/write access for device `ordinal`.
+fn access_desc(ordinal: i32) -> ffi::CuMemAccessDesc {
+    ffi::CuMemAccessDesc {
+        location: ffi::CuMemLocation {
+            type_: ffi::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ordinal,
+        },
+        flags: ffi::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }
+}
+
+/// A device's page mappings ([`mem_map`]) and the other devices that may
+/// access them ([`enable_peer_access`]).
+#[derive(Default)]
+struct Mappings {
+    peers: Vec<i32>,
+    /// Mapped ranges: address → bytes.
+    ranges: std::collections::BTreeMap<u64, u64>,
+}
+
+/// Every device's mappings, by ordinal: a peer enabled later is granted
+/// access to the pages mapped before, and every later mapping grants it too.
+static MAPPINGS: std::sync::Mutex<std::collections::BTreeMap<i32, Mappings>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+/// Lets device `peer` read and write the pages of device `ordinal`: those
+/// mapped now and every page mapped later (`cuMemSetAccess`), as
+/// `cudaDeviceEnablePeerAccess` does for `cuMemAlloc` memory. Idempotent;
+/// `peer == ordinal` does nothing. The caller checks that the devices can
+/// access each other (`cuDeviceCanAccessPeer`); the driver refuses otherwise.
+pub fn enable_peer_access(ordinal: i32, peer: i32) -> Result<(), DeviceError> {
+    let mut all = MAPPINGS.lock().unwrap_or_else(|e| e.into_inner());
+    let m = all.entry(ordinal).or_default();
+    if peer == ordinal || m.peers.contains(&peer) {
+        return Ok(());
+    }
+    let desc = access_desc(peer);
+    for (&addr, &bytes) in &m.ranges {
+        check(
+            // SAFETY: one initialised CUmemAccessDesc; the range is a whole
+            // mapping of this device that is still mapped (unmaps remove it
+            // under the same lock). Granting access invalidates nothing.
+            unsafe { ffi::cuMemSetAccess(addr, bytes as usize, &desc, 1) },
+            "cuMemSetAccess",
+        )?;
+    }
+    m.peers.push(peer);
+    Ok(())
+}
+
+/// The devices granted access to device `ordinal`'s pages ([`enable_peer_access`]).
+pub fn peers(ordinal: i32) -> Vec<i32> {
+    let all = MAPPINGS.lock().unwrap_or_else(|e| e.into_inner());
+    all.get(&ordinal).map_or_else(Vec::new, |m| m.peers.clone())
 }
 
 /// Unmaps `[ptr, ptr + bytes)` (`cuMemUnmap`); the physical allocation
@@ -445,11 +502,20 @@ pub fn mem_map(ptr: DevicePtr, handle: u64, bytes: u64, ordinal: i32) -> Result<
 /// queued or running work still accesses it (unmapping does not wait for
 /// the GPU; an access after it faults).
 pub unsafe fn mem_unmap(ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
+    let mut all = MAPPINGS.lock().unwrap_or_else(|e| e.into_inner());
     check(
         // SAFETY: the caller guarantees whole mappings no work still uses.
         unsafe { ffi::cuMemUnmap(ptr.0, bytes as usize) },
         "cuMemUnmap",
-    )
+    )?;
+    let end = ptr.0.saturating_add(bytes);
+    for m in all.values_mut() {
+        let gone: Vec<u64> = m.ranges.range(ptr.0..end).map(|(&a, _)| a).collect();
+        for a in gone {
+            m.ranges.remove(&a);
+        }
+    }
+    Ok(())
 }
 
 /// An IPC handle for the allocation containing `ptr` (`cuIpcGetMemHandle`),

@@ -61,6 +61,7 @@ int64_t cachealloc_torch_snapshot(void* h, uint64_t* out, size_t cap);
 int64_t cachealloc_torch_restore(void* h, const uint64_t* words, size_t n,
                                  uint64_t* out, size_t cap);
 int cachealloc_torch_is_expandable(void* h);
+int cachealloc_torch_enable_peer_access(int device, int peer);
 size_t cachealloc_torch_last_error(char* buf, size_t cap);
 }
 
@@ -1245,10 +1246,6 @@ class CacheallocAllocator final
 
   void enablePeerAccess(c10::DeviceIndex dev,
                         c10::DeviceIndex dev_to_access) override {
-    void* h = main_handle(dev_to_access);
-    TORCH_CHECK(cachealloc_torch_is_expandable(h) != 1,
-                "cachealloc does not support peer access to expandable "
-                "segments (its pages are mapped for their own device only)");
     c10::cuda::CUDAGuard guard(dev);
     cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
     if (err == cudaErrorPeerAccessAlreadyEnabled) {
@@ -1256,6 +1253,11 @@ class CacheallocAllocator final
     } else {
       C10_CUDA_CHECK(err);
     }
+    // Pages of expandable segments are mapped through the virtual memory
+    // API, which the call above does not cover: `dev` is granted access to
+    // `dev_to_access`'s pages, mapped now and later, by every allocator there.
+    TORCH_CHECK(cachealloc_torch_enable_peer_access(dev_to_access, dev) == 0,
+                last_error());
   }
 
   std::string name() override {
