@@ -133,8 +133,9 @@ impl CudaDevice {
     /// pages, mapped now and later (`cuMemSetAccess`): what
     /// `cudaDeviceEnablePeerAccess` gives `cuMemAlloc` memory, which pages of
     /// the virtual memory API do not get from it. Idempotent; every
-    /// allocator of this device's pages is covered. Fails (and grants
-    /// nothing more) if the driver refuses, e.g. devices without a peer link.
+    /// allocator of this device's pages is covered. Fails if the driver
+    /// refuses (e.g. devices without a peer link); the peer is then not
+    /// recorded, and pages mapped later are not granted to it.
     pub fn enable_peer_access(&self, peer: i32) -> Result<(), DeviceError> {
         let _ctx = self.enter()?;
         driver::enable_peer_access(self.ordinal, peer)
