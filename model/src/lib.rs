@@ -115,11 +115,11 @@ pub enum Op {
 /// The streams a model uses, by index.
 pub const STREAMS: [StreamId; 3] = [StreamId(0), StreamId(0x7f3a_1000), StreamId(u64::MAX)];
 
-/// The configurations the model tests run: name and config.
 /// With `release_time_budget`, what one segment allocation or free takes on
 /// the model device's clock.
 const CLOCK_CALL_NS: u64 = 1_000_000;
 
+/// The configurations the model tests run: name and config.
 pub fn configs() -> Vec<(&'static str, Config)> {
     let parse = |s: &str| Config::parse(s).expect("valid test config");
     vec![

@@ -375,7 +375,7 @@ fn summarize(values: &[(f64, String)]) -> Option<(f64, String, f64)> {
 }
 
 /// A figure of a configuration above the baseline's for the same trace and copy.
-#[derive(Debug, PartialEq)]
+#[derive(Debug)]
 struct Above {
     trace: usize,
     copy: usize,
@@ -644,7 +644,11 @@ pub fn run(args: ScoreboardArgs) -> Result<(), CliError> {
             c => format!("{} j{c}", names[t]),
         };
         let mut header = false;
-        for (k, config) in configs.iter().enumerate().filter(|&(k, _)| k != base) {
+        for (k, config) in configs
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.label != "pytorch")
+        {
             let (compared, above) = above_baseline(&cells[k], &cells[base]);
             if args.json {
                 let figures: Vec<_> = above

@@ -488,12 +488,6 @@ pub fn enable_peer_access(ordinal: i32, peer: i32) -> Result<(), DeviceError> {
     Ok(())
 }
 
-/// The devices granted access to device `ordinal`'s pages ([`enable_peer_access`]).
-pub fn peers(ordinal: i32) -> Vec<i32> {
-    let all = MAPPINGS.lock().unwrap_or_else(|e| e.into_inner());
-    all.get(&ordinal).map_or_else(Vec::new, |m| m.peers.clone())
-}
-
 /// Unmaps `[ptr, ptr + bytes)` (`cuMemUnmap`); the physical allocation
 /// stays alive until released.
 ///
