@@ -301,7 +301,7 @@ pub use exports::*;
 
 /// The configuration of a private pool's allocator, from the device's
 /// `config` (see `cachealloc_torch_pool_new`): no thread caches, slabs,
-/// expandable segments or holes borrowed from another stream's segments
+/// expandable or paged segments or holes borrowed from another stream's segments
 /// (nothing records stream events behind a capture, and a block the graph
 /// freed stays where its stream left it), nothing given back on its own (no release before growing, no garbage
 /// collection, no release on out-of-memory, no oversize segment given back
@@ -312,6 +312,7 @@ pub fn pool_config(mut config: Config) -> Config {
     config.slab_max = 0;
     config.expandable_segments = false;
     config.borrow_holes = false;
+    config.paged_margin = 0.0;
     config.release_before_grow = false;
     config.garbage_collection_threshold = None;
     config.oom_flush = false;

@@ -161,6 +161,8 @@ pub(super) struct Core<E> {
     pub(super) notices: Vec<String>,
     /// Page granularity of expandable segments; `Some` turns them on.
     pub(super) granularity: Option<u64>,
+    /// Paged plain segments near the device's limit (`Config::paged_margin`).
+    pub(super) paging: Option<paged::Paging>,
     /// Expandable segments: free blocks in the bins that hold a whole mapped
     /// page, as (idle since, block), longest idle first.
     pub(super) idle_index: std::collections::BTreeSet<(u64, u32)>,
@@ -278,6 +280,7 @@ mod inspect;
 mod invariants;
 mod layout;
 mod malloc;
+mod paged;
 mod slabs;
 mod thread_cache;
 

@@ -267,6 +267,11 @@ pub struct Config {
     /// done; the block's free waits for the requesting stream's work, as
     /// after `record_stream`).
     pub borrow_holes: bool,
+    /// Plain segments: a large segment created while reserved memory is
+    /// within this share of the cap or of the device's memory is backed page
+    /// by page (CUDA virtual memory API), so that the pages inside its free
+    /// blocks go back to the device before an allocation fails (0: off).
+    pub paged_margin: f64,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
     /// Freed blocks each thread keeps for its own next request of the same
@@ -321,6 +326,7 @@ impl Config {
             expandable_cross_stream: false,
             expandable_borrow: false,
             borrow_holes: false,
+            paged_margin: 0.0,
             expandable_segments: false,
         }
     }
@@ -1105,6 +1111,16 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::Bool(c.borrow_holes)),
         set: |c, v| c.borrow_holes = b(v),
+    },
+    Key {
+        name: "paged_margin",
+        aliases: &[],
+        kind: BUDGET,
+        stability: Stability::Experimental,
+        doc: "plain segments: a large segment created while reserved memory is within this share of the cap or of the device's memory is backed page by page (CUDA virtual memory API), so that the pages inside free blocks of partly used segments go back to the device before an allocation fails (0: off)",
+        group: None,
+        get: |c| Some(Value::F64(c.paged_margin)),
+        set: |c, v| c.paged_margin = f(v),
     },
     Key {
         name: "expandable_cross_stream",

@@ -161,6 +161,16 @@ fn model_default_no_borrow_holes() {
 }
 
 #[test]
+fn model_default_paged() {
+    run_config("default-paged", config("default-paged"), 256);
+}
+
+#[test]
+fn model_pytorch_paged_half() {
+    run_config("pytorch-paged-half", config("pytorch-paged-half"), 128);
+}
+
+#[test]
 fn model_graph_pool() {
     run_config("graph-pool", config("graph-pool"), 128);
 }

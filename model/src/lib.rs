@@ -152,6 +152,10 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         // Slabs for the smallest requests, plain small blocks above them
         // whose holes other streams borrow.
         ("default-slabs-64", parse("default,slab_max_kb:64")),
+        // Paged plain segments: every large one, or those near the limit;
+        // free pages of partly used ones go back before a request fails.
+        ("default-paged", parse("default,paged_margin:1")),
+        ("pytorch-paged-half", parse("pytorch,paged_margin:0.5")),
         // Page-backed segments: virtual ranges, physical pages mapped under blocks.
         ("expandable", Config::expandable()),
         // Other streams' busy pages waited for on the host instead.
@@ -278,6 +282,9 @@ pub struct Model {
     config: Config,
     /// Whether the allocator uses expandable (page-backed) segments.
     expandable: bool,
+    /// Plain segments, some of them paged (`paged_margin`): a virtual range
+    /// of the device with pages mapped in it.
+    paged: bool,
     internal_checks: bool,
     streams: Vec<StreamId>,
     live: Vec<Live>,
@@ -382,13 +389,14 @@ fn check_stats(
             }
             add(RESERVED_BYTES, k, s.mapped_size);
         } else {
-            if s.mapped_size != s.total_size {
+            // (A paged segment may have given free pages back.)
+            if s.mapped_size > s.total_size {
                 return Err(format!(
                     "snapshot: plain segment {} says {} of its {} bytes are mapped",
                     s.address, s.mapped_size, s.total_size
                 ));
             }
-            add(RESERVED_BYTES, k, s.total_size);
+            add(RESERVED_BYTES, k, s.mapped_size);
             if s.total_size >= max_split_size {
                 oversize_segs += 1;
             }
@@ -509,6 +517,7 @@ impl Model {
             dev,
             alloc,
             expandable,
+            paged: !expandable && setup.config.paged_margin > 0.0 && setup.config.caching,
             config: setup.config.clone(),
             internal_checks: options.internal_checks,
             streams: STREAMS[..n].to_vec(),
@@ -579,6 +588,9 @@ impl Model {
         };
         let mut mapped = 0;
         for s in &snap.segments {
+            if !self.expandable && self.dev.contains(s.address, s.total_size) {
+                continue; // a plain segment among paged ones
+            }
             let dev = self.dev.mapped_bytes_in(s.address, s.total_size);
             let old = stale_in(s.address.0, s.address.0 + s.total_size);
             if dev != s.mapped_size + old {
@@ -953,7 +965,7 @@ impl Model {
                 s.address, s.total_size
             ));
         }
-        if self.expandable && release {
+        if (self.expandable || self.paged) && release {
             let (idle, pooled) = (self.idle_page_bytes(&snap), self.pooled_bytes());
             if idle != 0 || pooled != 0 {
                 return Err(format!(
@@ -1230,6 +1242,11 @@ impl Model {
         // reserved virtual ranges, with expandable segments).
         let (dev_segs, other) = if self.expandable {
             (self.dev.ranges(), self.dev.segments())
+        } else if self.paged {
+            let mut all = self.dev.segments();
+            all.extend(self.dev.ranges());
+            all.sort_unstable();
+            (all, Vec::new())
         } else {
             (self.dev.segments(), self.dev.ranges())
         };
@@ -1258,7 +1275,9 @@ impl Model {
                 pooled,
             )?;
         } else {
-            if !self.dev.mappings().is_empty() || self.dev.unmapped_page_bytes() != 0 {
+            if self.paged {
+                self.check_pages(&snap)?;
+            } else if !self.dev.mappings().is_empty() || self.dev.unmapped_page_bytes() != 0 {
                 return Err("plain segments, yet the device holds physical pages".into());
             }
             check_stats_against_snapshot(&stats, &snap, self.config.max_split_size)?;
@@ -1393,6 +1412,7 @@ impl Model {
                     && l.addr + b.size <= s.address.0 + s.total_size
             } else {
                 self.dev.contains(DevicePtr(l.addr), b.size)
+                    || (self.paged && self.dev.mapped_bytes_in(DevicePtr(l.addr), b.size) == b.size)
             };
             if l.addr % MIN_BLOCK != 0 || !inside {
                 return Err(format!(

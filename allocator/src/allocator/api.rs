@@ -29,6 +29,7 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         let range_size = total;
+        let paging = paged::Paging::new(&config, device.vmm_granularity(), total);
         let stats = MemoryStats {
             max_split_size: config.max_split_size,
             ..Default::default()
@@ -76,6 +77,7 @@ impl<D: Device> CachingAllocator<D> {
                     recorder: None,
                     notices,
                     granularity,
+                    paging,
                     idle_index: Default::default(),
                     oversize_refused: None,
                     churn: ChurnBudget::new(if granularity.is_none() {

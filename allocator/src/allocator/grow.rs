@@ -39,12 +39,15 @@ impl<E> State<E> {
         }
         let seg_size = self.core.segment_size(rounded);
         let caching = self.core.config.caching;
-        let retry = |st: &mut Self| {
+        let retry = |st: &mut Self, dev: &D| {
             if caching {
-                st.core.get_free_block(pool, rounded)
-            } else {
-                None
+                if let Some(id) = st.core.get_free_block(pool, rounded) {
+                    if st.core.mapped_for(dev, id, rounded)? {
+                        return Ok(Some(id));
+                    }
+                }
             }
+            Ok(None)
         };
         let grown = self.grow_with(dev, req, seg_size, retry);
         // A refusal by the retries above concerns this request only.
@@ -61,7 +64,7 @@ impl<E> State<E> {
         dev: &D,
         req: Request,
         seg_size: u64,
-        retry: impl Fn(&mut Self) -> Option<BlockId>,
+        retry: impl Fn(&mut Self, &D) -> Result<Option<BlockId>, AllocError>,
     ) -> Result<BlockId, AllocError> {
         let Request {
             pool,
@@ -72,7 +75,7 @@ impl<E> State<E> {
         if self.caches.cached_blocks() > 0 {
             // Blocks parked in thread caches go back before the device is asked.
             self.flush_thread_caches();
-            if let Some(id) = retry(self) {
+            if let Some(id) = retry(self, dev)? {
                 return Ok(id);
             }
         }
@@ -118,7 +121,7 @@ impl<E> State<E> {
         if self.core.config.oom_flush {
             self.release_cached(dev)?;
             self.core.stats.num_alloc_retries += 1;
-            if let Some(id) = retry(self) {
+            if let Some(id) = retry(self, dev)? {
                 return Ok(id);
             }
             if let Some(id) = self.core.alloc_segment(dev, pool, stream, seg_size)? {
@@ -185,6 +188,7 @@ impl<E> State<E> {
                     break;
                 }
                 if self.core.blocks.get(e.2 .0).is_split()
+                    && self.core.block_mapped(e.2)
                     && !dev.stream_capturing(self.core.stream_list[slot])
                 {
                     best = Some((e, slot));
@@ -259,7 +263,14 @@ impl<E> State<E> {
         debug_assert!(self.core.segment_is_free(seg));
         let s = self.core.segments.get(seg.0);
         let (addr, size, pool, head, slab) = (s.addr, s.size, s.pool, s.head, s.is_slab());
-        dev.free(DevicePtr(addr), size)?;
+        // A paged segment's pages stop counting as they are released.
+        let paged = s.is_paged();
+        let (reserved, released) = if paged {
+            (0, self.core.free_paged(dev, seg)?)
+        } else {
+            dev.free(DevicePtr(addr), size)?;
+            (size, size)
+        };
         if slab {
             self.slabs.drop_slab(&mut self.core, seg);
         } else {
@@ -270,12 +281,12 @@ impl<E> State<E> {
         self.core.segment_by_addr.remove(&addr);
         let kind = pool.kind();
         self.core.stats.segment.decrease(kind, 1);
-        self.core.stats.reserved_bytes.decrease(kind, size);
-        self.core.stats.num_device_free += 1;
+        self.core.stats.reserved_bytes.decrease(kind, reserved);
+        self.core.stats.num_device_free += u64::from(!paged);
         if size >= self.core.config.max_split_size {
             self.core.stats.oversize_segments.decrease(1);
         }
-        Ok(size)
+        Ok(released)
     }
 
     /// [`State::release_free_segments`] in `ReleaseOrder::Oldest`: walks the
@@ -339,6 +350,7 @@ impl<E> State<E> {
         for (_, seg) in self.core.free_segments() {
             self.release_segment(dev, seg)?;
         }
+        self.core.release_free_pages(dev)?;
         if self.core.granularity.is_some() {
             self.vmm.release_expandable(&mut self.core, dev)?;
         }
@@ -609,6 +621,7 @@ impl<E> Core<E> {
             .cap
             .is_some_and(|cap| self.reserved().saturating_add(size) > cap)
         {
+            self.note_device_full(size);
             return Ok(None);
         }
         // Growing again below the peak is the second half of a release's cost.
@@ -618,19 +631,38 @@ impl<E> Core<E> {
         } else {
             None
         };
-        let ptr = match dev.allocate(size) {
-            Ok(p) => p,
-            Err(DeviceError::OutOfMemory) => return Ok(None),
-            Err(e) => return Err(e.into()),
+        let kind = pool.kind();
+        let paged = if self.pages_new_segment(kind, size) {
+            match self.create_paged(dev, size)? {
+                Some(made) => Some(made),
+                None => return Ok(None),
+            }
+        } else {
+            None
+        };
+        let ptr = match &paged {
+            Some((ptr, _, _)) => *ptr,
+            None => match dev.allocate(size) {
+                Ok(p) => p,
+                Err(DeviceError::OutOfMemory) => {
+                    self.note_device_full(size);
+                    return Ok(None);
+                }
+                Err(e) => return Err(e.into()),
+            },
         };
         if regrowth {
             self.churn.charge(before, self.churn_clock(dev));
         }
         let seg = self.add_segment(ptr, size, stream, pool, None);
+        let is_paged = paged.is_some();
+        if let Some((_, pages, page)) = paged {
+            self.segments.get_mut(seg.0).kind = SegmentKind::Paged { pages, page };
+        }
         let id = self.segments.get(seg.0).head;
-        let kind = pool.kind();
         self.stats.reserved_bytes.increase(kind, size);
-        self.stats.num_device_alloc += 1;
+        // (A paged segment's driver calls count as pages and maps.)
+        self.stats.num_device_alloc += u64::from(!is_paged);
         if size >= self.config.max_split_size {
             self.stats.oversize_segments.increase(1);
         }

@@ -54,7 +54,7 @@ impl<E> State<E> {
                 if b.state == BlockState::Free {
                     largest_free =
                         largest_free.max(self.core.mapped_bytes_in(s, b.addr, b.addr + b.size));
-                    if s.is_expandable() {
+                    if s.is_expandable() || s.is_paged() {
                         releasable += self.core.idle_bytes_in(s, b.addr, b.addr + b.size);
                     }
                 } else {
@@ -63,7 +63,7 @@ impl<E> State<E> {
                 blocks += 1;
                 cur = b.next;
             }
-            if used == 0 && (blocks == 1 || s.is_slab()) && !s.is_expandable() {
+            if used == 0 && (blocks == 1 || s.is_slab()) && !s.is_expandable() && !s.is_paged() {
                 releasable += s.size;
             }
             segments.push(SegmentUse {
@@ -94,7 +94,7 @@ impl<E> Core<E> {
         let Some(pages) = seg.pages() else {
             return 0;
         };
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self.granule_of(seg);
         let lo = (start - seg.addr).div_ceil(g) as u32;
         let hi = ((end - seg.addr) / g) as u32;
         if hi <= lo {
@@ -112,7 +112,7 @@ impl<E> Core<E> {
         let Some(pages) = seg.pages() else {
             return end - start;
         };
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self.granule_of(seg);
         let first = ((start - seg.addr) / g) as u32;
         let last = (end - seg.addr).div_ceil(g) as u32;
         pages

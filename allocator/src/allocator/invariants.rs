@@ -212,7 +212,7 @@ impl<E> Core<E> {
                     return Err(format!("free block at {:#x} is in the live map", b.addr));
                 }
             }
-            BlockState::Allocated | BlockState::AwaitingEvents
+            BlockState::Allocated | BlockState::AwaitingEvents | BlockState::Parked
                 if self.mapped_bytes_in(s, b.addr, b.addr + b.size) != b.size =>
             {
                 return Err(format!(

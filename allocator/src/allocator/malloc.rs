@@ -65,8 +65,8 @@ impl<E> State<E> {
                 None
             };
             match found {
-                Some(id) => id,
-                None => self.grow(dev, req)?,
+                Some(id) if self.core.mapped_for(dev, id, rounded)? => id,
+                _ => self.grow(dev, req)?,
             }
         };
         Ok(self.core.alloc_found_block(id, rounded, size))
@@ -90,8 +90,8 @@ impl<E> State<E> {
             Some(id) => id,
             None => {
                 let seg_size = self.core.config.small_segment;
-                let id = self.grow_with(dev, req, seg_size, |st| {
-                    st.slabs.take_chunk(&mut st.core, pool, class, chunk)
+                let id = self.grow_with(dev, req, seg_size, |st, _| {
+                    Ok(st.slabs.take_chunk(&mut st.core, pool, class, chunk))
                 })?;
                 self.slabs
                     .chunk_from_grown(&mut self.core, id, class, chunk)

@@ -2238,3 +2238,154 @@ fn an_oom_under_a_cap_from_scattered_free_bytes_says_fragmentation() {
     a.free(d).unwrap();
     ok(&a);
 }
+
+/// PyTorch's policy with every large segment paged (`paged_margin:1`) or none.
+fn paged(margin: f64) -> Config {
+    Config {
+        paged_margin: margin,
+        ..Config::pytorch()
+    }
+}
+
+#[test]
+fn paged_segment_gives_back_free_pages_before_an_allocation_fails() {
+    // A 20 MiB segment keeps one 6 MiB tensor; 12 MiB of it are free.
+    // A 30 MiB tensor then needs those pages on a 40 MiB device.
+    let run = |margin: f64| {
+        let (dev, a) = with_capacity(paged(margin), 40 * MIB);
+        let x = a.malloc(6 * MIB, S0).unwrap();
+        let y = a.malloc(6 * MIB, S0).unwrap();
+        let z = a.malloc(6 * MIB, S0).unwrap();
+        a.free(x).unwrap();
+        a.free(y).unwrap();
+        let big = a.malloc(30 * MIB, S0);
+        ok(&a);
+        (dev, a, z, big)
+    };
+    let (_, _, _, plain) = run(0.0);
+    assert!(
+        matches!(plain, Err(AllocError::OutOfMemory(_))),
+        "{plain:?}"
+    );
+    let (dev, a, z, big) = run(1.0);
+    let big = big.unwrap();
+    // The free 12 MiB and the free 2 MiB tail went back; the live tensor's pages stayed.
+    assert_eq!(dev.mapped_bytes_in(z, 6 * MIB), 6 * MIB);
+    assert_eq!(a.stats().reserved_bytes.all().current, dev.used());
+    assert_eq!(dev.used(), 6 * MIB + 30 * MIB);
+    // A block over pages given back gets them mapped again when it is handed out.
+    a.free(big).unwrap();
+    let w = a.malloc(10 * MIB, S0).unwrap();
+    assert_eq!(dev.mapped_bytes_in(w, 10 * MIB), 10 * MIB);
+    assert_eq!(a.stats().reserved_bytes.all().current, dev.used());
+    ok(&a);
+    for p in [w, z] {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!((dev.used(), dev.outstanding()), (0, 0));
+}
+
+#[test]
+fn paged_segment_that_cannot_be_mapped_again_fails_cleanly() {
+    let (dev, a) = with_capacity(paged(1.0), 40 * MIB);
+    let x = a.malloc(12 * MIB, S0).unwrap();
+    let z = a.malloc(6 * MIB, S0).unwrap();
+    a.free(x).unwrap();
+    let big = a.malloc(30 * MIB, S0).unwrap();
+    // x's 12 MiB went back for `big`; 2 MiB of the device are left.
+    let err = a.malloc(12 * MIB, S0).unwrap_err();
+    assert!(matches!(err, AllocError::OutOfMemory(_)), "{err:?}");
+    assert_eq!(a.stats().reserved_bytes.all().current, dev.used());
+    ok(&a);
+    a.free(big).unwrap();
+    // The cached 30 MiB segment goes back so that x's pages can be mapped.
+    let again = a.malloc(12 * MIB, S0).unwrap();
+    assert_eq!(dev.mapped_bytes_in(again, 12 * MIB), 12 * MIB);
+    ok(&a);
+    for p in [again, z] {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!((dev.used(), dev.outstanding()), (0, 0));
+}
+
+#[test]
+fn segments_are_paged_only_within_the_margin_of_the_limit() {
+    let (dev, a) = with_capacity(paged(0.5), 100 * MIB);
+    let low = a.malloc(30 * MIB, S0).unwrap();
+    assert_eq!(
+        dev.segments().len(),
+        1,
+        "far from the limit: one plain allocation"
+    );
+    let high = a.malloc(30 * MIB, S0).unwrap();
+    assert_eq!(dev.segments().len(), 1, "past half the device: paged");
+    assert_eq!(dev.mapped_bytes_in(high, 30 * MIB), 30 * MIB);
+    assert!(dev.mappings().len() > 1);
+    ok(&a);
+    for p in [low, high] {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!((dev.used(), dev.outstanding()), (0, 0));
+}
+
+#[test]
+fn empty_cache_releases_the_free_pages_of_partly_used_paged_segments() {
+    let (dev, a) = new(paged(1.0));
+    let x = a.malloc(6 * MIB, S0).unwrap();
+    let z = a.malloc(6 * MIB, S0).unwrap();
+    a.free(x).unwrap();
+    let before = dev.used();
+    // x's 6 MiB and the segment's free 8 MiB tail; z's pages stay.
+    let released = a.empty_cache().unwrap();
+    assert_eq!(released.bytes, 14 * MIB);
+    assert_eq!(dev.used(), before - 14 * MIB);
+    assert_eq!(dev.mapped_bytes_in(z, 6 * MIB), 6 * MIB);
+    assert_eq!(a.stats().reserved_bytes.all().current, dev.used());
+    let report = a.fragmentation();
+    assert_eq!(report.reserved, dev.used());
+    ok(&a);
+    a.free(z).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!((dev.used(), dev.outstanding()), (0, 0));
+}
+
+#[test]
+fn a_failed_page_map_while_paging_a_segment_leaves_nothing_behind() {
+    use crate::simulated::calls;
+    let (dev, a) = new(paged(1.0));
+    dev.fail_calls_after(calls::VMM_MAP, 3, 1);
+    let err = a.malloc(30 * MIB, S0).unwrap_err();
+    assert!(matches!(err, AllocError::Device(_)), "{err:?}");
+    assert_eq!((dev.used(), dev.outstanding()), (0, 0));
+    ok(&a);
+    let p = a.malloc(30 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!((dev.used(), dev.outstanding()), (0, 0));
+}
+
+#[test]
+fn a_paged_segment_is_unmapped_only_after_the_device_is_idle() {
+    // Unlike cuMemFree, unmapping does not wait for queued work: releasing
+    // a free paged segment must synchronize first, and so must giving back
+    // the free pages of a partly used one.
+    let (dev, a) = with_capacity(paged(1.0), 40 * MIB);
+    let p = a.malloc(30 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    let before = dev.counters().synchronizes;
+    // The cached 30 MiB segment goes back for a 34 MiB one.
+    let q = a.malloc(34 * MIB, S0).unwrap();
+    assert!(dev.counters().synchronizes > before);
+    a.free(q).unwrap();
+    let x = a.malloc(6 * MIB, S0).unwrap();
+    let z = a.malloc(6 * MIB, S0).unwrap();
+    a.free(x).unwrap();
+    let before = dev.counters().synchronizes;
+    assert!(a.empty_cache().unwrap().bytes > 0);
+    assert!(dev.counters().synchronizes > before);
+    a.free(z).unwrap();
+    ok(&a);
+}

@@ -1,0 +1,103 @@
+//! GPU test of paged plain segments (`paged_margin`, CUDA virtual memory
+//! API): under a memory cap, the pages inside free holes of partly used
+//! segments go back to the device before an allocation fails, so a request
+//! that unpaged segments cannot serve under the cap succeeds; the live
+//! blocks' data survive, a block handed out over given-back pages gets them
+//! mapped again, and `empty_cache` leaves nothing reserved.
+//!
+//! Skips (with a printed reason) when there is no CUDA driver or device, or
+//! the device has no VMM API.
+
+use cachealloc::core::{CachingAllocator, Config, DevicePtr, MemoryCap};
+use cachealloc::cuda::driver::Stream;
+
+mod common;
+use common::{fill, mismatches, serial, vmm_device as gpu_device, MIB};
+
+/// PyTorch's segment sizes under a cap, every large segment paged or none.
+fn capped(cap: u64, margin: f64) -> Config {
+    Config {
+        memory_cap: Some(MemoryCap::Bytes(cap)),
+        paged_margin: margin,
+        ..Config::pytorch()
+    }
+}
+
+#[test]
+fn free_pages_of_partly_used_segments_serve_a_request_under_a_cap() {
+    let _serial = serial();
+    let Some(dev) = gpu_device() else { return };
+    println!("device: {}", dev.name());
+    dev.bind_thread().unwrap();
+    let s = Stream::new(&dev).unwrap();
+    let cap = 256 * MIB;
+    for margin in [0.0, 1.0] {
+        let dev = cachealloc::cuda::CudaDevice::new(0).unwrap();
+        let alloc = CachingAllocator::new(dev, capped(cap, margin));
+        // 50 blocks of 4 MiB in ten 20 MiB segments, every other one freed:
+        // 100 MiB in 4 MiB holes between live blocks.
+        let blocks: Vec<DevicePtr> = (0..50)
+            .map(|i| {
+                let p = alloc.malloc(4 * MIB, s.id()).unwrap();
+                fill(p, 4 * MIB, s.id(), 0xC0DE_0000 + i);
+                p
+            })
+            .collect();
+        for p in blocks.iter().skip(1).step_by(2) {
+            alloc.free(*p).unwrap();
+        }
+        // 128 MiB more would be 328 MiB > cap.
+        let big = alloc.malloc(128 * MIB, s.id());
+        if margin == 0.0 {
+            assert!(
+                big.is_err(),
+                "one allocation per segment: nothing to give back"
+            );
+        } else {
+            let big = big.expect("served by the holes' pages");
+            fill(big, 128 * MIB, s.id(), 0xB16B_16B1);
+            let mut bad = mismatches(big, 128 * MIB, s.id(), 0xB16B_16B1);
+            for (i, p) in blocks.iter().enumerate().step_by(2) {
+                bad += mismatches(*p, 4 * MIB, s.id(), 0xC0DE_0000 + i as u32);
+            }
+            let st = alloc.stats();
+            println!(
+                "cap {} MiB: 128 MiB served; {} pages created, {} released, {} device syncs; \
+                 reserved {} MiB; {bad} bad words",
+                cap / MIB,
+                st.num_page_create,
+                st.num_page_release,
+                st.num_sync_all_streams,
+                alloc.usage().reserved / MIB
+            );
+            assert_eq!(bad, 0, "live data changed when free pages went back");
+            assert!(alloc.usage().reserved <= cap);
+            alloc.free(big).unwrap();
+            // Blocks over given-back pages: mapped again when handed out, and writable.
+            let again: Vec<DevicePtr> = (0..25)
+                .map(|i| {
+                    let p = alloc.malloc(4 * MIB, s.id()).unwrap();
+                    fill(p, 4 * MIB, s.id(), 0xA0A0_0000 + i);
+                    p
+                })
+                .collect();
+            let mut bad = 0;
+            for (i, p) in again.iter().enumerate() {
+                bad += mismatches(*p, 4 * MIB, s.id(), 0xA0A0_0000 + i as u32);
+            }
+            assert_eq!(
+                bad, 0,
+                "blocks over pages mapped again hold what was written"
+            );
+            for p in again {
+                alloc.free(p).unwrap();
+            }
+        }
+        for p in blocks.iter().step_by(2) {
+            alloc.free(*p).unwrap();
+        }
+        alloc.empty_cache().unwrap();
+        assert_eq!(alloc.usage().reserved, 0);
+        alloc.check_invariants().unwrap();
+    }
+}
