@@ -224,12 +224,7 @@ impl<E> Core<E> {
         {
             return Ok(false);
         }
-        let mut pages = self
-            .segments
-            .get_mut(seg.0)
-            .pages_mut()
-            .map(std::mem::take)
-            .unwrap_or_default();
+        let mut pages = self.take_pages(seg);
         let gaps = pages.gaps(first, last);
         let before = pages.mapped_granules(first, last);
         let mut done = self.map_granules(dev, base, &mut pages, page, (first, last));
@@ -244,9 +239,7 @@ impl<E> Core<E> {
             }
         }
         let mapped = u64::from(pages.mapped_granules(first, last) - before) * g;
-        if let Some(p) = self.segments.get_mut(seg.0).pages_mut() {
-            *p = pages;
-        }
+        self.put_pages(seg, pages);
         self.stats.reserved_bytes.increase(kind, mapped);
         self.high_water = self.high_water.max(self.reserved());
         if let Ok(false) = done {
@@ -305,6 +298,19 @@ impl<E> Core<E> {
         Ok(done)
     }
 
+    /// Takes `seg`'s page map out, to change it while calling the device
+    /// through `self` ([`Core::put_pages`] puts it back).
+    fn take_pages(&mut self, seg: SegmentId) -> PageMap {
+        let s = self.segments.get_mut(seg.0);
+        s.pages_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn put_pages(&mut self, seg: SegmentId, pages: PageMap) {
+        if let Some(p) = self.segments.get_mut(seg.0).pages_mut() {
+            *p = pages;
+        }
+    }
+
     /// Whether every byte of block `id` is backed by memory (always, outside
     /// paged segments).
     pub(super) fn block_mapped(&self, id: BlockId) -> bool {
@@ -360,12 +366,7 @@ impl<E> Core<E> {
                 self.stats.num_sync_all_streams += 1;
                 synced = true;
             }
-            let mut pages = self
-                .segments
-                .get_mut(seg.0)
-                .pages_mut()
-                .map(std::mem::take)
-                .unwrap_or_default();
+            let mut pages = self.take_pages(seg);
             let mut released = Ok(0);
             for hole in holes {
                 released = self.unmap_granules(dev, base, Some(kind), &mut pages, hole);
@@ -374,9 +375,7 @@ impl<E> Core<E> {
                     Err(_) => break,
                 }
             }
-            if let Some(p) = self.segments.get_mut(seg.0).pages_mut() {
-                *p = pages;
-            }
+            self.put_pages(seg, pages);
             released?;
         }
         Ok(total)
@@ -396,14 +395,12 @@ impl<E> Core<E> {
         let g = self.paging.as_ref().map_or(0, |p| p.granule);
         dev.synchronize()?;
         self.stats.num_sync_all_streams += 1;
-        let s = self.segments.get_mut(seg.0);
+        let s = self.segments.get(seg.0);
         let (base, size, kind) = (s.addr, s.size, s.pool.kind());
-        let mut pages = s.pages_mut().map(std::mem::take).unwrap_or_default();
+        let mut pages = self.take_pages(seg);
         let released =
             self.unmap_granules(dev, base, Some(kind), &mut pages, (0, (size / g) as u32));
-        if let Some(p) = self.segments.get_mut(seg.0).pages_mut() {
-            *p = pages;
-        }
+        self.put_pages(seg, pages);
         let bytes = released?;
         dev.vmm_free_range(DevicePtr(base), size)?;
         Ok(bytes)
