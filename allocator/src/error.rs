@@ -152,7 +152,7 @@ impl fmt::Display for OomReport {
         } else if self.fragmented() {
             write!(
                 f,
-                " The cache holds enough free bytes but no block large enough: set `expandable_segments:True` or lower `max_split_size_mb` in CACHEALLOC_CONF to reduce fragmentation."
+                " The cache holds enough free bytes but no block large enough: set `expandable_segments:True`, `paged_margin:0.5` (free pages of partly used segments go back before a request fails) or a lower `max_split_size_mb` in CACHEALLOC_CONF to reduce fragmentation."
             )
         } else if self.cap.is_some_and(|c| c < self.device_total) {
             write!(f, " Raise the memory cap, or reduce the batch size.")
@@ -188,6 +188,7 @@ mod tests {
         };
         assert!(scattered.fragmented());
         assert!(scattered.to_string().contains("expandable_segments:True"));
+        assert!(scattered.to_string().contains("paged_margin:0.5"));
         let expandable = OomReport {
             expandable: true,
             big_pages: true,
