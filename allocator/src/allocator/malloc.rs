@@ -291,6 +291,17 @@ impl<E> Core<E> {
         }
     }
 
+    /// The bytes a free block of `size` hands out for a request of
+    /// `rounded`: the request, if the rest is split off, else all of it.
+    #[inline]
+    pub(super) fn handed_out_size(&self, kind: PoolKind, rounded: u64, size: u64) -> u64 {
+        if self.should_split(kind, rounded, size - rounded) {
+            rounded
+        } else {
+            size
+        }
+    }
+
     /// Hands out block `id` (already out of the bins), splitting off the remainder if worth it.
     #[inline(always)]
     pub(super) fn alloc_found_block(
@@ -321,7 +332,7 @@ impl<E> Core<E> {
             self.free_candidates[kind as usize].remove(&(since, addr, segment.0));
         }
         let remaining = size - rounded;
-        let final_size = if self.should_split(kind, rounded, remaining) {
+        let final_size = if self.handed_out_size(kind, rounded, size) < size {
             let gc_base = self.lookups[pool.index()];
             let rest = BlockId(self.blocks.insert(Block {
                 prev: Some(id),

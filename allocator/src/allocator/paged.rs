@@ -59,9 +59,14 @@ impl<E> Core<E> {
     #[inline]
     pub(super) fn granule_of(&self, seg: &Segment) -> u64 {
         match seg.kind {
-            SegmentKind::Paged { .. } => self.paging.as_ref().map_or(0, |p| p.granule),
+            SegmentKind::Paged { .. } => self.page_granule(),
             _ => self.granularity.unwrap_or(0),
         }
+    }
+
+    /// The granularity of paged segments' pages (0 with paging off).
+    fn page_granule(&self) -> u64 {
+        self.paging.as_ref().map_or(0, |p| p.granule)
     }
 
     /// Whether a new segment of `size` bytes for a pool of `kind` is paged:
@@ -91,7 +96,7 @@ impl<E> Core<E> {
         dev: &D,
         size: u64,
     ) -> Result<Option<(DevicePtr, PageMap, u32)>, AllocError> {
-        let g = self.paging.as_ref().map_or(0, |p| p.granule);
+        let g = self.page_granule();
         let page = page_granules(size / g);
         let ptr = match dev.vmm_reserve(size) {
             Ok(p) => p,
@@ -124,7 +129,7 @@ impl<E> Core<E> {
         page: u32,
         (first, last): (u32, u32),
     ) -> Result<bool, AllocError> {
-        let g = self.paging.as_ref().map_or(0, |p| p.granule);
+        let g = self.page_granule();
         for (lo, hi) in pages.gaps(first, last) {
             let mut at = lo;
             while at < hi {
@@ -174,7 +179,7 @@ impl<E> Core<E> {
         pages: &mut PageMap,
         (first, last): (u32, u32),
     ) -> Result<u64, AllocError> {
-        let g = self.paging.as_ref().map_or(0, |p| p.granule);
+        let g = self.page_granule();
         let inside: Vec<(u32, u64, u32)> = pages.within(first, last).collect();
         let mut bytes = 0;
         for (at, h, n) in inside {
@@ -203,7 +208,7 @@ impl<E> Core<E> {
         start: u64,
         end: u64,
     ) -> Result<bool, AllocError> {
-        let g = self.paging.as_ref().map_or(0, |p| p.granule);
+        let g = self.page_granule();
         let s = self.segments.get(seg.0);
         let (base, kind) = (s.addr, s.pool.kind());
         let SegmentKind::Paged { pages, page } = &s.kind else {
@@ -286,11 +291,7 @@ impl<E> Core<E> {
         if !self.segments.get(seg.0).is_paged() {
             return Ok(true);
         }
-        let end = if self.should_split(pool.kind(), rounded, size - rounded) {
-            addr + rounded
-        } else {
-            addr + size
-        };
+        let end = addr + self.handed_out_size(pool.kind(), rounded, size);
         let done = self.commit(dev, seg, addr, end)?;
         if !done {
             self.bins_mut(pool).insert(size, addr, id);
@@ -392,7 +393,7 @@ impl<E> Core<E> {
         dev: &D,
         seg: SegmentId,
     ) -> Result<u64, AllocError> {
-        let g = self.paging.as_ref().map_or(0, |p| p.granule);
+        let g = self.page_granule();
         dev.synchronize()?;
         self.stats.num_sync_all_streams += 1;
         let s = self.segments.get(seg.0);
