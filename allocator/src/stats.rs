@@ -247,6 +247,10 @@ pub struct MemoryStats {
     /// Expandable segments: pages mapped back where a shadow of them was
     /// kept (`expandable_shadows`), with no driver call.
     pub num_pages_revived: u64,
+    /// Requests the device had no room for, served at the last rung before
+    /// out of memory by a free block in segments of another kind (a large
+    /// request in a huge segment's free tail).
+    pub num_other_kind_fits: u64,
     /// Blocking waits for one event (a stream's marker, or an event guarding
     /// a block another stream used), outside `empty_cache` and out-of-memory
     /// handling, where the wait is for every stream (`num_sync_all_streams`).
@@ -370,6 +374,7 @@ impl MemoryStats {
         ));
         out.push(("num_pages_revived".into(), v(self.num_pages_revived)));
         out.push(("num_stream_waits".into(), v(self.num_stream_waits)));
+        out.push(("num_other_kind_fits".into(), v(self.num_other_kind_fits)));
         out.push(("num_event_waits".into(), v(self.num_event_waits)));
         out.push(("num_events_recorded".into(), v(self.num_events_recorded)));
         out.push(("num_device_alloc".into(), v(self.num_device_alloc)));
@@ -556,6 +561,6 @@ mod tests {
             assert!(keys.contains(&k), "missing {k}");
         }
         assert!(e.contains(&("max_split_size".to_string(), -1)));
-        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 19);
+        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 20);
     }
 }

@@ -151,12 +151,18 @@ fn model_default() {
     run_config("default", config("default"), 256);
 }
 
+/// Also the ladder's last rung: requests the device has no room for
+/// served from free blocks in segments of another kind.
 #[test]
 fn model_default_no_borrow_holes() {
-    run_config(
+    let seen = run_config(
         "default-no-borrow-holes",
         config("default-no-borrow-holes"),
         256,
+    );
+    assert!(
+        seen.contains_key("malloc served from a segment of another kind"),
+        "{seen:?}"
     );
 }
 

@@ -251,6 +251,8 @@ struct Live {
     stream: usize,
     /// Streams other than the owner recorded with `record_stream`.
     uses: BTreeSet<StreamId>,
+    /// Served by the ladder's last rung from a segment of another kind.
+    other_kind: bool,
 }
 
 impl Live {
@@ -301,6 +303,9 @@ pub struct Model {
     last_snapshot: Snapshot,
     /// Number of OOMs seen (for test statistics).
     pub ooms: u64,
+    /// Addresses of blocks the last rung served from a segment of another
+    /// kind: a thread cache may hand such a block out again as it is.
+    other_kind_blocks: BTreeSet<u64>,
     /// Number of successful mallocs.
     pub mallocs: u64,
     /// How often each interesting situation came up (coverage of the sequences).
@@ -531,6 +536,7 @@ impl Model {
             seen_peak: vec![[0; 3]; 9],
             last_snapshot: Snapshot::default(),
             ooms: 0,
+            other_kind_blocks: BTreeSet::new(),
             mallocs: 0,
             coverage: BTreeMap::new(),
         }
@@ -565,6 +571,50 @@ impl Model {
     }
 
     /// Requests for device memory (segments or physical pages) since `before`, failed ones included.
+    /// The largest segment the policy may make for a request rounded to
+    /// `rounded` bytes.
+    fn max_segment(&self, rounded: u64) -> u64 {
+        let c = &self.config;
+        let own = rounded.div_ceil(c.segment_round) * c.segment_round;
+        c.small_segment
+            .max(cachealloc_core::config::MEDIUM_SEGMENT)
+            .max(own.saturating_mul(2))
+    }
+
+    /// A malloc served from a segment of another kind (the ladder's last
+    /// rung): plain segments only, after the flush, and only when the
+    /// device, the cap or an injected failure left no room for a segment.
+    fn check_other_kind_fit(&mut self, before: &Before, size: u64) -> Result<(), String> {
+        let st = self.alloc.stats();
+        if self.expandable || !self.config.caching || !self.config.oom_other_kinds {
+            return Err(format!("malloc({size}) took a block of another kind"));
+        }
+        if self.config.oom_flush && st.num_alloc_retries != before.stats.num_alloc_retries + 1 {
+            return Err(format!(
+                "malloc({size}) took a block of another kind without the flush"
+            ));
+        }
+        let rounded = round_size(size, &self.config.roundup_power2_divisions)
+            .ok_or("model: round_size failed")?;
+        let free = self.dev.mem_info().map_err(|e| e.to_string())?.free;
+        let reserved = st.reserved_bytes.all().current;
+        // (What a segment for it would need at most.)
+        let seg = self.max_segment(rounded);
+        let no_room = free < seg
+            || self
+                .cap
+                .is_some_and(|cap| reserved.saturating_add(seg) > cap)
+            || self.attempts(before) > 0 && self.fail_next >= self.attempts(before)
+            || self.fail_above.is_some();
+        if !no_room {
+            return Err(format!(
+                "malloc({size}) took a block of another kind though the device had {free} free"
+            ));
+        }
+        self.saw("malloc served from a segment of another kind");
+        Ok(())
+    }
+
     fn attempts(&self, before: &Before) -> u64 {
         let (a, b) = (self.dev.counters(), &before.counters);
         (a.allocs - b.allocs)
@@ -1096,6 +1146,12 @@ impl Model {
                     uses.insert(self.streams[stream]);
                     self.saw("malloc took another stream's free block");
                 }
+                let other_kind = st.num_other_kind_fits > before.stats.num_other_kind_fits;
+                if other_kind {
+                    self.check_other_kind_fit(before, size)?;
+                    self.other_kind_blocks.insert(p.0);
+                }
+                let other_kind = self.other_kind_blocks.contains(&p.0);
                 self.live.push(Live {
                     addr: p.0,
                     size,
@@ -1103,6 +1159,7 @@ impl Model {
                     block: 0,
                     stream: owner,
                     uses,
+                    other_kind,
                 });
                 Ok(())
             }
@@ -1117,11 +1174,7 @@ impl Model {
                 // The segment size is policy; the report names it, within sane bounds.
                 let seg = r.segment_size;
                 let c = &self.config;
-                let own = rounded.div_ceil(c.segment_round) * c.segment_round;
-                let max_seg = c
-                    .small_segment
-                    .max(cachealloc_core::config::MEDIUM_SEGMENT)
-                    .max(own.saturating_mul(2));
+                let max_seg = self.max_segment(rounded);
                 if seg < rounded
                     || ((!c.caching || self.expandable) && seg != rounded)
                     || seg > max_seg
@@ -1393,7 +1446,9 @@ impl Model {
             } else {
                 PoolKind::Large
             };
-            if s.pool != kind {
+            // (The last rung puts a request in a segment of another kind,
+            // never a small segment.)
+            if s.pool != kind && !(l.other_kind && s.pool != PoolKind::Small) {
                 return Err(format!(
                     "allocation {:#x} of {} bytes is in the {:?} pool",
                     l.addr, l.rounded, s.pool

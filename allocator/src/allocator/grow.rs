@@ -13,6 +13,16 @@ const BORROW_LOOKS: usize = 8;
 /// that a growth costs the same with thousands of streams as with a few.
 const BORROW_STREAMS: usize = 32;
 
+/// Where [`State::other_kind_fit`] looks for each request kind (indexed by
+/// `PoolKind`), in order: small requests in large then huge segments, large
+/// ones in huge, huge ones in large. Never in small segments: their blocks
+/// are below a large request's size.
+const OTHER_KINDS: [&[PoolKind]; 3] = [
+    &[PoolKind::Large, PoolKind::Huge],
+    &[PoolKind::Huge],
+    &[PoolKind::Large],
+];
+
 impl<E> State<E> {
     /// The ladder after a cache miss: new segment → release what suffices →
     /// full flush → out of memory.
@@ -128,10 +138,42 @@ impl<E> State<E> {
                 return Ok(id);
             }
         }
+        if self.core.config.oom_other_kinds && self.core.config.caching && !slab {
+            if let Some(id) = self.other_kind_fit(req) {
+                return Ok(id);
+            }
+        }
         self.core.stats.num_ooms += 1;
         Err(AllocError::OutOfMemory(Box::new(
             self.oom_report(dev, size, seg_size),
         )))
+    }
+
+    /// The ladder's last rung before out of memory: the best fit among the
+    /// free blocks of the requesting stream's pools of another segment kind
+    /// ([`OTHER_KINDS`]), so that free space stranded in segments of one
+    /// kind (a huge segment's free tail) serves a request of another that
+    /// the device has no room for. Only then: in every run that fits, the
+    /// kinds stay apart.
+    #[cold]
+    fn other_kind_fit(&mut self, req: Request) -> Option<BlockId> {
+        let max_split = self.core.config.max_split_size;
+        let slot = req.pool.stream_slot() as u32;
+        let (size, addr, id, pool) =
+            OTHER_KINDS[req.pool.kind() as usize]
+                .iter()
+                .find_map(|&kind| {
+                    let pool = PoolId::new(slot, kind);
+                    let bins = self.core.bins[pool.index()].as_ref()?;
+                    bins.iter_from(req.rounded)
+                        .take(BORROW_LOOKS)
+                        .take_while(|e| req.rounded >= max_split || e.0 < max_split)
+                        .find(|e| self.core.block_mapped(e.2))
+                        .map(|(size, addr, id)| (size, addr, id, pool))
+                })?;
+        self.core.bins_mut(pool).remove(size, addr, id);
+        self.core.stats.num_other_kind_fits += 1;
+        Some(id)
     }
 
     /// Whether the release rules pause for `release_time_budget`: the driver

@@ -566,6 +566,66 @@ fn huge_pool_is_kept_for_huge_requests() {
     ok(&a);
 }
 
+/// A huge segment whose 300 MiB block went free and a 260 MiB block took
+/// again: 40 MiB of free tail in the huge pool. Returns the segment's address.
+fn huge_segment_with_a_free_tail(a: &CachingAllocator<SimulatedDevice>) -> DevicePtr {
+    let h = a.malloc(300 * MIB, S0).unwrap();
+    a.free(h).unwrap();
+    assert_eq!(a.malloc(260 * MIB, S0).unwrap(), h);
+    h
+}
+
+#[test]
+fn a_request_the_device_has_no_room_for_takes_a_free_tail_of_another_kind() {
+    // The huge segment takes the whole device: no segment of any size fits.
+    let (dev, a) = with_capacity(Config::default(), 300 * MIB);
+    assert!(a.config().oom_other_kinds);
+    let h = huge_segment_with_a_free_tail(&a);
+    let l = a.malloc(30 * MIB, S0).unwrap();
+    assert!(l.0 >= h.0 + 260 * MIB && l.0 + 30 * MIB <= h.0 + 300 * MIB);
+    assert_eq!(dev.segments(), vec![(h, 300 * MIB)]);
+    let st = a.stats();
+    assert_eq!((st.num_other_kind_fits, st.num_ooms), (1, 0));
+    ok(&a);
+    // A small request finds room the same way in the rest of that tail.
+    let s = a.malloc(1000, S0).unwrap();
+    assert!(s.0 >= l.0 + 30 * MIB && s.0 < h.0 + 300 * MIB);
+    assert_eq!(a.stats().num_other_kind_fits, 2);
+    ok(&a);
+    // Freed, the blocks merge back into the huge segment's free tail.
+    a.free(s).unwrap();
+    a.free(l).unwrap();
+    ok(&a);
+    assert_eq!(a.malloc(40 * MIB, S0).unwrap().0, h.0 + 260 * MIB);
+    assert_eq!(a.stats().num_other_kind_fits, 3);
+    // Nothing of any kind fits: out of memory, as before.
+    let e = a.malloc(30 * MIB, S0).unwrap_err();
+    assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
+    ok(&a);
+}
+
+#[test]
+fn with_oom_other_kinds_off_a_free_tail_of_another_kind_stays_unused() {
+    let config = Config::parse("default,oom_other_kinds:false").unwrap();
+    let (_, a) = with_capacity(config, 300 * MIB);
+    huge_segment_with_a_free_tail(&a);
+    let e = a.malloc(30 * MIB, S0).unwrap_err();
+    assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
+    assert_eq!(a.stats().num_other_kind_fits, 0);
+    ok(&a);
+}
+
+#[test]
+fn kinds_stay_apart_while_the_device_has_room() {
+    let (dev, a) = with_capacity(Config::default(), 400 * MIB);
+    let h = huge_segment_with_a_free_tail(&a);
+    let l = a.malloc(30 * MIB, S0).unwrap();
+    assert!(l.0 + 30 * MIB <= h.0 || l.0 >= h.0 + 300 * MIB);
+    assert_eq!(dev.segments().len(), 2);
+    assert_eq!(a.stats().num_other_kind_fits, 0);
+    ok(&a);
+}
+
 #[test]
 fn an_oversize_free_huge_segment_goes_back_for_one_that_fits() {
     let run = |oversize_ratio: u64| {
