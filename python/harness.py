@@ -179,7 +179,8 @@ def worker(spec):
                         stream_waits=extra.get("num_stream_waits"),
                         borrowed=extra.get("num_blocks_borrowed"),
                         revived=extra.get("num_pages_revived"),
-                        releases_paused=extra.get("num_releases_paused"))
+                        releases_paused=extra.get("num_releases_paused"),
+                        other_kind_fits=extra.get("num_other_kind_fits"))
         st = ca.memory_stats()
         return dict(reserved=st["reserved_bytes.all.current"],
                     allocated=st["allocated_bytes.all.current"],
@@ -193,7 +194,8 @@ def worker(spec):
                     stream_waits=st.get("num_stream_waits"),
                     borrowed=st.get("num_blocks_borrowed"),
                     revived=st.get("num_pages_revived"),
-                    releases_paused=st.get("num_releases_paused"))
+                    releases_paused=st.get("num_releases_paused"),
+                    other_kind_fits=st.get("num_other_kind_fits"))
 
     before = figures()
     res.update({k: v for k, v in before.items() if k not in ("reserved", "allocated")})

@@ -270,7 +270,7 @@ pub struct Config {
     /// Plain segments: the last rung before an allocation fails (after the
     /// flush): a free block in the requesting stream's segments of another
     /// kind (a small request in a large or huge segment, a large one in a
-    /// huge segment, a huge one in a large segment).
+    /// huge segment).
     pub oom_other_kinds: bool,
     /// Plain segments: a large segment created while reserved memory is
     /// within this share of the cap or of the device's memory is backed page
@@ -1123,7 +1123,7 @@ pub static KEYS: &[Key] = &[
         aliases: &[],
         kind: BOOL,
         stability: Stability::Stable,
-        doc: "plain segments: before an allocation fails (after the flush), the request takes a free block in its stream's segments of another kind: a small request in a large or huge segment, a large one in a huge segment, a huge one in a large segment",
+        doc: "plain segments: before an allocation fails (after the flush), the request takes a free block in its stream's segments of another kind: a small request in a large or huge segment, a large one in a huge segment",
         group: None,
         get: |c| Some(Value::Bool(c.oom_other_kinds)),
         set: |c, v| c.oom_other_kinds = b(v),
@@ -1330,8 +1330,8 @@ impl Default for Config {
             // 1.257 → 1.209; step time on an H200 no worse, docs/POLICY.md).
             borrow_holes: true,
             // Free space stranded in segments of another kind before out of
-            // memory (the corpus's minimum capacity 1-2% lower on 14 of 117
-            // trace copies, none higher; docs/POLICY.md).
+            // memory (minimum capacity lower on 13 of the corpus's 117 trace
+            // copies, by up to 2.3%, and higher on none; docs/POLICY.md).
             oom_other_kinds: true,
             // 8 MiB pages, big at blocks' edges while there is room
             // (docs/POLICY.md has the page sizes measured).

@@ -15,13 +15,9 @@ const BORROW_STREAMS: usize = 32;
 
 /// Where [`State::other_kind_fit`] looks for each request kind (indexed by
 /// `PoolKind`), in order: small requests in large then huge segments, large
-/// ones in huge, huge ones in large. Never in small segments: their blocks
-/// are below a large request's size.
-const OTHER_KINDS: [&[PoolKind]; 3] = [
-    &[PoolKind::Large, PoolKind::Huge],
-    &[PoolKind::Huge],
-    &[PoolKind::Large],
-];
+/// ones in huge segments. Nowhere for huge requests, and never in small
+/// segments: no segment of those kinds has a free block that large.
+const OTHER_KINDS: [&[PoolKind]; 3] = [&[PoolKind::Large, PoolKind::Huge], &[PoolKind::Huge], &[]];
 
 impl<E> State<E> {
     /// The ladder after a cache miss: new segment → release what suffices →
@@ -152,9 +148,9 @@ impl<E> State<E> {
     /// The ladder's last rung before out of memory: the best fit among the
     /// free blocks of the requesting stream's pools of another segment kind
     /// ([`OTHER_KINDS`]), so that free space stranded in segments of one
-    /// kind (a huge segment's free tail) serves a request of another that
-    /// the device has no room for. Only then: in every run that fits, the
-    /// kinds stay apart.
+    /// kind (a huge segment's free tail) serves a smaller request that the
+    /// device has no room for. Only then: in every run that fits, the kinds
+    /// stay apart.
     #[cold]
     fn other_kind_fit(&mut self, req: Request) -> Option<BlockId> {
         let max_split = self.core.config.max_split_size;
