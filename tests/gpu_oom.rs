@@ -3,7 +3,10 @@
 //!   succeeds (the retry is counted), one that can never fit under the cap
 //!   returns the explaining error, and the allocator keeps working;
 //! - with the device itself filled by other (raw `cuMemAlloc`) allocations:
-//!   the same, against the driver's real out-of-memory.
+//!   the same, against the driver's real out-of-memory;
+//! - with `default`'s last rung (`oom_other_kinds`): under a cap that leaves
+//!   no room for a segment, a large and a small request are carved from a
+//!   huge segment's free tail, and the huge block beside them keeps its data.
 //!
 //! Both use the `pytorch` policy, whose ladder goes straight from a failed
 //! segment to the full flush (the default policy may release single cached
@@ -96,6 +99,61 @@ fn ladder_under_a_memory_cap() {
     alloc.empty_cache().unwrap();
     assert_eq!(alloc.usage().reserved, 0);
     println!("cap: the allocator kept working after the OOM");
+}
+
+#[test]
+fn other_kinds_under_a_memory_cap() {
+    let _serial = serial();
+    let Some(dev) = gpu_device() else { return };
+    dev.bind_thread().unwrap();
+    let s = Stream::new(&dev).unwrap();
+    // The huge segment takes the whole cap: no segment of any kind fits beside it.
+    let config = Config {
+        memory_cap: Some(MemoryCap::Bytes(300 * MIB)),
+        ..Config::default()
+    };
+    assert!(config.oom_other_kinds);
+    let alloc = CachingAllocator::new(dev, config);
+    let h = alloc.malloc(300 * MIB, s.id()).unwrap();
+    alloc.free(h).unwrap();
+    // A 260 MiB huge block in that segment leaves 40 MiB of free tail.
+    let big = alloc.malloc(260 * MIB, s.id()).unwrap();
+    assert_eq!(big, h);
+    write_and_check(big, 260 * MIB, s.id(), 0xB16B_00B5);
+    let large = alloc
+        .malloc(30 * MIB, s.id())
+        .expect("served from the huge tail");
+    assert!(large.0 >= big.0 + 260 * MIB && large.0 + 30 * MIB <= big.0 + 300 * MIB);
+    let small = alloc
+        .malloc(4096, s.id())
+        .expect("served from the huge tail");
+    assert!(small.0 >= large.0 + 30 * MIB && small.0 < big.0 + 300 * MIB);
+    write_and_check(large, 30 * MIB, s.id(), 0x1A26_E000);
+    write_and_check(small, 4096, s.id(), 0x5EA1_1000);
+    let st = alloc.stats();
+    println!(
+        "other kinds: {} requests from the huge tail, reserved {} MiB",
+        st.num_other_kind_fits,
+        alloc.usage().reserved / MIB
+    );
+    assert_eq!((st.num_other_kind_fits, st.num_ooms), (2, 0));
+    assert_eq!(alloc.usage().reserved, 300 * MIB);
+    // The huge block's data, up to the tail the others took, is intact.
+    let words = (260 * MIB / 4) as usize;
+    let probe = (4 * MIB / 4) as usize;
+    let end = DevicePtr(big.0 + 4 * (words - probe) as u64);
+    // SAFETY: the last 4 MiB of the live huge block.
+    let got = unsafe { driver::read_u32(end, probe, s.id()) }.unwrap();
+    assert!(
+        got.iter().all(|&w| w == 0xB16B_00B5),
+        "huge block overwritten"
+    );
+    for p in [small, large, big] {
+        alloc.free(p).unwrap();
+    }
+    alloc.check_invariants().unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.usage().reserved, 0);
 }
 
 /// Raw allocations that leave about `leave` bytes of the device free.
