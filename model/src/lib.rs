@@ -570,7 +570,6 @@ impl Model {
         self.check(&before)
     }
 
-    /// Requests for device memory (segments or physical pages) since `before`, failed ones included.
     /// The largest segment the policy may make for a request rounded to
     /// `rounded` bytes.
     fn max_segment(&self, rounded: u64) -> u64 {
@@ -615,6 +614,7 @@ impl Model {
         Ok(())
     }
 
+    /// Requests for device memory (segments or physical pages) since `before`, failed ones included.
     fn attempts(&self, before: &Before) -> u64 {
         let (a, b) = (self.dev.counters(), &before.counters);
         (a.allocs - b.allocs)
