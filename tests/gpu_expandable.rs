@@ -19,7 +19,10 @@ use cachealloc::cuda::driver::{self, Stream};
 use cachealloc::cuda::CudaDevice;
 
 mod common;
-use common::{fill, mismatches, serial, vmm_device as gpu_device, XorShift64, MIB};
+use common::{
+    blocks_mismatches, fill, filled_blocks, mismatches, serial, vmm_device as gpu_device,
+    XorShift64, MIB,
+};
 
 /// `config` under a cap, with 2 MiB pages in every pool (the arithmetic of
 /// these tests counts 2 MiB pages; the preset's large-pool pages are 8 MiB).
@@ -45,13 +48,7 @@ fn idle_pages_move_under_a_cap() {
 
     // 50 blocks of 4 MiB (200 MiB mapped), every other one freed: 100 MiB of
     // idle pages in 4 MiB holes between live blocks.
-    let blocks: Vec<DevicePtr> = (0..50)
-        .map(|i| {
-            let p = alloc.malloc(4 * MIB, s.id()).unwrap();
-            fill(p, 4 * MIB, s.id(), 0xC0DE_0000 + i);
-            p
-        })
-        .collect();
+    let blocks = filled_blocks(&alloc, 50, 4 * MIB, s.id(), 0xC0DE_0000);
     for p in blocks.iter().skip(1).step_by(2) {
         alloc.free(*p).unwrap();
     }
@@ -63,10 +60,8 @@ fn idle_pages_move_under_a_cap() {
     fill(big, 128 * MIB, s.id(), 0xB16B_16B1);
     let after = alloc.stats();
     let reserved = alloc.usage().reserved;
-    let mut bad = mismatches(big, 128 * MIB, s.id(), 0xB16B_16B1);
-    for (i, p) in blocks.iter().enumerate().step_by(2) {
-        bad += mismatches(*p, 4 * MIB, s.id(), 0xC0DE_0000 + i as u32);
-    }
+    let bad = mismatches(big, 128 * MIB, s.id(), 0xB16B_16B1)
+        + blocks_mismatches(&blocks, 2, 4 * MIB, s.id(), 0xC0DE_0000);
     println!(
         "cap {} MiB: 128 MiB served with {} maps, {} pages unmapped from holes and {} reused early \
          (re-mapped at once, old mapping dropped later), {} pages created ({} before), \

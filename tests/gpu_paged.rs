@@ -8,11 +8,13 @@
 //! Skips (with a printed reason) when there is no CUDA driver or device, or
 //! the device has no VMM API.
 
-use cachealloc::core::{CachingAllocator, Config, DevicePtr, MemoryCap};
+use cachealloc::core::{CachingAllocator, Config, MemoryCap};
 use cachealloc::cuda::driver::Stream;
 
 mod common;
-use common::{fill, mismatches, serial, vmm_device as gpu_device, MIB};
+use common::{
+    blocks_mismatches, fill, filled_blocks, mismatches, serial, vmm_device as gpu_device, MIB,
+};
 
 /// PyTorch's segment sizes under a cap, every large segment paged or none.
 fn capped(cap: u64, margin: f64) -> Config {
@@ -36,13 +38,7 @@ fn free_pages_of_partly_used_segments_serve_a_request_under_a_cap() {
         let alloc = CachingAllocator::new(dev, capped(cap, margin));
         // 50 blocks of 4 MiB in ten 20 MiB segments, every other one freed:
         // 100 MiB in 4 MiB holes between live blocks.
-        let blocks: Vec<DevicePtr> = (0..50)
-            .map(|i| {
-                let p = alloc.malloc(4 * MIB, s.id()).unwrap();
-                fill(p, 4 * MIB, s.id(), 0xC0DE_0000 + i);
-                p
-            })
-            .collect();
+        let blocks = filled_blocks(&alloc, 50, 4 * MIB, s.id(), 0xC0DE_0000);
         for p in blocks.iter().skip(1).step_by(2) {
             alloc.free(*p).unwrap();
         }
@@ -56,10 +52,8 @@ fn free_pages_of_partly_used_segments_serve_a_request_under_a_cap() {
         } else {
             let big = big.expect("served by the holes' pages");
             fill(big, 128 * MIB, s.id(), 0xB16B_16B1);
-            let mut bad = mismatches(big, 128 * MIB, s.id(), 0xB16B_16B1);
-            for (i, p) in blocks.iter().enumerate().step_by(2) {
-                bad += mismatches(*p, 4 * MIB, s.id(), 0xC0DE_0000 + i as u32);
-            }
+            let bad = mismatches(big, 128 * MIB, s.id(), 0xB16B_16B1)
+                + blocks_mismatches(&blocks, 2, 4 * MIB, s.id(), 0xC0DE_0000);
             let st = alloc.stats();
             println!(
                 "cap {} MiB: 128 MiB served; {} pages created, {} released, {} device syncs; \
@@ -74,17 +68,8 @@ fn free_pages_of_partly_used_segments_serve_a_request_under_a_cap() {
             assert!(alloc.usage().reserved <= cap);
             alloc.free(big).unwrap();
             // Blocks over given-back pages: mapped again when handed out, and writable.
-            let again: Vec<DevicePtr> = (0..25)
-                .map(|i| {
-                    let p = alloc.malloc(4 * MIB, s.id()).unwrap();
-                    fill(p, 4 * MIB, s.id(), 0xA0A0_0000 + i);
-                    p
-                })
-                .collect();
-            let mut bad = 0;
-            for (i, p) in again.iter().enumerate() {
-                bad += mismatches(*p, 4 * MIB, s.id(), 0xA0A0_0000 + i as u32);
-            }
+            let again = filled_blocks(&alloc, 25, 4 * MIB, s.id(), 0xA0A0_0000);
+            let bad = blocks_mismatches(&again, 1, 4 * MIB, s.id(), 0xA0A0_0000);
             assert_eq!(
                 bad, 0,
                 "blocks over pages mapped again hold what was written"

@@ -4,7 +4,7 @@
 // Each test binary compiles its own copy and uses a part of it.
 #![allow(dead_code, unused_imports)]
 
-use cachealloc::core::{DevicePtr, StreamId};
+use cachealloc::core::{CachingAllocator, DevicePtr, StreamId};
 use cachealloc::cuda::driver;
 use cachealloc::cuda::CudaDevice;
 use std::sync::{Mutex, MutexGuard};
@@ -49,4 +49,38 @@ pub fn mismatches(ptr: DevicePtr, bytes: u64, s: StreamId, v: u32) -> usize {
     // SAFETY: a live allocation of at least `bytes` bytes.
     let got = unsafe { driver::read_u32(ptr, (bytes / 4) as usize, s) }.unwrap();
     got.iter().filter(|&&w| w != v).count()
+}
+
+/// `n` blocks of `bytes` from `alloc` on `s`, block `i` filled with `base + i`.
+pub fn filled_blocks(
+    alloc: &CachingAllocator<CudaDevice>,
+    n: u32,
+    bytes: u64,
+    s: StreamId,
+    base: u32,
+) -> Vec<DevicePtr> {
+    (0..n)
+        .map(|i| {
+            let p = alloc.malloc(bytes, s).unwrap();
+            fill(p, bytes, s, base + i);
+            p
+        })
+        .collect()
+}
+
+/// [`mismatches`] summed over every `step`-th block of
+/// [`filled_blocks`]`(_, _, bytes, s, base)`, each against its own value.
+pub fn blocks_mismatches(
+    blocks: &[DevicePtr],
+    step: usize,
+    bytes: u64,
+    s: StreamId,
+    base: u32,
+) -> usize {
+    blocks
+        .iter()
+        .enumerate()
+        .step_by(step)
+        .map(|(i, p)| mismatches(*p, bytes, s, base + i as u32))
+        .sum()
 }

@@ -21,6 +21,20 @@ fn ok(a: &CachingAllocator<SimulatedDevice>) {
     a.check_invariants().unwrap();
 }
 
+/// Frees `live`, empties the cache and checks that the device is left with
+/// nothing of the allocator's: no memory, no allocation, mapping or range.
+fn freed_and_emptied(
+    dev: &SimulatedDevice,
+    a: &CachingAllocator<SimulatedDevice>,
+    live: &[DevicePtr],
+) {
+    for &p in live {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!((dev.used(), dev.outstanding()), (0, 0));
+}
+
 #[test]
 fn freed_block_is_reused_from_the_cache() {
     let (dev, a) = new(Config::pytorch());
@@ -2339,11 +2353,7 @@ fn paged_segment_gives_back_free_pages_before_an_allocation_fails() {
     assert_eq!(dev.mapped_bytes_in(w, 10 * MIB), 10 * MIB);
     assert_eq!(a.stats().reserved_bytes.all().current, dev.used());
     ok(&a);
-    for p in [w, z] {
-        a.free(p).unwrap();
-    }
-    a.empty_cache().unwrap();
-    assert_eq!((dev.used(), dev.outstanding()), (0, 0));
+    freed_and_emptied(&dev, &a, &[w, z]);
 }
 
 #[test]
@@ -2363,11 +2373,7 @@ fn paged_segment_that_cannot_be_mapped_again_fails_cleanly() {
     let again = a.malloc(12 * MIB, S0).unwrap();
     assert_eq!(dev.mapped_bytes_in(again, 12 * MIB), 12 * MIB);
     ok(&a);
-    for p in [again, z] {
-        a.free(p).unwrap();
-    }
-    a.empty_cache().unwrap();
-    assert_eq!((dev.used(), dev.outstanding()), (0, 0));
+    freed_and_emptied(&dev, &a, &[again, z]);
 }
 
 #[test]
@@ -2384,11 +2390,7 @@ fn segments_are_paged_only_within_the_margin_of_the_limit() {
     assert_eq!(dev.mapped_bytes_in(high, 30 * MIB), 30 * MIB);
     assert!(dev.mappings().len() > 1);
     ok(&a);
-    for p in [low, high] {
-        a.free(p).unwrap();
-    }
-    a.empty_cache().unwrap();
-    assert_eq!((dev.used(), dev.outstanding()), (0, 0));
+    freed_and_emptied(&dev, &a, &[low, high]);
 }
 
 #[test]
@@ -2407,9 +2409,7 @@ fn empty_cache_releases_the_free_pages_of_partly_used_paged_segments() {
     let report = a.fragmentation();
     assert_eq!(report.reserved, dev.used());
     ok(&a);
-    a.free(z).unwrap();
-    a.empty_cache().unwrap();
-    assert_eq!((dev.used(), dev.outstanding()), (0, 0));
+    freed_and_emptied(&dev, &a, &[z]);
 }
 
 #[test]
@@ -2422,9 +2422,7 @@ fn a_failed_page_map_while_paging_a_segment_leaves_nothing_behind() {
     assert_eq!((dev.used(), dev.outstanding()), (0, 0));
     ok(&a);
     let p = a.malloc(30 * MIB, S0).unwrap();
-    a.free(p).unwrap();
-    a.empty_cache().unwrap();
-    assert_eq!((dev.used(), dev.outstanding()), (0, 0));
+    freed_and_emptied(&dev, &a, &[p]);
 }
 
 #[test]
