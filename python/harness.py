@@ -180,7 +180,8 @@ def worker(spec):
                         borrowed=extra.get("num_blocks_borrowed"),
                         revived=extra.get("num_pages_revived"),
                         releases_paused=extra.get("num_releases_paused"),
-                        other_kind_fits=extra.get("num_other_kind_fits"))
+                        other_kind_fits=extra.get("num_other_kind_fits"),
+                        segments_paged=extra.get("num_segments_paged"))
         st = ca.memory_stats()
         return dict(reserved=st["reserved_bytes.all.current"],
                     allocated=st["allocated_bytes.all.current"],
@@ -195,7 +196,8 @@ def worker(spec):
                     borrowed=st.get("num_blocks_borrowed"),
                     revived=st.get("num_pages_revived"),
                     releases_paused=st.get("num_releases_paused"),
-                    other_kind_fits=st.get("num_other_kind_fits"))
+                    other_kind_fits=st.get("num_other_kind_fits"),
+                    segments_paged=st.get("num_segments_paged"))
 
     before = figures()
     res.update({k: v for k, v in before.items() if k not in ("reserved", "allocated")})

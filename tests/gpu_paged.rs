@@ -1,5 +1,6 @@
 //! GPU test of paged plain segments (`paged_margin`, CUDA virtual memory
-//! API): under a memory cap, the pages inside free holes of partly used
+//! API): free segments split again by smaller requests are made paged, and
+//! under a memory cap the pages inside free holes of partly used
 //! segments go back to the device before an allocation fails, so a request
 //! that unpaged segments cannot serve under the cap succeeds; the live
 //! blocks' data survive, a block handed out over given-back pages gets them
@@ -36,9 +37,19 @@ fn free_pages_of_partly_used_segments_serve_a_request_under_a_cap() {
     for margin in [0.0, 1.0] {
         let dev = cachealloc::cuda::CudaDevice::new(0).unwrap();
         let alloc = CachingAllocator::new(dev, capped(cap, margin));
-        // 50 blocks of 4 MiB in ten 20 MiB segments, every other one freed:
+        // Ten 20 MiB segments, each taken whole and freed: the 4 MiB blocks
+        // below split them again, which with paging on makes them paged.
+        let whole: Vec<_> = (0..10)
+            .map(|_| alloc.malloc(20 * MIB, s.id()).unwrap())
+            .collect();
+        for p in whole {
+            alloc.free(p).unwrap();
+        }
+        // 50 blocks of 4 MiB in those ten segments, every other one freed:
         // 100 MiB in 4 MiB holes between live blocks.
         let blocks = filled_blocks(&alloc, 50, 4 * MIB, s.id(), 0xC0DE_0000);
+        let paged = alloc.stats().num_segments_paged;
+        assert_eq!(paged, if margin == 0.0 { 0 } else { 10 });
         for p in blocks.iter().skip(1).step_by(2) {
             alloc.free(*p).unwrap();
         }
@@ -56,8 +67,8 @@ fn free_pages_of_partly_used_segments_serve_a_request_under_a_cap() {
                 + blocks_mismatches(&blocks, 2, 4 * MIB, s.id(), 0xC0DE_0000);
             let st = alloc.stats();
             println!(
-                "cap {} MiB: 128 MiB served; {} pages created, {} released, {} device syncs; \
-                 reserved {} MiB; {bad} bad words",
+                "cap {} MiB: 128 MiB served; {paged} segments made paged, {} pages created, \
+                 {} released, {} device syncs; reserved {} MiB; {bad} bad words",
                 cap / MIB,
                 st.num_page_create,
                 st.num_page_release,

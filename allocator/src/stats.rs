@@ -251,6 +251,9 @@ pub struct MemoryStats {
     /// out of memory by a free block in segments of another kind (a large
     /// request in a huge segment's free tail).
     pub num_other_kind_fits: u64,
+    /// Plain segments made again page-backed near the limit as a smaller
+    /// request split them (`paged_margin`).
+    pub num_segments_paged: u64,
     /// Blocking waits for one event (a stream's marker, or an event guarding
     /// a block another stream used), outside `empty_cache` and out-of-memory
     /// handling, where the wait is for every stream (`num_sync_all_streams`).
@@ -375,6 +378,7 @@ impl MemoryStats {
         out.push(("num_pages_revived".into(), v(self.num_pages_revived)));
         out.push(("num_stream_waits".into(), v(self.num_stream_waits)));
         out.push(("num_other_kind_fits".into(), v(self.num_other_kind_fits)));
+        out.push(("num_segments_paged".into(), v(self.num_segments_paged)));
         out.push(("num_event_waits".into(), v(self.num_event_waits)));
         out.push(("num_events_recorded".into(), v(self.num_events_recorded)));
         out.push(("num_device_alloc".into(), v(self.num_device_alloc)));
@@ -556,11 +560,12 @@ mod tests {
             "num_alloc_retries",
             "num_ooms",
             "num_device_alloc",
+            "num_segments_paged",
             "oversize_segments.peak",
         ] {
             assert!(keys.contains(&k), "missing {k}");
         }
         assert!(e.contains(&("max_split_size".to_string(), -1)));
-        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 20);
+        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 21);
     }
 }

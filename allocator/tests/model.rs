@@ -166,9 +166,14 @@ fn model_default_no_borrow_holes() {
     );
 }
 
+/// Also free segments made again paged as a smaller request splits them.
 #[test]
 fn model_default_paged() {
-    run_config("default-paged", config("default-paged"), 256);
+    let seen = run_config("default-paged", config("default-paged"), 256);
+    assert!(
+        seen.contains_key("malloc made a free segment paged as it split it"),
+        "{seen:?}"
+    );
 }
 
 #[test]

@@ -133,7 +133,7 @@ fn stress(name: &str, config: Config, capacity: u64, seed: u64) {
     remaining.extend(handoff.lock().drain(..));
     alloc.check_invariants().unwrap();
     let snap = alloc.snapshot();
-    check_stats_against_snapshot(&alloc.stats(), &snap, alloc.config().max_split_size).unwrap();
+    check_stats_against_snapshot(&alloc.stats(), &snap, alloc.config().max_split_size, 0).unwrap();
     assert_eq!(
         alloc.stats().allocation.all().current,
         remaining.len() as u64,

@@ -334,12 +334,15 @@ fn group(kind: PoolKind) -> usize {
 /// Checks that every statistic's `current` equals what the snapshot
 /// recomputes, per pool group, and that each stat is self-consistent
 /// (plain segments; see [`check_expandable_stats_against_snapshot`]).
+/// `unmapped`: bytes of pages of paged segments the device still holds
+/// unmapped (a release it refused), counted reserved under some pool.
 pub fn check_stats_against_snapshot(
     stats: &MemoryStats,
     snap: &Snapshot,
     max_split_size: u64,
+    unmapped: u64,
 ) -> Result<(), String> {
-    check_stats(stats, snap, max_split_size, None)
+    check_stats(stats, snap, max_split_size, false, unmapped)
 }
 
 /// [`check_stats_against_snapshot`] for expandable segments, where reserved
@@ -355,16 +358,16 @@ pub fn check_expandable_stats_against_snapshot(
     max_split_size: u64,
     pooled: u64,
 ) -> Result<(), String> {
-    check_stats(stats, snap, max_split_size, Some(pooled))
+    check_stats(stats, snap, max_split_size, true, pooled)
 }
 
 fn check_stats(
     stats: &MemoryStats,
     snap: &Snapshot,
     max_split_size: u64,
-    pooled: Option<u64>,
+    expandable: bool,
+    pooled: u64,
 ) -> Result<(), String> {
-    let expandable = pooled.is_some();
     // Indices into `stats.arrays()`.
     const ALLOCATION: usize = 0;
     const SEGMENT: usize = 1;
@@ -462,17 +465,16 @@ fn check_stats(
         for (g, group) in cachealloc_core::stats::STAT_GROUPS.iter().enumerate() {
             let s = groups[g];
             let (c, w) = (s.current, expect[i][g]);
-            let wrong = match pooled {
-                // Pooled pages count under some pool: each group holds at
-                // least its mapped bytes, all of them mapped plus pooled.
-                Some(p) if i == RESERVED_BYTES && g == 0 => c != w + p,
-                Some(p) if i == RESERVED_BYTES => c < w || c > w + p,
+            // Pooled (unmapped) pages count under some pool: each group
+            // holds at least its mapped bytes, all of them mapped plus pooled.
+            let wrong = match i {
+                RESERVED_BYTES if g == 0 => c != w + pooled,
+                RESERVED_BYTES => c < w || c > w + pooled,
                 _ => c != w,
             };
             if wrong {
                 return Err(format!(
-                    "stat {name}.{group}.current is {c} but the snapshot recomputes {w}{}",
-                    pooled.map_or(String::new(), |p| format!(" (and {p} bytes pooled)"))
+                    "stat {name}.{group}.current is {c} but the snapshot recomputes {w} (and {pooled} bytes of unmapped pages)"
                 ));
             }
             if s.peak < s.current || s.allocated.wrapping_sub(s.freed) != s.current {
@@ -522,7 +524,10 @@ impl Model {
             dev,
             alloc,
             expandable,
-            paged: !expandable && setup.config.paged_margin > 0.0 && setup.config.caching,
+            paged: !expandable
+                && setup.config.paged_margin > 0.0
+                && setup.config.caching
+                && setup.config.oom_flush,
             config: setup.config.clone(),
             internal_checks: options.internal_checks,
             streams: STREAMS[..n].to_vec(),
@@ -611,6 +616,66 @@ impl Model {
             ));
         }
         self.saw("malloc served from a segment of another kind");
+        Ok(())
+    }
+
+    /// A malloc that made a plain segment again paged (`paged_margin`): only
+    /// with paging on; an entirely free segment cached before is gone, and a
+    /// segment of its size and stream is new since `before` (unless released
+    /// again in the same step), with the block at its start if it lies in
+    /// it, larger than the request; reserved memory at or under the cap.
+    fn check_repaged(&mut self, before: &Before, p: u64, rounded: u64) -> Result<(), String> {
+        if !self.paged {
+            return Err(format!(
+                "malloc({rounded}) made a segment paged with paging off"
+            ));
+        }
+        let snap = self.alloc.snapshot();
+        // (Its blocks may have been parked in a thread cache or awaiting
+        // events that completed since: free to the program.)
+        let was_free = |s: &&cachealloc_core::SegmentSnapshot| {
+            s.blocks.iter().all(|b| b.state != BlockState::Allocated)
+                && !snap.segments.iter().any(|n| n.address == s.address)
+        };
+        let gone: Vec<_> = before.snapshot.segments.iter().filter(was_free).collect();
+        let remade = snap.segments.iter().find(|s| {
+            !before
+                .snapshot
+                .segments
+                .iter()
+                .any(|o| o.address == s.address)
+                && gone
+                    .iter()
+                    .any(|g| g.total_size == s.total_size && g.stream == s.stream)
+        });
+        let Some(seg) = remade else {
+            // Made again but released in the same step (the device had no
+            // room for its pages, and the flush gave the free segment back):
+            // a free segment is gone and an address range was reserved.
+            let reserved_range = self.dev.counters().vmm_reserves > before.counters.vmm_reserves;
+            if gone.is_empty() || !reserved_range {
+                return Err(format!(
+                    "malloc({rounded}) made a segment paged, but no free segment was made again at a new address"
+                ));
+            }
+            self.saw("malloc made a segment paged that went back at once");
+            return Ok(());
+        };
+        let (lo, size) = (seg.address.0, seg.total_size);
+        // The request is at its start, or went elsewhere when the device had
+        // no room for the pages it needed there.
+        if (lo..lo + size).contains(&p) && (p != lo || size <= rounded) {
+            return Err(format!(
+                "malloc({rounded}) at {p:#x} inside segment {lo:#x}+{size} made paged for it, not at its start or not smaller"
+            ));
+        }
+        let reserved = self.alloc.stats().reserved_bytes.all().current;
+        if self.cap.is_some_and(|cap| reserved > cap) {
+            return Err(format!(
+                "a segment made paged left reserved {reserved} above the cap"
+            ));
+        }
+        self.saw("malloc made a free segment paged as it split it");
         Ok(())
     }
 
@@ -1146,6 +1211,9 @@ impl Model {
                     uses.insert(self.streams[stream]);
                     self.saw("malloc took another stream's free block");
                 }
+                if st.num_segments_paged > before.stats.num_segments_paged {
+                    self.check_repaged(before, p.0, rounded)?;
+                }
                 let other_kind = st.num_other_kind_fits > before.stats.num_other_kind_fits;
                 if other_kind {
                     self.check_other_kind_fit(before, size)?;
@@ -1333,7 +1401,8 @@ impl Model {
             } else if !self.dev.mappings().is_empty() || self.dev.unmapped_page_bytes() != 0 {
                 return Err("plain segments, yet the device holds physical pages".into());
             }
-            check_stats_against_snapshot(&stats, &snap, self.config.max_split_size)?;
+            let unmapped = self.dev.unmapped_page_bytes();
+            check_stats_against_snapshot(&stats, &snap, self.config.max_split_size, unmapped)?;
         }
         let reserved = stats.reserved_bytes.all().current;
         if reserved != self.dev.used() {

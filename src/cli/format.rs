@@ -92,6 +92,7 @@ pub fn record(
         "num_pages_revived": s.num_pages_revived,
         "num_stream_waits": s.num_stream_waits,
         "num_other_kind_fits": s.num_other_kind_fits,
+        "num_segments_paged": s.num_segments_paged,
         "num_event_waits": s.num_event_waits,
         "num_events_recorded": s.num_events_recorded,
         "num_alloc_retries": s.num_alloc_retries,

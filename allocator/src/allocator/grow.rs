@@ -289,6 +289,7 @@ impl<E> State<E> {
                 let page = self.vmm.page_size(&self.core, PoolKind::Large) / g;
                 expandable::scaled_granules(&self.core, page as u32, size) > 1
             }),
+            paged: self.core.paging.is_some(),
         }
     }
 
@@ -670,37 +671,21 @@ impl<E> Core<E> {
             None
         };
         let kind = pool.kind();
-        let paged = if self.pages_new_segment(kind, size) {
-            match self.create_paged(dev, size)? {
-                Some(made) => Some(made),
-                None => return Ok(None),
+        let ptr = match dev.allocate(size) {
+            Ok(p) => p,
+            Err(DeviceError::OutOfMemory) => {
+                self.note_device_full(size);
+                return Ok(None);
             }
-        } else {
-            None
-        };
-        let ptr = match &paged {
-            Some((ptr, _, _)) => *ptr,
-            None => match dev.allocate(size) {
-                Ok(p) => p,
-                Err(DeviceError::OutOfMemory) => {
-                    self.note_device_full(size);
-                    return Ok(None);
-                }
-                Err(e) => return Err(e.into()),
-            },
+            Err(e) => return Err(e.into()),
         };
         if regrowth {
             self.churn.charge(before, self.churn_clock(dev));
         }
         let seg = self.add_segment(ptr, size, stream, pool, None);
-        let is_paged = paged.is_some();
-        if let Some((_, pages, page)) = paged {
-            self.segments.get_mut(seg.0).kind = SegmentKind::Paged { pages, page };
-        }
         let id = self.segments.get(seg.0).head;
         self.stats.reserved_bytes.increase(kind, size);
-        // (A paged segment's driver calls count as pages and maps.)
-        self.stats.num_device_alloc += u64::from(!is_paged);
+        self.stats.num_device_alloc += 1;
         if size >= self.config.max_split_size {
             self.stats.oversize_segments.increase(1);
         }

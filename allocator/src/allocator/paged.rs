@@ -1,13 +1,19 @@
-//! Paged plain segments (`Config::paged_margin`): near the device's limit a
-//! large segment is backed by pages of the device's granularity (CUDA
-//! virtual memory API) instead of one allocation. Its layout and fits are a
-//! plain segment's; only what backs it differs. Before an allocation fails,
-//! the pages lying wholly inside its free blocks go back to the device, so
-//! that free memory stranded between live blocks serves the request, and a
-//! block handed out later over such pages gets them mapped again.
+//! Paged plain segments (`Config::paged_margin`): near the device's limit,
+//! an entirely free large segment that a smaller request is about to split
+//! is made again, at the same size, backed by pages of the device's
+//! granularity (CUDA virtual memory API) instead of one allocation. Its
+//! layout and fits stay a plain segment's; only what backs it differs.
+//! Before an allocation fails, the pages lying wholly inside its free blocks
+//! go back to the device, so that free memory stranded between live blocks
+//! serves the request, and a block handed out later over such pages gets
+//! them mapped again.
 //!
-//! Far from the limit nothing is paged: a program that fits with room to
-//! spare makes the driver calls of plain segments only.
+//! Why at the split: a segment holding one block leaves no hole; the holes
+//! that strand memory near the limit appear when a free segment is cut for a
+//! smaller request, so that is the one moment paging can pay. A segment a
+//! request takes whole stays plain, and far from the limit nothing is paged:
+//! a program that fits with room to spare makes the driver calls of plain
+//! segments only.
 
 use super::*;
 
@@ -36,21 +42,43 @@ pub(crate) struct Paging {
     /// Reserved bytes when the device was last found full, if lower than
     /// its memory (other processes hold the rest).
     full_at: Option<u64>,
+    /// Pages unmapped whose release the device refused: (handle, bytes,
+    /// pool kind). Still held, so still counted reserved, and released
+    /// again before pages go back next (flush, `empty_cache`, a segment's release).
+    orphans: Vec<(u64, u64, PoolKind)>,
+}
+
+impl Paging {
+    /// Reserved bytes past which segments are paged: within the margin of
+    /// the cap, of the device's memory or of the level at which the device
+    /// was last found full.
+    fn paging_level(&self, cap: Option<u64>) -> u64 {
+        let limit = cap
+            .unwrap_or(u64::MAX)
+            .min(self.total)
+            .min(self.full_at.unwrap_or(u64::MAX));
+        (limit as f64 * (1.0 - self.margin)) as u64
+    }
 }
 
 impl Paging {
     /// Paging on `device` with `config`, if the key is on and the device has
-    /// the virtual memory API.
+    /// the virtual memory API. Not where the cache gives nothing back on its
+    /// own (`oom_flush` off, as CUDA graph pools): making a segment again
+    /// frees one, and its pages would go back only in `empty_cache`.
     pub(super) fn new(config: &Config, granule: Option<u64>, total: u64) -> Option<Self> {
         let granule = granule.filter(|g| g.is_power_of_two() && *g >= 512)?;
-        (config.caching && !config.expandable_segments && config.paged_margin > 0.0).then_some(
-            Paging {
-                granule,
-                margin: config.paged_margin,
-                total,
-                full_at: None,
-            },
-        )
+        let on = config.caching
+            && config.oom_flush
+            && !config.expandable_segments
+            && config.paged_margin > 0.0;
+        on.then_some(Paging {
+            granule,
+            margin: config.paged_margin,
+            total,
+            full_at: None,
+            orphans: Vec::new(),
+        })
     }
 }
 
@@ -69,53 +97,26 @@ impl<E> Core<E> {
         self.paging.as_ref().map_or(0, |p| p.granule)
     }
 
-    /// Whether a new segment of `size` bytes for a pool of `kind` is paged:
-    /// a large or huge one, a multiple of the granularity, that brings
-    /// reserved memory within the margin of the cap, of the device's memory
-    /// or of the level at which the device was last found full.
-    pub(super) fn pages_new_segment(&self, kind: PoolKind, size: u64) -> bool {
+    /// Whether the entirely free plain segment of `size` bytes in a pool of
+    /// `kind`, about to serve a request of `rounded` bytes, is made again
+    /// paged: a large or huge one, a multiple of the granularity, whose rest
+    /// after the request holds at least two of its pages (so that at least
+    /// one whole page lies inside that free block), while reserved memory is
+    /// within the margin of the limit but not above the cap (a cap lowered
+    /// below what is reserved lets no segment be made, not even again).
+    fn repages(&self, kind: PoolKind, size: u64, rounded: u64) -> bool {
         let Some(p) = &self.paging else {
             return false;
         };
-        if kind == PoolKind::Small || size < 2 * p.granule || size % p.granule != 0 {
+        if kind == PoolKind::Small || size % p.granule != 0 {
             return false;
         }
-        let limit = self
-            .cap
-            .unwrap_or(u64::MAX)
-            .min(p.total)
-            .min(p.full_at.unwrap_or(u64::MAX));
-        self.reserved().saturating_add(size) > (limit as f64 * (1.0 - p.margin)) as u64
-    }
-
-    /// Reserves `size` bytes of address space and maps a page under each of
-    /// its granules. `None` when the device is full (nothing is kept then).
-    #[cold]
-    pub(super) fn create_paged<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        size: u64,
-    ) -> Result<Option<(DevicePtr, PageMap, u32)>, AllocError> {
-        let g = self.page_granule();
-        let page = page_granules(size / g);
-        let ptr = match dev.vmm_reserve(size) {
-            Ok(p) => p,
-            Err(DeviceError::OutOfMemory) => return Ok(None),
-            Err(e) => return Err(e.into()),
-        };
-        self.stats.num_vmm_reserve += 1;
-        let mut pages = PageMap::default();
-        let mapped = self.map_granules(dev, ptr.0, &mut pages, page, (0, (size / g) as u32));
-        if let Ok(true) = mapped {
-            return Ok(Some((ptr, pages, page)));
-        }
-        if let Ok(false) = mapped {
-            self.note_device_full(u64::from(pages.mapped_granules(0, u32::MAX)) * g);
-        }
-        // Nothing of a segment that could not be made stays behind.
-        self.unmap_granules(dev, ptr.0, None, &mut pages, (0, (size / g) as u32))?;
-        dev.vmm_free_range(ptr, size)?;
-        mapped.map(|_| None)
+        let page = u64::from(page_granules(size / p.granule)) * p.granule;
+        let rest = size - self.handed_out_size(kind, rounded, size);
+        let reserved = self.reserved();
+        rest >= 2 * page
+            && reserved > p.paging_level(self.cap)
+            && self.cap.map_or(true, |cap| reserved <= cap)
     }
 
     /// Maps pages of `page` granules (aligned to `page`) over the unmapped
@@ -147,7 +148,10 @@ impl<E> Core<E> {
                                 continue;
                             }
                             Err(e) => {
-                                dev.vmm_release_page(h)?;
+                                if let Err(r) = dev.vmm_release_page(h) {
+                                    self.orphan(h, bytes, PoolKind::Large);
+                                    return Err(r.into());
+                                }
                                 self.stats.num_page_release += 1;
                                 if e != DeviceError::OutOfMemory {
                                     return Err(e.into());
@@ -168,14 +172,16 @@ impl<E> Core<E> {
     }
 
     /// Unmaps and releases every page wholly inside granules `first..last`
-    /// of the segment at `base`, each no longer counted reserved in `kind`'s
-    /// pool if it was (`Some`); returns the bytes released. The caller
-    /// guarantees that no queued work uses them.
+    /// of the segment at `base`, in a pool of `kind`, each no longer counted
+    /// reserved if it was (`counted`); returns the bytes released. A page
+    /// whose release the device refuses is kept as an orphan, counted
+    /// reserved. The caller guarantees that no queued work uses them.
     fn unmap_granules<D: Device<Event = E>>(
         &mut self,
         dev: &D,
         base: u64,
-        counted: Option<PoolKind>,
+        kind: PoolKind,
+        counted: bool,
         pages: &mut PageMap,
         (first, last): (u32, u32),
     ) -> Result<u64, AllocError> {
@@ -187,15 +193,54 @@ impl<E> Core<E> {
             dev.vmm_unmap(DevicePtr(base + u64::from(at) * g), len)?;
             self.stats.num_unmap += 1;
             pages.remove(at);
-            // Unmapped, it is no longer memory of the segment's, released or not.
-            if let Some(kind) = counted {
+            if let Err(e) = dev.vmm_release_page(h) {
+                if counted {
+                    self.stats.reserved_bytes.decrease(kind, len);
+                }
+                self.orphan(h, len, kind);
+                return Err(e.into());
+            }
+            self.stats.num_page_release += 1;
+            // Released, it is no longer memory of the segment's.
+            if counted {
                 self.stats.reserved_bytes.decrease(kind, len);
             }
             bytes += len;
-            dev.vmm_release_page(h)?;
-            self.stats.num_page_release += 1;
         }
         Ok(bytes)
+    }
+
+    /// Keeps page `h` of `len` bytes, unmapped, whose release the device
+    /// refused: counted reserved in `kind` until released again.
+    #[cold]
+    fn orphan(&mut self, h: u64, len: u64, kind: PoolKind) {
+        self.stats.reserved_bytes.increase(kind, len);
+        if let Some(p) = self.paging.as_mut() {
+            p.orphans.push((h, len, kind));
+        }
+    }
+
+    /// Releases the orphaned pages (see [`Paging::orphans`]); returns their bytes.
+    #[cold]
+    fn release_orphans<D: Device<Event = E>>(&mut self, dev: &D) -> Result<u64, AllocError> {
+        let mut bytes = 0;
+        while let Some(&(h, len, kind)) = self.paging.as_ref().and_then(|p| p.orphans.last()) {
+            dev.vmm_release_page(h)?;
+            if let Some(p) = self.paging.as_mut() {
+                p.orphans.pop(); // only once released: a failure keeps it
+            }
+            self.stats.num_page_release += 1;
+            self.stats.reserved_bytes.decrease(kind, len);
+            bytes += len;
+        }
+        Ok(bytes)
+    }
+
+    /// Pages unmapped but not yet released, by pool kind and bytes (counted reserved).
+    pub(super) fn orphaned_pages(&self) -> impl Iterator<Item = (PoolKind, u64)> + '_ {
+        self.paging
+            .iter()
+            .flat_map(|p| p.orphans.iter().map(|&(_, len, kind)| (kind, len)))
     }
 
     /// Maps what is unmapped under `[start, end)` of the paged segment
@@ -237,7 +282,7 @@ impl<E> Core<E> {
             // A request refused leaves nothing mapped for it (no work used
             // these pages yet): what it could not use goes back at once.
             for &gap in &gaps {
-                if let Err(e) = self.unmap_granules(dev, base, None, &mut pages, gap) {
+                if let Err(e) = self.unmap_granules(dev, base, kind, false, &mut pages, gap) {
                     done = Err(e);
                     break;
                 }
@@ -287,16 +332,108 @@ impl<E> Core<E> {
         rounded: u64,
     ) -> Result<bool, AllocError> {
         let b = self.blocks.get(id.0);
-        let (addr, size, seg, pool) = (b.addr, b.size, b.segment, b.pool);
-        if !self.segments.get(seg.0).is_paged() {
+        let (size, seg, pool) = (b.size, b.segment, b.pool);
+        let s = self.segments.get(seg.0);
+        if !s.is_paged() {
+            let whole_plain = matches!(s.kind, SegmentKind::Plain) && !b.is_split();
+            if !whole_plain || !self.repages(pool.kind(), size, rounded) {
+                return Ok(true);
+            }
+            if !self.repage(dev, id)? {
+                return Ok(false);
+            }
+            if !self.segments.get(seg.0).is_paged() {
+                return Ok(true); // plain again
+            }
+        }
+        let addr = self.blocks.get(id.0).addr;
+        let end = addr + self.handed_out_size(pool.kind(), rounded, size);
+        let done = self.commit(dev, seg, addr, end);
+        if !matches!(done, Ok(true)) {
+            // (Pages mapped before a device error stay mapped and counted.)
+            self.bins_mut(pool).insert(size, addr, id);
+            self.note_maybe_free(seg);
+        }
+        done
+    }
+
+    /// Makes the plain segment whose one free block is `id` (out of the
+    /// bins) again as a paged segment of the same size, at a new address.
+    /// The plain allocation goes back first (`cuMemFree` waits for the
+    /// device, so no queued work still uses it), and pages take its room;
+    /// pages the device refuses (another process took the room) are left
+    /// unmapped, to be mapped when a block needs them, as in any paged
+    /// segment. If no address range can be had, a plain allocation is asked
+    /// for again; refused too, the segment is gone and the answer is `false`
+    /// (the request goes on to grow). On a device error the block goes back
+    /// to the bins, in its segment as it then is.
+    #[cold]
+    fn repage<D: Device<Event = E>>(&mut self, dev: &D, id: BlockId) -> Result<bool, AllocError> {
+        let b = self.blocks.get(id.0);
+        let (old, size, seg, pool, since) = (b.addr, b.size, b.segment, b.pool, b.freed_at);
+        let kind = pool.kind();
+        if let Err(e) = dev.free(DevicePtr(old), size) {
+            // Nothing changed: the block goes back where it was.
+            self.bins_mut(pool).insert(size, old, id);
+            return Err(e.into());
+        }
+        self.stats.num_device_free += 1;
+        self.free_candidates[kind as usize].remove(&(since, old, seg.0));
+        self.segment_by_addr.remove(&old);
+        let made = match dev.vmm_reserve(size) {
+            Ok(ptr) => {
+                self.stats.num_vmm_reserve += 1;
+                Ok((ptr, true))
+            }
+            Err(DeviceError::OutOfMemory) => dev.allocate(size).map(|ptr| (ptr, false)),
+            Err(e) => Err(e),
+        };
+        let (ptr, paged) = match made {
+            Ok(made) => made,
+            Err(e) => {
+                // The segment's memory is gone: so are its records.
+                self.blocks.discard(id.0);
+                self.segments.remove(seg.0);
+                self.stats.segment.decrease(kind, 1);
+                self.stats.reserved_bytes.decrease(kind, size);
+                if size >= self.config.max_split_size {
+                    self.stats.oversize_segments.decrease(1);
+                }
+                if e == DeviceError::OutOfMemory {
+                    self.note_device_full(0);
+                    return Ok(false);
+                }
+                return Err(e.into());
+            }
+        };
+        self.segment_by_addr.insert(ptr.0, seg);
+        self.segments.get_mut(seg.0).addr = ptr.0;
+        self.blocks.get_mut(id.0).addr = ptr.0;
+        if !paged {
+            self.stats.num_device_alloc += 1;
             return Ok(true);
         }
-        let end = addr + self.handed_out_size(pool.kind(), rounded, size);
-        let done = self.commit(dev, seg, addr, end)?;
-        if !done {
-            self.bins_mut(pool).insert(size, addr, id);
+        let g = self.page_granule();
+        let page = page_granules(size / g);
+        let mut pages = PageMap::default();
+        let mapped = self.map_granules(dev, ptr.0, &mut pages, page, (0, (size / g) as u32));
+        // Counted reserved: the pages it got, no longer the plain allocation.
+        let held = u64::from(pages.mapped_granules(0, u32::MAX)) * g;
+        self.stats.reserved_bytes.decrease(kind, size - held);
+        self.segments.get_mut(seg.0).kind = SegmentKind::Paged { pages, page };
+        self.stats.num_segments_paged += 1;
+        match mapped {
+            Ok(true) => Ok(true),
+            Ok(false) => {
+                self.note_device_full(0);
+                Ok(true)
+            }
+            Err(e) => {
+                self.bins_mut(pool).insert(size, ptr.0, id);
+                self.note_maybe_free(seg);
+                Err(e)
+            }
         }
-        Ok(done)
     }
 
     /// Takes `seg`'s page map out, to change it while calling the device
@@ -332,6 +469,7 @@ impl<E> Core<E> {
         let Some(g) = self.paging.as_ref().map(|p| p.granule) else {
             return Ok(0);
         };
+        let mut total = self.release_orphans(dev)?;
         let paged: Vec<SegmentId> = self
             .segment_by_addr
             .values()
@@ -339,7 +477,6 @@ impl<E> Core<E> {
             .filter(|s| self.segments.get(s.0).is_paged())
             .collect();
         let mut synced = false;
-        let mut total = 0;
         for seg in paged {
             let s = self.segments.get(seg.0);
             let (base, kind) = (s.addr, s.pool.kind());
@@ -370,7 +507,7 @@ impl<E> Core<E> {
             let mut pages = self.take_pages(seg);
             let mut released = Ok(0);
             for hole in holes {
-                released = self.unmap_granules(dev, base, Some(kind), &mut pages, hole);
+                released = self.unmap_granules(dev, base, kind, true, &mut pages, hole);
                 match &released {
                     Ok(bytes) => total += bytes,
                     Err(_) => break,
@@ -394,13 +531,14 @@ impl<E> Core<E> {
         seg: SegmentId,
     ) -> Result<u64, AllocError> {
         let g = self.page_granule();
+        self.release_orphans(dev)?;
         dev.synchronize()?;
         self.stats.num_sync_all_streams += 1;
         let s = self.segments.get(seg.0);
         let (base, size, kind) = (s.addr, s.size, s.pool.kind());
         let mut pages = self.take_pages(seg);
         let released =
-            self.unmap_granules(dev, base, Some(kind), &mut pages, (0, (size / g) as u32));
+            self.unmap_granules(dev, base, kind, true, &mut pages, (0, (size / g) as u32));
         self.put_pages(seg, pages);
         let bytes = released?;
         dev.vmm_free_range(DevicePtr(base), size)?;

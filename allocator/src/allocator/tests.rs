@@ -580,6 +580,15 @@ fn huge_pool_is_kept_for_huge_requests() {
     ok(&a);
 }
 
+/// `default` with plain segments only (no paging near the limit), so that a
+/// segment split again keeps its address.
+fn default_plain() -> Config {
+    Config {
+        paged_margin: 0.0,
+        ..Config::default()
+    }
+}
+
 /// A huge segment whose 300 MiB block went free and a 260 MiB block took
 /// again: 40 MiB of free tail in the huge pool. Returns the segment's address.
 fn huge_segment_with_a_free_tail(a: &CachingAllocator<SimulatedDevice>) -> DevicePtr {
@@ -592,7 +601,7 @@ fn huge_segment_with_a_free_tail(a: &CachingAllocator<SimulatedDevice>) -> Devic
 #[test]
 fn a_request_the_device_has_no_room_for_takes_a_free_tail_of_another_kind() {
     // The huge segment takes the whole device: no segment of any size fits.
-    let (dev, a) = with_capacity(Config::default(), 300 * MIB);
+    let (dev, a) = with_capacity(default_plain(), 300 * MIB);
     assert!(a.config().oom_other_kinds);
     let h = huge_segment_with_a_free_tail(&a);
     let l = a.malloc(30 * MIB, S0).unwrap();
@@ -620,7 +629,7 @@ fn a_request_the_device_has_no_room_for_takes_a_free_tail_of_another_kind() {
 
 #[test]
 fn with_oom_other_kinds_off_a_free_tail_of_another_kind_stays_unused() {
-    let config = Config::parse("default,oom_other_kinds:false").unwrap();
+    let config = Config::parse("default,paged_margin:0,oom_other_kinds:false").unwrap();
     let (_, a) = with_capacity(config, 300 * MIB);
     huge_segment_with_a_free_tail(&a);
     let e = a.malloc(30 * MIB, S0).unwrap_err();
@@ -631,7 +640,7 @@ fn with_oom_other_kinds_off_a_free_tail_of_another_kind_stays_unused() {
 
 #[test]
 fn kinds_stay_apart_while_the_device_has_room() {
-    let (dev, a) = with_capacity(Config::default(), 400 * MIB);
+    let (dev, a) = with_capacity(default_plain(), 400 * MIB);
     let h = huge_segment_with_a_free_tail(&a);
     let l = a.malloc(30 * MIB, S0).unwrap();
     assert!(l.0 + 30 * MIB <= h.0 || l.0 >= h.0 + 300 * MIB);
@@ -2321,33 +2330,70 @@ fn paged(margin: f64) -> Config {
     }
 }
 
+/// A 30 MiB segment (plain: taken whole) freed, then split by a 12 MiB
+/// request: with paging on, it is made again paged and keeps 18 MiB free.
+fn repaged_30_split_by_12(
+    margin: f64,
+    capacity: u64,
+) -> (
+    SimulatedDevice,
+    CachingAllocator<SimulatedDevice>,
+    DevicePtr,
+) {
+    let (dev, a) = with_capacity(paged(margin), capacity);
+    let x = a.malloc(30 * MIB, S0).unwrap();
+    assert!(
+        dev.mappings().is_empty(),
+        "a segment taken whole stays plain"
+    );
+    a.free(x).unwrap();
+    let z = a.malloc(12 * MIB, S0).unwrap();
+    ok(&a);
+    (dev, a, z)
+}
+
+#[test]
+fn a_free_segment_split_near_the_limit_is_made_again_paged() {
+    let (dev, a, z) = repaged_30_split_by_12(1.0, 100 * MIB);
+    assert!(dev.segments().is_empty(), "no plain allocation is left");
+    assert!(dev.mappings().len() > 1, "{:?}", dev.mappings());
+    assert_eq!(dev.mapped_bytes_in(z, 12 * MIB), 12 * MIB);
+    let st = a.stats();
+    assert_eq!(st.num_segments_paged, 1);
+    assert_eq!(st.reserved_bytes.all().current, 30 * MIB);
+    assert_eq!(st.reserved_bytes.all().current, dev.used());
+    assert_eq!(st.segment.all().current, 1);
+    // The rest of the segment serves the next request, as in a plain one.
+    let w = a.malloc(12 * MIB, S0).unwrap();
+    assert_eq!(w.0, z.0 + 12 * MIB);
+    assert_eq!(a.stats().num_segments_paged, 1);
+    ok(&a);
+    freed_and_emptied(&dev, &a, &[z, w]);
+    // Without paging the same program leaves the plain segment as it was.
+    let (dev, a, z) = repaged_30_split_by_12(0.0, 100 * MIB);
+    assert_eq!((dev.segments().len(), dev.mappings().len()), (1, 0));
+    assert_eq!(a.stats().num_segments_paged, 0);
+    freed_and_emptied(&dev, &a, &[z]);
+}
+
 #[test]
 fn paged_segment_gives_back_free_pages_before_an_allocation_fails() {
-    // A 20 MiB segment keeps one 6 MiB tensor; 12 MiB of it are free.
-    // A 30 MiB tensor then needs those pages on a 40 MiB device.
-    let run = |margin: f64| {
-        let (dev, a) = with_capacity(paged(margin), 40 * MIB);
-        let x = a.malloc(6 * MIB, S0).unwrap();
-        let y = a.malloc(6 * MIB, S0).unwrap();
-        let z = a.malloc(6 * MIB, S0).unwrap();
-        a.free(x).unwrap();
-        a.free(y).unwrap();
-        let big = a.malloc(30 * MIB, S0);
-        ok(&a);
-        (dev, a, z, big)
-    };
-    let (_, _, _, plain) = run(0.0);
+    // The paged segment's free 18 MiB are needed by a 26 MiB tensor on a
+    // 40 MiB device; without paging they are stranded.
+    let (_, a, _) = repaged_30_split_by_12(0.0, 40 * MIB);
+    let plain = a.malloc(26 * MIB, S0);
     assert!(
         matches!(plain, Err(AllocError::OutOfMemory(_))),
         "{plain:?}"
     );
-    let (dev, a, z, big) = run(1.0);
-    let big = big.unwrap();
-    // The free 12 MiB and the free 2 MiB tail went back; the live tensor's pages stayed.
-    assert_eq!(dev.mapped_bytes_in(z, 6 * MIB), 6 * MIB);
+    let (dev, a, z) = repaged_30_split_by_12(1.0, 40 * MIB);
+    let big = a.malloc(26 * MIB, S0).unwrap();
+    // The free tail went back; the live tensor's pages stayed.
+    assert_eq!(dev.mapped_bytes_in(z, 12 * MIB), 12 * MIB);
+    assert_eq!(dev.used(), 12 * MIB + 26 * MIB);
     assert_eq!(a.stats().reserved_bytes.all().current, dev.used());
-    assert_eq!(dev.used(), 6 * MIB + 30 * MIB);
-    // A block over pages given back gets them mapped again when it is handed out.
+    // A block over pages given back gets them mapped again when it is
+    // handed out (the cached 26 MiB segment goes back to make room).
     a.free(big).unwrap();
     let w = a.malloc(10 * MIB, S0).unwrap();
     assert_eq!(dev.mapped_bytes_in(w, 10 * MIB), 10 * MIB);
@@ -2358,18 +2404,14 @@ fn paged_segment_gives_back_free_pages_before_an_allocation_fails() {
 
 #[test]
 fn paged_segment_that_cannot_be_mapped_again_fails_cleanly() {
-    let (dev, a) = with_capacity(paged(1.0), 40 * MIB);
-    let x = a.malloc(12 * MIB, S0).unwrap();
-    let z = a.malloc(6 * MIB, S0).unwrap();
-    a.free(x).unwrap();
-    let big = a.malloc(30 * MIB, S0).unwrap();
-    // x's 12 MiB went back for `big`; 2 MiB of the device are left.
+    let (dev, a, z) = repaged_30_split_by_12(1.0, 40 * MIB);
+    let big = a.malloc(26 * MIB, S0).unwrap();
+    // The tail's pages went back for `big`; 2 MiB of the device are left.
     let err = a.malloc(12 * MIB, S0).unwrap_err();
     assert!(matches!(err, AllocError::OutOfMemory(_)), "{err:?}");
     assert_eq!(a.stats().reserved_bytes.all().current, dev.used());
     ok(&a);
     a.free(big).unwrap();
-    // The cached 30 MiB segment goes back so that x's pages can be mapped.
     let again = a.malloc(12 * MIB, S0).unwrap();
     assert_eq!(dev.mapped_bytes_in(again, 12 * MIB), 12 * MIB);
     ok(&a);
@@ -2378,33 +2420,35 @@ fn paged_segment_that_cannot_be_mapped_again_fails_cleanly() {
 
 #[test]
 fn segments_are_paged_only_within_the_margin_of_the_limit() {
-    let (dev, a) = with_capacity(paged(0.5), 100 * MIB);
-    let low = a.malloc(30 * MIB, S0).unwrap();
+    let (dev, a, y) = repaged_30_split_by_12(0.5, 100 * MIB);
     assert_eq!(
-        dev.segments().len(),
-        1,
-        "far from the limit: one plain allocation"
+        (dev.segments().len(), dev.mappings().len()),
+        (1, 0),
+        "far from the limit: the plain allocation is kept"
     );
     let high = a.malloc(30 * MIB, S0).unwrap();
-    assert_eq!(dev.segments().len(), 1, "past half the device: paged");
-    assert_eq!(dev.mapped_bytes_in(high, 30 * MIB), 30 * MIB);
+    a.free(y).unwrap();
+    // Past half the device, the free segment split again is made paged.
+    let y = a.malloc(12 * MIB, S0).unwrap();
+    assert_eq!(dev.segments().len(), 1, "only the live 30 MiB one is plain");
     assert!(dev.mappings().len() > 1);
+    assert_eq!(dev.mapped_bytes_in(y, 12 * MIB), 12 * MIB);
+    assert_eq!(a.stats().num_segments_paged, 1);
     ok(&a);
-    freed_and_emptied(&dev, &a, &[low, high]);
+    freed_and_emptied(&dev, &a, &[y, high]);
 }
 
 #[test]
 fn empty_cache_releases_the_free_pages_of_partly_used_paged_segments() {
-    let (dev, a) = new(paged(1.0));
-    let x = a.malloc(6 * MIB, S0).unwrap();
-    let z = a.malloc(6 * MIB, S0).unwrap();
-    a.free(x).unwrap();
-    let before = dev.used();
-    // x's 6 MiB and the segment's free 8 MiB tail; z's pages stay.
+    let (dev, a, z) = repaged_30_split_by_12(1.0, 1 << 40);
+    let before = (dev.used(), dev.counters().synchronizes);
+    // Unlike cuMemFree, unmapping does not wait for queued work: giving
+    // back the free pages of a partly used segment synchronizes first.
     let released = a.empty_cache().unwrap();
-    assert_eq!(released.bytes, 14 * MIB);
-    assert_eq!(dev.used(), before - 14 * MIB);
-    assert_eq!(dev.mapped_bytes_in(z, 6 * MIB), 6 * MIB);
+    assert_eq!(released.bytes, 18 * MIB);
+    assert_eq!(dev.used(), before.0 - 18 * MIB);
+    assert!(dev.counters().synchronizes > before.1);
+    assert_eq!(dev.mapped_bytes_in(z, 12 * MIB), 12 * MIB);
     assert_eq!(a.stats().reserved_bytes.all().current, dev.used());
     let report = a.fragmentation();
     assert_eq!(report.reserved, dev.used());
@@ -2413,37 +2457,58 @@ fn empty_cache_releases_the_free_pages_of_partly_used_paged_segments() {
 }
 
 #[test]
-fn a_failed_page_map_while_paging_a_segment_leaves_nothing_behind() {
+fn a_failed_page_map_while_paging_a_segment_keeps_it_whole() {
     use crate::simulated::calls;
     let (dev, a) = new(paged(1.0));
+    let x = a.malloc(30 * MIB, S0).unwrap();
+    a.free(x).unwrap();
     dev.fail_calls_after(calls::VMM_MAP, 3, 1);
-    let err = a.malloc(30 * MIB, S0).unwrap_err();
+    let err = a.malloc(12 * MIB, S0).unwrap_err();
     assert!(matches!(err, AllocError::Device(_)), "{err:?}");
-    assert_eq!((dev.used(), dev.outstanding()), (0, 0));
+    // The plain allocation went back; the segment stays, paged, with the
+    // three pages it got, counted as what the device holds.
+    assert!(dev.segments().is_empty());
+    assert_eq!(dev.used(), 6 * MIB);
+    assert_eq!(a.stats().reserved_bytes.all().current, dev.used());
+    assert_eq!(a.stats().segment.all().current, 1);
     ok(&a);
-    let p = a.malloc(30 * MIB, S0).unwrap();
+    // Its missing pages are mapped when a block needs them.
+    let p = a.malloc(12 * MIB, S0).unwrap();
+    assert_eq!(dev.mapped_bytes_in(p, 12 * MIB), 12 * MIB);
+    ok(&a);
     freed_and_emptied(&dev, &a, &[p]);
 }
 
 #[test]
-fn a_paged_segment_is_unmapped_only_after_the_device_is_idle() {
-    // Unlike cuMemFree, unmapping does not wait for queued work: releasing
-    // a free paged segment must synchronize first, and so must giving back
-    // the free pages of a partly used one.
-    let (dev, a) = with_capacity(paged(1.0), 40 * MIB);
-    let p = a.malloc(30 * MIB, S0).unwrap();
-    a.free(p).unwrap();
+fn a_page_the_device_will_not_release_stays_counted_until_it_does() {
+    use crate::simulated::calls;
+    let (dev, a, z) = repaged_30_split_by_12(1.0, 1 << 40);
+    dev.fail_calls_after(calls::VMM_RELEASE, 2, 1);
+    // The third page of the free tail is unmapped but not released.
+    assert!(a.empty_cache().is_err());
+    assert_eq!(a.stats().reserved_bytes.all().current, dev.used());
+    assert_eq!(dev.unmapped_page_bytes(), 2 * MIB);
+    ok(&a);
+    // Released at the next chance.
+    a.empty_cache().unwrap();
+    assert_eq!(dev.unmapped_page_bytes(), 0);
+    assert_eq!(dev.used(), 12 * MIB);
+    assert_eq!(a.stats().reserved_bytes.all().current, dev.used());
+    ok(&a);
+    freed_and_emptied(&dev, &a, &[z]);
+}
+
+#[test]
+fn a_free_paged_segment_is_released_only_after_the_device_is_idle() {
+    // Releasing a free paged segment unmaps its pages, which (unlike
+    // cuMemFree) does not wait for queued work: it synchronizes first.
+    let (dev, a, z) = repaged_30_split_by_12(1.0, 40 * MIB);
+    a.free(z).unwrap();
     let before = dev.counters().synchronizes;
-    // The cached 30 MiB segment goes back for a 34 MiB one.
+    // The cached 30 MiB paged segment goes back for a 34 MiB one.
     let q = a.malloc(34 * MIB, S0).unwrap();
     assert!(dev.counters().synchronizes > before);
-    a.free(q).unwrap();
-    let x = a.malloc(6 * MIB, S0).unwrap();
-    let z = a.malloc(6 * MIB, S0).unwrap();
-    a.free(x).unwrap();
-    let before = dev.counters().synchronizes;
-    assert!(a.empty_cache().unwrap().bytes > 0);
-    assert!(dev.counters().synchronizes > before);
-    a.free(z).unwrap();
+    assert!(dev.mappings().is_empty());
     ok(&a);
+    freed_and_emptied(&dev, &a, &[q]);
 }
