@@ -1283,7 +1283,18 @@ impl<E> Expandable<E> {
                 break;
             }
             let slot = core.segments.get(seg.0).pool.stream_slot();
-            let reused = !all && early == Some(slot) && !self.quiescent(dev, slot, since)?;
+            let reused = if !all && early == Some(slot) {
+                match self.quiescent(dev, slot, since) {
+                    Ok(quiet) => !quiet,
+                    Err(e) => {
+                        // The pages taken so far stay taken: index them below first.
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            } else {
+                false
+            };
             let shadow = !all && core.config.expandable_shadows;
             let s = core.segments.get_mut(seg.0);
             let seg_addr = s.addr;
@@ -1308,7 +1319,7 @@ impl<E> Expandable<E> {
                     self.mapped_at.insert(h, (seg, at));
                 }
                 // The pages unmapped so far stay unmapped: index them below first.
-                failed = Some(e);
+                failed = Some(e.into());
                 break;
             } else {
                 core.stats.num_unmap += 1;
@@ -1329,7 +1340,7 @@ impl<E> Expandable<E> {
             }
         }
         match failed {
-            Some(e) => Err(e.into()),
+            Some(e) => Err(e),
             None => Ok(bytes),
         }
     }
