@@ -316,15 +316,9 @@ impl<E> State<E> {
             self.core.bins_mut(pool).remove(size, addr, head);
             self.core.blocks.discard(head.0);
         }
-        self.core.segments.remove(seg.0);
         self.core.segment_by_addr.remove(&addr);
-        let kind = pool.kind();
-        self.core.stats.segment.decrease(kind, 1);
-        self.core.stats.reserved_bytes.decrease(kind, reserved);
+        self.core.forget_segment(seg, reserved);
         self.core.stats.num_device_free += u64::from(!paged);
-        if size >= self.core.config.max_split_size {
-            self.core.stats.oversize_segments.decrease(1);
-        }
         Ok(released)
     }
 
@@ -691,6 +685,18 @@ impl<E> Core<E> {
         }
         self.high_water = self.high_water.max(self.reserved());
         Ok(Some(id))
+    }
+
+    /// Drops the record of segment `seg` (its blocks and its address entry
+    /// already gone), which held `reserved` bytes counted reserved.
+    pub(super) fn forget_segment(&mut self, seg: SegmentId, reserved: u64) {
+        let s = self.segments.remove(seg.0);
+        let kind = s.pool.kind();
+        self.stats.segment.decrease(kind, 1);
+        self.stats.reserved_bytes.decrease(kind, reserved);
+        if s.size >= self.config.max_split_size {
+            self.stats.oversize_segments.decrease(1);
+        }
     }
 
     /// Records a new segment (plain, or expandable with `page_size`) as one

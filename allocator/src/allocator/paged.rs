@@ -59,9 +59,7 @@ impl Paging {
             .min(self.full_at.unwrap_or(u64::MAX));
         (limit as f64 * (1.0 - self.margin)) as u64
     }
-}
 
-impl Paging {
     /// Paging on `device` with `config`, if the key is on and the device has
     /// the virtual memory API. Not where the cache gives nothing back on its
     /// own (`oom_flush` off, as CUDA graph pools): making a segment again
@@ -149,7 +147,7 @@ impl<E> Core<E> {
                             }
                             Err(e) => {
                                 if let Err(r) = dev.vmm_release_page(h) {
-                                    self.orphan(h, bytes, PoolKind::Large);
+                                    self.orphan(h, bytes, PoolKind::Large, false);
                                     return Err(r.into());
                                 }
                                 self.stats.num_page_release += 1;
@@ -194,10 +192,7 @@ impl<E> Core<E> {
             self.stats.num_unmap += 1;
             pages.remove(at);
             if let Err(e) = dev.vmm_release_page(h) {
-                if counted {
-                    self.stats.reserved_bytes.decrease(kind, len);
-                }
-                self.orphan(h, len, kind);
+                self.orphan(h, len, kind, counted);
                 return Err(e.into());
             }
             self.stats.num_page_release += 1;
@@ -211,10 +206,13 @@ impl<E> Core<E> {
     }
 
     /// Keeps page `h` of `len` bytes, unmapped, whose release the device
-    /// refused: counted reserved in `kind` until released again.
+    /// refused: counted reserved in `kind` (from now, unless it already was,
+    /// `counted`) until released again.
     #[cold]
-    fn orphan(&mut self, h: u64, len: u64, kind: PoolKind) {
-        self.stats.reserved_bytes.increase(kind, len);
+    fn orphan(&mut self, h: u64, len: u64, kind: PoolKind, counted: bool) {
+        if !counted {
+            self.stats.reserved_bytes.increase(kind, len);
+        }
         if let Some(p) = self.paging.as_mut() {
             p.orphans.push((h, len, kind));
         }
@@ -309,8 +307,10 @@ impl<E> Core<E> {
     }
 
     /// Makes sure the free block `id` (out of the bins), about to serve a
-    /// request of `rounded` bytes, is mapped where it will be allocated. If
-    /// there is no room it goes back to the bins and the answer is `false`.
+    /// request of `rounded` bytes, is mapped where it will be allocated
+    /// (first making its segment paged, if it is a whole plain one the
+    /// request splits near the limit). If there is no room it goes back to
+    /// the bins and the answer is `false`.
     #[inline]
     pub(super) fn mapped_for<D: Device<Event = E>>(
         &mut self,
@@ -319,6 +319,11 @@ impl<E> Core<E> {
         rounded: u64,
     ) -> Result<bool, AllocError> {
         if self.paging.is_none() {
+            return Ok(true);
+        }
+        // The common hit, a part of a plain segment, needs nothing.
+        let b = self.blocks.get(id.0);
+        if b.is_split() && !self.segments.get(b.segment.0).is_paged() {
             return Ok(true);
         }
         self.map_block(dev, id, rounded)
@@ -393,12 +398,7 @@ impl<E> Core<E> {
             Err(e) => {
                 // The segment's memory is gone: so are its records.
                 self.blocks.discard(id.0);
-                self.segments.remove(seg.0);
-                self.stats.segment.decrease(kind, 1);
-                self.stats.reserved_bytes.decrease(kind, size);
-                if size >= self.config.max_split_size {
-                    self.stats.oversize_segments.decrease(1);
-                }
+                self.forget_segment(seg, size);
                 if e == DeviceError::OutOfMemory {
                     self.note_device_full(0);
                     return Ok(false);
