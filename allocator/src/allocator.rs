@@ -161,6 +161,8 @@ pub(super) struct Core<E> {
     pub(super) notices: Vec<String>,
     /// Page granularity of expandable segments; `Some` turns them on.
     pub(super) granularity: Option<u64>,
+    /// The memory it may reserve: device size and where it was found full.
+    pub(super) limit: limit::Limit,
     /// Paged plain segments near the device's limit (`Config::paged_margin`).
     pub(super) paging: Option<paged::Paging>,
     /// Expandable segments: free blocks in the bins that hold a whole mapped
@@ -279,6 +281,7 @@ mod grow;
 mod inspect;
 mod invariants;
 mod layout;
+mod limit;
 mod malloc;
 mod paged;
 mod slabs;

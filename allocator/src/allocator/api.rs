@@ -29,7 +29,7 @@ impl<D: Device> CachingAllocator<D> {
             }
         }
         let range_size = total;
-        let paging = paged::Paging::new(&config, device.vmm_granularity(), total);
+        let paging = paged::Paging::new(&config, device.vmm_granularity());
         let stats = MemoryStats {
             max_split_size: config.max_split_size,
             ..Default::default()
@@ -77,6 +77,7 @@ impl<D: Device> CachingAllocator<D> {
                     recorder: None,
                     notices,
                     granularity,
+                    limit: limit::Limit::new(total),
                     paging,
                     idle_index: Default::default(),
                     oversize_refused: None,

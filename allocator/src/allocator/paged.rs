@@ -37,11 +37,6 @@ pub(crate) struct Paging {
     pub granule: u64,
     /// Share of the limit below it within which new segments are paged.
     margin: f64,
-    /// The device's memory.
-    total: u64,
-    /// Reserved bytes when the device was last found full, if lower than
-    /// its memory (other processes hold the rest).
-    full_at: Option<u64>,
     /// Pages unmapped whose release the device refused: (handle, bytes,
     /// pool kind). Still held, so still counted reserved, and released
     /// again before pages go back next (flush, `empty_cache`, a segment's release).
@@ -49,22 +44,11 @@ pub(crate) struct Paging {
 }
 
 impl Paging {
-    /// Reserved bytes past which segments are paged: within the margin of
-    /// the cap, of the device's memory or of the level at which the device
-    /// was last found full.
-    fn paging_level(&self, cap: Option<u64>) -> u64 {
-        let limit = cap
-            .unwrap_or(u64::MAX)
-            .min(self.total)
-            .min(self.full_at.unwrap_or(u64::MAX));
-        (limit as f64 * (1.0 - self.margin)) as u64
-    }
-
     /// Paging on `device` with `config`, if the key is on and the device has
     /// the virtual memory API. Not where the cache gives nothing back on its
     /// own (`oom_flush` off, as CUDA graph pools): making a segment again
     /// frees one, and its pages would go back only in `empty_cache`.
-    pub(super) fn new(config: &Config, granule: Option<u64>, total: u64) -> Option<Self> {
+    pub(super) fn new(config: &Config, granule: Option<u64>) -> Option<Self> {
         let granule = granule.filter(|g| g.is_power_of_two() && *g >= 512)?;
         let on = config.caching
             && config.oom_flush
@@ -73,8 +57,6 @@ impl Paging {
         on.then_some(Paging {
             granule,
             margin: config.paged_margin,
-            total,
-            full_at: None,
             orphans: Vec::new(),
         })
     }
@@ -113,7 +95,7 @@ impl<E> Core<E> {
         let rest = size - self.handed_out_size(kind, rounded, size);
         let reserved = self.reserved();
         rest >= 2 * page
-            && reserved > p.paging_level(self.cap)
+            && self.past_limit_share(1.0 - p.margin)
             && self.cap.map_or(true, |cap| reserved <= cap)
     }
 
@@ -294,16 +276,6 @@ impl<E> Core<E> {
             self.note_device_full(0);
         }
         done
-    }
-
-    /// Remembers that the device was found full with `more` bytes beyond
-    /// those reserved: later segments near that level are paged.
-    #[cold]
-    pub(super) fn note_device_full(&mut self, more: u64) {
-        let level = self.reserved() + more;
-        if let Some(p) = self.paging.as_mut() {
-            p.full_at = Some(p.full_at.map_or(level, |f| f.min(level)));
-        }
     }
 
     /// Makes sure the free block `id` (out of the bins), about to serve a
