@@ -1,7 +1,7 @@
 //! What the allocator knows of the memory it may reserve: the cap, the
 //! device's memory, and the level at which the device was last found full
-//! (other processes hold the rest). Rules that act near the limit (paged
-//! segments, thread caches stepping aside) measure from it.
+//! (other processes hold the rest). The rules that act near the limit (paged
+//! segments) measure from it.
 
 use super::Core;
 

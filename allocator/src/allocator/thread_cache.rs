@@ -59,14 +59,6 @@ fn fold(t: &Track) -> Option<(u64, u64, u64)> {
     Some((max, (t.max - t.net) as u64, t.up - max))
 }
 
-/// Blocks are parked only while reserved memory is within this share of the
-/// limit (cap, device memory, or where the device was found full). Past it
-/// the caches would move the minimum capacity (over the corpus and 8
-/// jittered copies, its worst case 1.162 without them, 1.181 with them
-/// parking up to the limit; docs/POLICY.md), while a parked hit saves only
-/// about 50 ns of a step.
-const PARK_BELOW_SHARE: f64 = 0.5;
-
 /// Parks a new slot may make before its hits must pay for them.
 pub(super) const INITIAL_CREDIT: u32 = 8;
 /// Parks earned by each block handed out from a slot.
@@ -287,12 +279,6 @@ impl ThreadCaches {
     /// [`PROBE_EVERY`], so that a hit can restore it.
     pub(super) fn should_park<E>(&mut self, core: &Core<E>, slot: SlotId, id: BlockId) -> bool {
         if self.thread_cache == 0 || core.recorder.is_some() {
-            return false;
-        }
-        // Near the limit the caches step aside: a parked block is kept out
-        // of the bins, so requests in between are placed as if it were in
-        // use, and that placement can need a larger device.
-        if core.past_limit_share(PARK_BELOW_SHARE) {
             return false;
         }
         // (Expandable allocators have no thread caches: `thread_cache` is 0 there.)
@@ -586,7 +572,7 @@ impl ThreadCaches {
 #[cfg(test)]
 mod tests {
     use crate::block::PoolKind;
-    use crate::config::{Config, MemoryCap};
+    use crate::config::Config;
     use crate::device::{DevicePtr, StreamId};
     use crate::error::AllocError;
     use crate::simulated::SimulatedDevice;
@@ -775,8 +761,8 @@ mod tests {
 
     #[test]
     fn parked_blocks_go_back_before_the_device_is_asked() {
-        // One small segment, a quarter of the device (caches park there).
-        let (dev, a) = new("default", 8 * MIB);
+        // One small segment fits the device.
+        let (dev, a) = new("default", 2 * MIB);
         let p = a.malloc(MIB, S0).unwrap();
         let q = a.malloc(MIB, S0).unwrap();
         a.free(p).unwrap();
@@ -806,28 +792,6 @@ mod tests {
         let released = a.empty_cache().unwrap();
         assert_eq!(released.segments as usize, before);
         assert_eq!(dev.outstanding(), 0);
-        a.check_invariants().unwrap();
-    }
-
-    /// Past half the limit (here the cap) nothing is parked: the same
-    /// frees park below it, and park again once the cap is raised.
-    #[test]
-    fn nothing_is_parked_past_half_the_limit() {
-        let (_, a) = new("default", 1 << 30);
-        let parks = |a: &CachingAllocator<SimulatedDevice>| {
-            let p = a.malloc(MIB, S0).unwrap();
-            let q = a.malloc(MIB, S0).unwrap();
-            a.free(p).unwrap();
-            a.free(q).unwrap();
-            let n = parked(a).len();
-            a.empty_cache().unwrap();
-            n
-        };
-        assert_eq!(parks(&a), 2, "a 2 MiB segment under a 1 GiB device");
-        a.set_memory_cap(Some(MemoryCap::Bytes(3 * MIB))).unwrap();
-        assert_eq!(parks(&a), 0, "2 MiB reserved under a 3 MiB cap");
-        a.set_memory_cap(Some(MemoryCap::Bytes(4 * MIB))).unwrap();
-        assert_eq!(parks(&a), 2, "exactly half of a 4 MiB cap");
         a.check_invariants().unwrap();
     }
 
