@@ -317,7 +317,7 @@ pub fn pool_config(mut config: Config) -> Config {
     config.garbage_collection_threshold = None;
     config.oom_flush = false;
     config.medium_segment_divisor = 0;
-    config.oversize_ratio = 0;
+    config.oversize_ratio = 0.0;
     config
 }
 

@@ -32,6 +32,13 @@ const DEFAULT_PAGE_DIVISOR: u64 = 128;
 /// reserved memory passes half the limit. Within 10% of it only, the
 /// corpus's minimum capacity is 1.056 instead of 1.044 (docs/POLICY.md).
 const DEFAULT_PAGED_MARGIN: f64 = 0.5;
+/// `oversize_ratio` of `default`: a huge request does not take an entirely
+/// free huge segment more than twice its size. 1.5 holds less (corpus and 8
+/// jittered copies: geometric mean ratio 1.101 → 1.097; nmt in PyTorch 1.097
+/// → 1.050) but gives huge segments back more often, and each `cuMemFree`
+/// waits for the device: 2–15% more step time on nmt and an LSTM language
+/// model (docs/POLICY.md), so it stays an opt-in.
+const DEFAULT_OVERSIZE_RATIO: f64 = 2.0;
 /// Smallest medium segment (`medium_segment_divisor`).
 pub const MEDIUM_SEGMENT_MIN: u64 = 2 * MIB;
 /// Segment size for large requests below `large_threshold` (PyTorch's `kLargeBuffer`).
@@ -192,7 +199,7 @@ pub struct Config {
     /// many times its size (0: no limit); that segment is given back and the
     /// request gets a segment of its own, so big segments are not carved up
     /// by smaller, longer-lived blocks.
-    pub oversize_ratio: u64,
+    pub oversize_ratio: f64,
     /// Before growing, release only segments that stayed free while the
     /// program allocated at least this fraction of its peak allocated bytes
     /// (0: any free segment): an idle age that means the same on every
@@ -316,7 +323,7 @@ impl Config {
             memory_cap: None,
             release_before_grow: false,
             release_order: ReleaseOrder::SmallestFit,
-            oversize_ratio: 0,
+            oversize_ratio: 0.0,
             release_idle_frac: 0.0,
             release_idle_slack: 0.0,
             release_time_budget: 0.0,
@@ -959,16 +966,17 @@ pub static KEYS: &[Key] = &[
     Key {
         name: "oversize_ratio",
         aliases: &[],
-        kind: KeyKind::Count {
-            min: 0,
-            max: 1024,
-            pow2: false,
+        kind: KeyKind::Number {
+            min: 0.0,
+            min_included: true,
+            max: 1024.0,
+            max_included: true,
         },
         stability: Stability::Experimental,
         doc: "a huge request does not take a free huge segment more than this many times its size, which is given back instead (0: off)",
         group: None,
-        get: |c| Some(Value::U64(c.oversize_ratio)),
-        set: |c, v| c.oversize_ratio = u(v),
+        get: |c| Some(Value::F64(c.oversize_ratio)),
+        set: |c, v| c.oversize_ratio = f(v),
     },
     Key {
         name: "release_before_grow",
@@ -1329,7 +1337,7 @@ impl Default for Config {
             release_time_budget: 0.0,
             slab_max: DEFAULT_SLAB_MAX,
             medium_segment_divisor: DEFAULT_MEDIUM_DIVISOR,
-            oversize_ratio: 2,
+            oversize_ratio: DEFAULT_OVERSIZE_RATIO,
             // Holes in another stream's partly used segments before a new
             // segment (multistream_infer's jittered copies: worst ratio
             // 1.257 → 1.209; step time on an H200 no worse, docs/POLICY.md).

@@ -266,8 +266,8 @@ impl<E> Core<E> {
         }
         let ratio = self.config.oversize_ratio;
         if pool.kind() == PoolKind::Huge
-            && ratio > 0
-            && bsize / ratio > size
+            && ratio > 0.0
+            && bsize as f64 > size as f64 * ratio
             && !self.blocks.get(id.0).is_split()
             && !self.churn.paused()
         {

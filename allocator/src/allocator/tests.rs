@@ -651,7 +651,7 @@ fn kinds_stay_apart_while_the_device_has_room() {
 
 #[test]
 fn an_oversize_free_huge_segment_goes_back_for_one_that_fits() {
-    let run = |oversize_ratio: u64| {
+    let run = |oversize_ratio: f64, request: u64| {
         let (dev, a) = new(Config {
             oversize_ratio,
             ..Config::default()
@@ -662,16 +662,19 @@ fn an_oversize_free_huge_segment_goes_back_for_one_that_fits() {
         let _keep = a.malloc(8000 * MIB, S0).unwrap();
         let big = a.malloc(700 * MIB, S0).unwrap();
         a.free(big).unwrap();
-        let p = a.malloc(300 * MIB, S0).unwrap();
+        let p = a.malloc(request * MIB, S0).unwrap();
         ok(&a);
         let mut segments: Vec<u64> = dev.segments().iter().map(|&(_, size)| size / MIB).collect();
         segments.sort_unstable();
         (p == big, segments, a.usage().reserved / MIB)
     };
     // Under half the free segment: given back, a segment of its own made.
-    assert_eq!(run(2), (false, vec![300, 8000], 8300));
+    assert_eq!(run(2.0, 300), (false, vec![300, 8000], 8300));
     // Without the rule, the request is carved from the 700 MiB segment.
-    assert_eq!(run(0), (true, vec![700, 8000], 8700));
+    assert_eq!(run(0.0, 300), (true, vec![700, 8000], 8700));
+    // A ratio need not be whole: 700 MiB is more than 1.5 × 450 MiB, not 1.5 × 500 MiB.
+    assert_eq!(run(1.5, 450), (false, vec![450, 8000], 8450));
+    assert_eq!(run(1.5, 500), (true, vec![700, 8000], 8700));
 }
 
 #[test]
@@ -785,7 +788,7 @@ fn release_idle_slack_bounds_what_the_idle_age_may_keep() {
 }
 
 /// A loop whose every turn makes the release rules churn: a 300 MiB huge
-/// request refuses the free 700 MiB segment (`oversize_ratio:2`), which goes
+/// request refuses the free 700 MiB segment (`default`'s `oversize_ratio`), which goes
 /// back so that a 300 MiB one is made, and the 700 MiB request then releases
 /// that one to stay under the peak. With a simulated clock, each allocator
 /// call stands for 1 ms of the program's work and each driver call takes
