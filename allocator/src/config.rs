@@ -973,7 +973,7 @@ pub static KEYS: &[Key] = &[
             max_included: true,
         },
         stability: Stability::Experimental,
-        doc: "a huge request does not take a free huge segment more than this many times its size, which is given back instead (0: off)",
+        doc: "a huge request does not take a free huge segment more than this many times its size (fractions too: 1.5 holds less for more step time), which is given back instead (0: off)",
         group: None,
         get: |c| Some(Value::F64(c.oversize_ratio)),
         set: |c, v| c.oversize_ratio = f(v),
@@ -1343,14 +1343,16 @@ impl Default for Config {
             // 1.257 → 1.209; step time on an H200 no worse, docs/POLICY.md).
             borrow_holes: true,
             // Free space stranded in segments of another kind before out of
-            // memory (minimum capacity lower on 13 of the corpus's 117 trace
-            // copies, by up to 2.3%, and higher on none; docs/POLICY.md).
+            // memory. With paging on it rarely acts (one of the corpus's 117
+            // trace copies, 1.0239 → 1.0214); it is what remains where pages
+            // cannot be had (no virtual memory API, `paged_margin:0`: lower
+            // on 13 of 117, by up to 2.3%; docs/POLICY.md).
             oom_other_kinds: true,
             // Near the limit, a free segment split again by a smaller request
             // is made again page-backed, so that the pages inside its free
             // blocks can go back before an allocation fails (minimum capacity
             // lower on 115 of the corpus's 117 trace copies; no step time
-            // measured on a GPU at 1.2 × a program's peak; docs/POLICY.md).
+            // lost on a GPU at 1.2 × a program's peak; docs/POLICY.md).
             paged_margin: DEFAULT_PAGED_MARGIN,
             // 8 MiB pages, big at blocks' edges while there is room
             // (docs/POLICY.md has the page sizes measured).

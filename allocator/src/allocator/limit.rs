@@ -51,12 +51,6 @@ impl<E> Core<E> {
         let level = self.reserved() + more;
         self.limit.note_full(level);
     }
-
-    /// Whether reserved memory is past `share` of the limit.
-    #[inline]
-    pub(super) fn past_limit_share(&self, share: f64) -> bool {
-        self.reserved() > self.limit.level(self.cap, share)
-    }
 }
 
 #[cfg(test)]

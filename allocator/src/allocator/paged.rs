@@ -95,7 +95,7 @@ impl<E> Core<E> {
         let rest = size - self.handed_out_size(kind, rounded, size);
         let reserved = self.reserved();
         rest >= 2 * page
-            && self.past_limit_share(1.0 - p.margin)
+            && reserved > self.limit.level(self.cap, 1.0 - p.margin)
             && self.cap.map_or(true, |cap| reserved <= cap)
     }
 
