@@ -134,6 +134,11 @@ impl<E> State<E> {
                 return Ok(id);
             }
         }
+        if self.core.config.caching && !slab {
+            if let Some(id) = self.mapped_fit(req) {
+                return Ok(id);
+            }
+        }
         if self.core.config.oom_other_kinds && self.core.config.caching && !slab {
             if let Some(id) = self.other_kind_fit(req) {
                 return Ok(id);
@@ -143,6 +148,24 @@ impl<E> State<E> {
         Err(AllocError::OutOfMemory(Box::new(
             self.oom_report(dev, size, seg_size),
         )))
+    }
+
+    /// With paged segments, the rung after the full flush: the best fit among
+    /// the requesting pool's free blocks whose pages are all mapped. The
+    /// retries took the best fit, which may lie over pages given back that
+    /// the device has no room to map again, while a larger free block of a
+    /// plain segment, mapped, would serve.
+    #[cold]
+    fn mapped_fit(&mut self, req: Request) -> Option<BlockId> {
+        self.core.paging.as_ref()?;
+        let max_split = self.core.config.max_split_size;
+        let bins = self.core.bins[req.pool.index()].as_ref()?;
+        let (size, addr, id) = bins
+            .iter_from(req.rounded)
+            .take_while(|e| req.rounded >= max_split || e.0 < max_split)
+            .find(|e| self.core.block_mapped(e.2))?;
+        self.core.bins_mut(req.pool).remove(size, addr, id);
+        Some(id)
     }
 
     /// The ladder's last rung before out of memory: the best fit among the

@@ -2422,6 +2422,29 @@ fn paged_segment_that_cannot_be_mapped_again_fails_cleanly() {
 }
 
 #[test]
+fn a_mapped_free_block_serves_when_the_best_fit_cannot_be_mapped_again() {
+    // A plain 20 MiB segment with an 18 MiB free tail, and a 30 MiB segment
+    // made paged by a 20 MiB request, whose free 10 MiB go back to the
+    // device for a 22 MiB tensor that fills it.
+    let (dev, a) = with_capacity(paged(1.0), 62 * MIB);
+    let p = a.malloc(2 * MIB, S0).unwrap();
+    let x = a.malloc(30 * MIB, S0).unwrap();
+    a.free(x).unwrap();
+    let z = a.malloc(20 * MIB, S0).unwrap();
+    assert_eq!(a.stats().num_segments_paged, 1);
+    let big = a.malloc(22 * MIB, S0).unwrap();
+    assert_eq!(dev.used(), 62 * MIB);
+    // The best fit for 8 MiB is the paged segment's free 10 MiB, whose pages
+    // the full device cannot map again; the plain segment's tail serves.
+    let w = a.malloc(8 * MIB, S0).unwrap();
+    assert_eq!(w.0, p.0 + 2 * MIB, "carved from the mapped tail");
+    assert_eq!(a.stats().num_ooms, 0);
+    assert_eq!(a.stats().reserved_bytes.all().current, dev.used());
+    ok(&a);
+    freed_and_emptied(&dev, &a, &[p, z, big, w]);
+}
+
+#[test]
 fn segments_are_paged_only_within_the_margin_of_the_limit() {
     let (dev, a, y) = repaged_30_split_by_12(0.5, 100 * MIB);
     assert_eq!(
