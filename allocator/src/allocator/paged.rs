@@ -17,17 +17,11 @@
 
 use super::*;
 
-/// Pages a paged segment is cut into at least (16 to 31 once it spans 16
-/// granules): pages are a power of two granules, so that making a segment
-/// costs a few dozen driver calls however large it is. Fewer, larger pages
-/// give back less (8 per segment: a geometric mean minimum capacity of 1.054
-/// against 1.049 over the corpus and a jittered copy, docs/POLICY.md).
-const PAGES_PER_SEGMENT: u64 = 16;
-
-/// Granules per page of a paged segment of `granules` granules: the largest
-/// power of two with at least [`PAGES_PER_SEGMENT`] pages, at least one.
-fn page_granules(granules: u64) -> u32 {
-    let per = (granules / PAGES_PER_SEGMENT).max(1);
+/// Granules per page of a paged segment of `granules` granules cut into at
+/// least `pages` pages (`Config::paged_pages`): the largest power of two
+/// that many pages allow, at least one.
+fn page_granules(granules: u64, pages: u64) -> u32 {
+    let per = (granules / pages.max(1)).max(1);
     (1u64 << per.ilog2()).min(1 << 30) as u32
 }
 
@@ -37,6 +31,8 @@ pub(crate) struct Paging {
     pub granule: u64,
     /// Share of the limit below it within which new segments are paged.
     margin: f64,
+    /// Pages a paged segment is cut into at least (`Config::paged_pages`).
+    pages: u64,
     /// Pages unmapped whose release the device refused: (handle, bytes,
     /// pool kind). Still held, so still counted reserved, and released
     /// again before pages go back next (flush, `empty_cache`, a segment's release).
@@ -57,6 +53,7 @@ impl Paging {
         on.then_some(Paging {
             granule,
             margin: config.paged_margin,
+            pages: config.paged_pages,
             orphans: Vec::new(),
         })
     }
@@ -91,7 +88,7 @@ impl<E> Core<E> {
         if kind == PoolKind::Small || size % p.granule != 0 {
             return false;
         }
-        let page = u64::from(page_granules(size / p.granule)) * p.granule;
+        let page = u64::from(page_granules(size / p.granule, p.pages)) * p.granule;
         let rest = size - self.handed_out_size(kind, rounded, size);
         let reserved = self.reserved();
         rest >= 2 * page
@@ -386,7 +383,7 @@ impl<E> Core<E> {
             return Ok(true);
         }
         let g = self.page_granule();
-        let page = page_granules(size / g);
+        let page = page_granules(size / g, self.paging.as_ref().map_or(1, |p| p.pages));
         let mut pages = PageMap::default();
         let mapped = self.map_granules(dev, ptr.0, &mut pages, page, (0, (size / g) as u32));
         // Counted reserved: the pages it got, no longer the plain allocation.

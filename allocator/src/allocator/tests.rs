@@ -2380,6 +2380,28 @@ fn a_free_segment_split_near_the_limit_is_made_again_paged() {
 }
 
 #[test]
+fn a_paged_segment_is_cut_into_the_pages_the_key_asks_for() {
+    // A 64 MiB segment is 32 granules: cut into at least N pages of a power
+    // of two granules each, all of one size here. One page (or two) would
+    // leave no two whole pages in the free rest: the segment stays plain.
+    for (pages, expected) in [(1, 0), (2, 0), (4, 4), (16, 16), (32, 32), (64, 32)] {
+        let config = Config {
+            paged_pages: pages,
+            ..paged(1.0)
+        };
+        let (dev, a) = with_capacity(config, 100 * MIB);
+        let x = a.malloc(64 * MIB, S0).unwrap();
+        a.free(x).unwrap();
+        let z = a.malloc(12 * MIB, S0).unwrap();
+        let paged = u64::from(expected > 0);
+        assert_eq!(a.stats().num_segments_paged, paged, "paged_pages:{pages}");
+        assert_eq!(dev.mappings().len(), expected, "paged_pages:{pages}");
+        ok(&a);
+        freed_and_emptied(&dev, &a, &[z]);
+    }
+}
+
+#[test]
 fn paged_segment_gives_back_free_pages_before_an_allocation_fails() {
     // The paged segment's free 18 MiB are needed by a 26 MiB tensor on a
     // 40 MiB device; without paging they are stranded.
