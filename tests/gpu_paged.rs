@@ -4,7 +4,9 @@
 //! segments go back to the device before an allocation fails, so a request
 //! that unpaged segments cannot serve under the cap succeeds; the live
 //! blocks' data survive, a block handed out over given-back pages gets them
-//! mapped again, and `empty_cache` leaves nothing reserved.
+//! mapped again, and `empty_cache` leaves nothing reserved. When the best
+//! fit lies over pages given back that the capped device cannot map again,
+//! a larger free block of a plain segment, mapped, serves instead.
 //!
 //! Skips (with a printed reason) when there is no CUDA driver or device, or
 //! the device has no VMM API.
@@ -96,4 +98,44 @@ fn free_pages_of_partly_used_segments_serve_a_request_under_a_cap() {
         assert_eq!(alloc.usage().reserved, 0);
         alloc.check_invariants().unwrap();
     }
+}
+
+#[test]
+fn a_mapped_free_block_serves_when_the_best_fit_cannot_be_mapped_again() {
+    let _serial = serial();
+    let Some(dev) = gpu_device() else { return };
+    dev.bind_thread().unwrap();
+    let s = Stream::new(&dev).unwrap();
+    let dev = cachealloc::cuda::CudaDevice::new(0).unwrap();
+    let alloc = CachingAllocator::new(dev, capped(62 * MIB, 1.0));
+    // A plain 20 MiB segment with an 18 MiB free tail, and a 30 MiB segment
+    // made paged by a 20 MiB request; a 22 MiB tensor brings reserved memory
+    // to the cap once the paged segment's free 10 MiB went back.
+    let p = alloc.malloc(2 * MIB, s.id()).unwrap();
+    let x = alloc.malloc(30 * MIB, s.id()).unwrap();
+    alloc.free(x).unwrap();
+    let z = alloc.malloc(20 * MIB, s.id()).unwrap();
+    assert_eq!(alloc.stats().num_segments_paged, 1);
+    fill(z, 20 * MIB, s.id(), 0x2020_2020);
+    let big = alloc.malloc(22 * MIB, s.id()).unwrap();
+    assert_eq!(alloc.usage().reserved, 62 * MIB);
+    // 8 MiB: the best fit is the paged segment's free 10 MiB, whose pages
+    // the cap leaves no room to map; the plain segment's tail serves.
+    let w = alloc
+        .malloc(8 * MIB, s.id())
+        .expect("the mapped tail serves");
+    assert_eq!(w.0, p.0 + 2 * MIB, "carved from the plain segment's tail");
+    fill(w, 8 * MIB, s.id(), 0x0808_0808);
+    fill(big, 22 * MIB, s.id(), 0x2222_2222);
+    let bad = mismatches(z, 20 * MIB, s.id(), 0x2020_2020)
+        + mismatches(w, 8 * MIB, s.id(), 0x0808_0808)
+        + mismatches(big, 22 * MIB, s.id(), 0x2222_2222);
+    assert_eq!(bad, 0, "every block holds what was written to it");
+    assert_eq!(alloc.stats().num_ooms, 0);
+    for q in [p, z, big, w] {
+        alloc.free(q).unwrap();
+    }
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.usage().reserved, 0);
+    alloc.check_invariants().unwrap();
 }
