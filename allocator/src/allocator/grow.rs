@@ -158,14 +158,7 @@ impl<E> State<E> {
     #[cold]
     fn mapped_fit(&mut self, req: Request) -> Option<BlockId> {
         self.core.paging.as_ref()?;
-        let max_split = self.core.config.max_split_size;
-        let bins = self.core.bins[req.pool.index()].as_ref()?;
-        let (size, addr, id) = bins
-            .iter_from(req.rounded)
-            .take_while(|e| req.rounded >= max_split || e.0 < max_split)
-            .find(|e| self.core.block_mapped(e.2))?;
-        self.core.bins_mut(req.pool).remove(size, addr, id);
-        Some(id)
+        self.core.take_mapped_fit(req.pool, req.rounded, usize::MAX)
     }
 
     /// The ladder's last rung before out of memory: the best fit among the
@@ -176,21 +169,13 @@ impl<E> State<E> {
     /// stay apart.
     #[cold]
     fn other_kind_fit(&mut self, req: Request) -> Option<BlockId> {
-        let max_split = self.core.config.max_split_size;
         let slot = req.pool.stream_slot() as u32;
-        let (size, addr, id, pool) =
-            OTHER_KINDS[req.pool.kind() as usize]
-                .iter()
-                .find_map(|&kind| {
-                    let pool = PoolId::new(slot, kind);
-                    let bins = self.core.bins[pool.index()].as_ref()?;
-                    bins.iter_from(req.rounded)
-                        .take(BORROW_LOOKS)
-                        .take_while(|e| req.rounded >= max_split || e.0 < max_split)
-                        .find(|e| self.core.block_mapped(e.2))
-                        .map(|(size, addr, id)| (size, addr, id, pool))
-                })?;
-        self.core.bins_mut(pool).remove(size, addr, id);
+        let id = OTHER_KINDS[req.pool.kind() as usize]
+            .iter()
+            .find_map(|&kind| {
+                let pool = PoolId::new(slot, kind);
+                self.core.take_mapped_fit(pool, req.rounded, BORROW_LOOKS)
+            })?;
         self.core.stats.num_other_kind_fits += 1;
         Some(id)
     }
@@ -628,6 +613,22 @@ impl<E> State<E> {
 }
 
 impl<E> Core<E> {
+    /// Takes out of `pool`'s bins the best fit for `rounded` among its first
+    /// `looks` fits whose pages are all mapped (every block outside paged
+    /// segments), as `max_split_size` allows.
+    #[cold]
+    fn take_mapped_fit(&mut self, pool: PoolId, rounded: u64, looks: usize) -> Option<BlockId> {
+        let max_split = self.config.max_split_size;
+        let (size, addr, id) = self.bins[pool.index()]
+            .as_ref()?
+            .iter_from(rounded)
+            .take(looks)
+            .take_while(|e| rounded >= max_split || e.0 < max_split)
+            .find(|e| self.block_mapped(e.2))?;
+        self.bins_mut(pool).remove(size, addr, id);
+        Some(id)
+    }
+
     /// Makes `waiter` wait on the device for the work `from` queued so far,
     /// through an event recorded on `from` now. With `unless_done`, an event
     /// already complete is released and `None` returned; otherwise the event
