@@ -7,6 +7,9 @@
 //!   the cap;
 //! - a long shifting-size sequence under a tight cap: pages recycled round
 //!   after round, every live block's contents checked after each round;
+//! - a big page partly under a live block gives its free part back before an
+//!   allocation fails (`expandable_reback`): the live granule is copied to a
+//!   new page mapped at the same address, and the block keeps its contents;
 //! - CUDA IPC (`cuIpcGetMemHandle`) works on plain segments and is refused on
 //!   expandable ones (the documented caveat).
 //!
@@ -238,4 +241,60 @@ fn ipc_handles_work_on_plain_segments_only() {
     vmm.free(v).unwrap();
     plain.empty_cache().unwrap();
     vmm.empty_cache().unwrap();
+}
+
+#[test]
+fn a_pinned_big_page_gives_its_free_part_back_and_the_block_keeps_its_data() {
+    let _serial = serial();
+    let Some(dev) = gpu_device() else { return };
+    dev.bind_thread().unwrap();
+    let s = Stream::new(&dev).unwrap();
+    for reback in [false, true] {
+        let config = Config::parse(&format!(
+            "expandable,expandable_page_divisor:0,expandable_reback:{reback}"
+        ))
+        .unwrap();
+        let config = Config {
+            memory_cap: Some(MemoryCap::Bytes(64 * MIB)),
+            ..config
+        };
+        let alloc = CachingAllocator::new(CudaDevice::new(0).unwrap(), config);
+        // A 6 MiB and a 2 MiB block under one 8 MiB page; the 6 MiB one freed.
+        let x = alloc.malloc(6 * MIB, s.id()).unwrap();
+        let pin = alloc.malloc(2 * MIB, s.id()).unwrap();
+        assert_eq!(pin.0, x.0 + 6 * MIB);
+        fill(pin, 2 * MIB, s.id(), 0x5EED_0002);
+        alloc.free(x).unwrap();
+        let big = alloc.malloc(54 * MIB, s.id()).unwrap();
+        fill(big, 54 * MIB, s.id(), 0x5EED_0054);
+        // 6.5 MiB with 2 MiB left under the cap.
+        let q = alloc.malloc(6 * MIB + MIB / 2, s.id());
+        if !reback {
+            assert!(matches!(q, Err(AllocError::OutOfMemory(_))), "{q:?}");
+            for p in [pin, big] {
+                alloc.free(p).unwrap();
+            }
+            continue;
+        }
+        let q = q.expect("served once the pinned page gave its free part back");
+        fill(q, 6 * MIB + MIB / 2, s.id(), 0x5EED_0065);
+        let st = alloc.stats();
+        println!(
+            "pinned page swapped: {} page(s), reserved {} MiB of a 64 MiB cap",
+            st.num_pages_rebacked,
+            alloc.usage().reserved / MIB
+        );
+        assert_eq!(st.num_pages_rebacked, 1);
+        let bad = mismatches(pin, 2 * MIB, s.id(), 0x5EED_0002)
+            + mismatches(big, 54 * MIB, s.id(), 0x5EED_0054)
+            + mismatches(q, 6 * MIB + MIB / 2, s.id(), 0x5EED_0065);
+        assert_eq!(bad, 0, "the pinned block kept its data at its address");
+        assert!(alloc.stats().reserved_bytes.all().peak <= 64 * MIB);
+        for p in [pin, big, q] {
+            alloc.free(p).unwrap();
+        }
+        alloc.empty_cache().unwrap();
+        assert_eq!(alloc.usage().reserved, 0);
+        alloc.check_invariants().unwrap();
+    }
 }

@@ -268,6 +268,12 @@ pub struct Config {
     /// block carved over a shadow whose page is idle takes the page back
     /// with no driver call.
     pub expandable_shadows: bool,
+    /// Expandable segments: before an allocation fails, each page larger
+    /// than the device's granularity that lies partly under live blocks
+    /// gives back its free part: the live granules are copied to new
+    /// granule-sized pages mapped at the same addresses, and the page goes
+    /// back to the device (no tensor moves; the device is synchronized).
+    pub expandable_reback: bool,
     /// Expandable segments: past the hard limit, idle pages another stream
     /// freed and may still use are taken at once, the requesting stream made
     /// to wait for that stream's work on the device, not the host.
@@ -351,6 +357,7 @@ impl Config {
             expandable_place: false,
             expandable_early_reuse: true,
             expandable_shadows: false,
+            expandable_reback: false,
             expandable_cross_stream: false,
             expandable_borrow: false,
             borrow_holes: false,
@@ -1124,6 +1131,16 @@ pub static KEYS: &[Key] = &[
         set: |c, v| c.expandable_shadows = b(v),
     },
     Key {
+        name: "expandable_reback",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Experimental,
+        doc: "expandable segments: before an allocation fails, pages larger than the device's granularity that lie partly under live blocks give back their free part (the live granules are copied to new pages mapped at the same addresses, after a device synchronize; not during a CUDA graph capture)",
+        group: None,
+        get: |c| Some(Value::Bool(c.expandable_reback)),
+        set: |c, v| c.expandable_reback = b(v),
+    },
+    Key {
         name: "expandable_borrow",
         aliases: &[],
         kind: BOOL,
@@ -1385,6 +1402,9 @@ impl Default for Config {
             expandable_page: 8 * MIB,
             expandable_page_divisor: DEFAULT_PAGE_DIVISOR,
             expandable_edges: EdgePages::Pressure,
+            // Only where an allocation would fail: a run that fits makes
+            // no copy and no extra call.
+            expandable_reback: true,
             ..Self::pytorch()
         }
     }

@@ -158,4 +158,11 @@ pub trait Device: Send + Sync {
     fn vmm_unmap(&self, _ptr: DevicePtr, _bytes: u64) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("unmap"))
     }
+    /// Copies `bytes` of device memory from `src` to `dst` and returns once
+    /// the copy is done. The caller guarantees that both ranges are mapped
+    /// and that no queued work touches them. Used to move live blocks to
+    /// other physical pages under the same addresses.
+    fn copy(&self, _dst: DevicePtr, _src: DevicePtr, _bytes: u64) -> Result<(), DeviceError> {
+        Err(DeviceError::Unsupported("device-to-device copy"))
+    }
 }

@@ -48,6 +48,10 @@ pub struct SimCounters {
     pub vmm_maps: u64,
     /// Page unmaps.
     pub vmm_unmaps: u64,
+    /// Device-to-device copies ([`Device::copy`]).
+    pub copies: u64,
+    /// Bytes copied by [`Device::copy`].
+    pub copied_bytes: u64,
     /// With a lag ([`SimulatedDevice::with_event_lag`]): the device work,
     /// in host operations, that blocking waits and synchronizes waited out
     /// (how far behind the waited-for point the device still was).
@@ -85,8 +89,10 @@ pub mod calls {
     pub const VMM_MAP: u32 = 1 << 11;
     /// `vmm_unmap`.
     pub const VMM_UNMAP: u32 = 1 << 12;
+    /// `copy`.
+    pub const COPY: u32 = 1 << 13;
     /// Every call above.
-    pub const ALL: u32 = (1 << 13) - 1;
+    pub const ALL: u32 = (1 << 14) - 1;
 }
 
 /// A seeded schedule of failing device calls: each call named in `calls`
@@ -406,7 +412,10 @@ impl SimulatedDevice {
 
     /// Bytes of `[ptr, ptr+bytes)` backed by mapped pages.
     pub fn mapped_bytes_in(&self, ptr: DevicePtr, bytes: u64) -> u64 {
-        let s = self.state.lock();
+        Self::mapped_in(&self.state.lock(), ptr, bytes)
+    }
+
+    fn mapped_in(s: &SimState, ptr: DevicePtr, bytes: u64) -> u64 {
         let (lo, hi) = (ptr.0, ptr.0.saturating_add(bytes));
         // A mapping starting below `lo` may reach into the span: start from the last one before it.
         let from = s.mapped.range(..=lo).next_back().map_or(lo, |(&a, _)| a);
@@ -722,6 +731,19 @@ impl Device for SimulatedDevice {
         }
         s.mapped.insert(ptr.0, (page, bytes));
         s.counters.vmm_maps += 1;
+        Ok(())
+    }
+
+    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        s.fault(calls::COPY, "copy")?;
+        for ptr in [src, dst] {
+            if Self::mapped_in(&s, ptr, bytes) != bytes {
+                return Err(DeviceError::InvalidAddress(ptr));
+            }
+        }
+        s.counters.copies += 1;
+        s.counters.copied_bytes += bytes;
         Ok(())
     }
 

@@ -277,6 +277,10 @@ pub struct MemoryStats {
     pub num_map: u64,
     /// Page unmaps.
     pub num_unmap: u64,
+    /// Expandable pages partly under live blocks whose free part went back
+    /// before an allocation failed (`expandable_reback`): their live granules
+    /// copied to new pages mapped at the same addresses.
+    pub num_pages_rebacked: u64,
     /// Allocations of at least `max_split_size`.
     pub oversize_allocations: Stat,
     /// Segments of at least `max_split_size`.
@@ -388,6 +392,7 @@ impl MemoryStats {
         out.push(("num_page_release".into(), v(self.num_page_release)));
         out.push(("num_map".into(), v(self.num_map)));
         out.push(("num_unmap".into(), v(self.num_unmap)));
+        out.push(("num_pages_rebacked".into(), v(self.num_pages_rebacked)));
         out.push((
             "max_split_size".into(),
             if self.max_split_size == u64::MAX {
@@ -566,6 +571,6 @@ mod tests {
             assert!(keys.contains(&k), "missing {k}");
         }
         assert!(e.contains(&("max_split_size".to_string(), -1)));
-        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 21);
+        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 22);
     }
 }

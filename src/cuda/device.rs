@@ -346,6 +346,18 @@ impl Device for CudaDevice {
         driver::mem_map(ptr, page, bytes, self.ordinal)
     }
 
+    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
+        let _ctx = self.enter()?;
+        let bytes = usize::try_from(bytes).map_err(|_| DeviceError::Driver {
+            name: "CUDA_ERROR_INVALID_VALUE".into(),
+            call: "cuMemcpyDtoD_v2",
+        })?;
+        // SAFETY: the allocator copies only between pages it mapped, after
+        // synchronising the device, from live blocks to pages no block uses
+        // yet (the trait's contract).
+        unsafe { driver::memcpy_dtod(dst, src, bytes) }
+    }
+
     fn vmm_unmap(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
         let _ctx = self.enter()?;
         // SAFETY: the allocator unmaps whole pages it mapped, and only after

@@ -626,6 +626,21 @@ pub unsafe fn memcpy_dtoh_async(
     )
 }
 
+/// Copies `bytes` from `src` to `dst` (device memory, both) and waits for
+/// the device to finish it (`cuMemcpyDtoD_v2` does not wait on the host).
+///
+/// # Safety
+/// Both ranges are mapped device memory of at least `bytes` bytes that no
+/// queued work touches, and the bytes written at `dst` are not in use.
+pub unsafe fn memcpy_dtod(dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    check(
+        // SAFETY: the caller guarantees both ranges per the contract above.
+        unsafe { ffi::cuMemcpyDtoD_v2(dst.0, src.0, bytes) },
+        "cuMemcpyDtoD_v2",
+    )?;
+    ctx_synchronize()
+}
+
 /// Reads `words` 32-bit words at `src` on `stream` and waits for them.
 ///
 /// # Safety

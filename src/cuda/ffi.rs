@@ -159,6 +159,7 @@ extern "C" {
         bytes: usize,
         stream: CuStream,
     ) -> i32;
+    pub fn cuMemcpyDtoD_v2(dst: CuDevicePtr, src: CuDevicePtr, bytes: usize) -> i32;
     pub fn cuMemcpyDtoHAsync_v2(
         dst: *mut c_void,
         src: CuDevicePtr,

@@ -26,6 +26,8 @@ use crate::error::AllocError;
 use crate::fasthash::FastMap;
 use std::collections::{BTreeMap, VecDeque};
 
+mod reback;
+
 /// Operations (mallocs and frees, all streams) between two marker events
 /// recorded on one stream as blocks are freed there.
 pub(super) const MARKER_INTERVAL: u64 = 128;

@@ -116,12 +116,19 @@ impl<E> State<E> {
         req: Request,
     ) -> Result<BlockId, AllocError> {
         let Request { size, rounded, .. } = req;
-        for attempt in 0..2 {
+        for attempt in 0..3 {
             if attempt == 1 {
-                // Last rung: wait for every pending event, so that blocks other
-                // streams held become free and their pages idle, then retry.
+                // Wait for every pending event, so that blocks other streams
+                // held become free and their pages idle, then retry.
                 self.core.stats.num_alloc_retries += 1;
                 self.wait_all_events(dev)?;
+            }
+            if attempt == 2 {
+                // Last rung: the free part of pages partly under live blocks.
+                if !self.core.config.expandable_reback || self.vmm.reback(&mut self.core, dev)? == 0
+                {
+                    break;
+                }
             }
             let ((bsize, addr, id), borrowed) = self.expandable_fit(dev, req)?;
             // While its pages are gathered the block is out of the bins (so not
