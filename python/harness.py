@@ -181,7 +181,8 @@ def worker(spec):
                         revived=extra.get("num_pages_revived"),
                         releases_paused=extra.get("num_releases_paused"),
                         other_kind_fits=extra.get("num_other_kind_fits"),
-                        segments_paged=extra.get("num_segments_paged"))
+                        segments_paged=extra.get("num_segments_paged"),
+                        pages_rebacked=extra.get("num_pages_rebacked"))
         st = ca.memory_stats()
         return dict(reserved=st["reserved_bytes.all.current"],
                     allocated=st["allocated_bytes.all.current"],
@@ -197,7 +198,8 @@ def worker(spec):
                     revived=st.get("num_pages_revived"),
                     releases_paused=st.get("num_releases_paused"),
                     other_kind_fits=st.get("num_other_kind_fits"),
-                    segments_paged=st.get("num_segments_paged"))
+                    segments_paged=st.get("num_segments_paged"),
+                    pages_rebacked=st.get("num_pages_rebacked"))
 
     before = figures()
     res.update({k: v for k, v in before.items() if k not in ("reserved", "allocated")})
