@@ -90,7 +90,9 @@ pub struct OomReport {
     /// Whether the allocator maps expandable segments (the advice differs).
     pub expandable: bool,
     /// Expandable segments: whether the large pools map pages larger than
-    /// the device's granularity at this point (smaller pages are the advice).
+    /// the device's granularity at this point and their free parts were not
+    /// given back before the failure (`expandable_reback` off): smaller
+    /// pages are the advice.
     pub big_pages: bool,
     /// Plain segments: whether segments are paged near the limit
     /// (`paged_margin`), so that the free pages of partly used ones already

@@ -293,7 +293,9 @@ impl<E> State<E> {
                 (frag.0 - frag.1) as f64 / frag.0 as f64
             },
             expandable: self.core.config.expandable_segments,
-            big_pages: self.core.granularity.is_some_and(|g| {
+            // (With `expandable_reback` such pages went back before the failure.)
+            big_pages: !self.core.config.expandable_reback
+                && self.core.granularity.is_some_and(|g| {
                 let page = self.vmm.page_size(&self.core, PoolKind::Large) / g;
                 expandable::scaled_granules(&self.core, page as u32, size) > 1
             }),
