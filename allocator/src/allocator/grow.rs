@@ -296,9 +296,9 @@ impl<E> State<E> {
             // (With `expandable_reback` such pages went back before the failure.)
             big_pages: !self.core.config.expandable_reback
                 && self.core.granularity.is_some_and(|g| {
-                let page = self.vmm.page_size(&self.core, PoolKind::Large) / g;
-                expandable::scaled_granules(&self.core, page as u32, size) > 1
-            }),
+                    let page = self.vmm.page_size(&self.core, PoolKind::Large) / g;
+                    expandable::scaled_granules(&self.core, page as u32, size) > 1
+                }),
             paged: self.core.paging.is_some(),
         }
     }

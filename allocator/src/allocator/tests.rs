@@ -2271,7 +2271,10 @@ fn a_cap_above_the_hard_limit_creates_no_more_than_no_cap() {
 fn an_expandable_oom_report_knows_its_page_size() {
     for (conf, big) in [
         ("expandable", false),
-        ("expandable,expandable_page_divisor:0,expandable_reback:false", true),
+        (
+            "expandable,expandable_page_divisor:0,expandable_reback:false",
+            true,
+        ),
         // Pinned big pages gave their free part back before the failure.
         ("expandable,expandable_page_divisor:0", false),
     ] {
