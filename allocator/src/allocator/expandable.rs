@@ -1119,6 +1119,19 @@ impl<E> Expandable<E> {
         }
     }
 
+    /// Waits for the device, forgets the markers (every stream is past
+    /// them) and unmaps every old mapping: what `empty_cache` and the swap
+    /// of pinned pages start from.
+    fn settle<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+    ) -> Result<(), AllocError> {
+        dev.synchronize()?;
+        self.drop_markers(core, dev);
+        self.clear_stale(core, dev, |_| true)
+    }
+
     /// Puts gathered pages back after a failure: pooled ones to the pool, new ones to the device.
     fn return_pages<D: Device<Event = E>>(
         &mut self,
@@ -1355,10 +1368,8 @@ impl<E> Expandable<E> {
         core: &mut Core<E>,
         dev: &D,
     ) -> Result<(), AllocError> {
-        dev.synchronize()?;
-        self.drop_markers(core, dev);
         self.device_full_at = None;
-        self.clear_stale(core, dev, |_| true)?;
+        self.settle(core, dev)?;
         self.take_idle_pages(core, dev, None, u64::MAX, true, None, &[])?;
         while let Some(&(h, kind, size)) = self.page_pool.last() {
             dev.vmm_release_page(h)?;

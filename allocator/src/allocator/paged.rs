@@ -17,14 +17,6 @@
 
 use super::*;
 
-/// Granules per page of a paged segment of `granules` granules cut into at
-/// least `pages` pages (`Config::paged_pages`): the largest power of two
-/// that many pages allow, at least one.
-fn page_granules(granules: u64, pages: u64) -> u32 {
-    let per = (granules / pages.max(1)).max(1);
-    (1u64 << per.ilog2()).min(1 << 30) as u32
-}
-
 /// When new segments are paged, and the pages' size.
 pub(crate) struct Paging {
     /// The device's page granularity.
@@ -40,6 +32,14 @@ pub(crate) struct Paging {
 }
 
 impl Paging {
+    /// Granules per page of a paged segment of `bytes`: the largest power of
+    /// two that leaves at least `pages` pages (`Config::paged_pages`), at
+    /// least one.
+    fn page_granules(&self, bytes: u64) -> u32 {
+        let per = (bytes / self.granule / self.pages.max(1)).max(1);
+        (1u64 << per.ilog2()).min(1 << 30) as u32
+    }
+
     /// Paging on `device` with `config`, if the key is on and the device has
     /// the virtual memory API. Not where the cache gives nothing back on its
     /// own (`oom_flush` off, as CUDA graph pools): making a segment again
@@ -88,7 +88,7 @@ impl<E> Core<E> {
         if kind == PoolKind::Small || size % p.granule != 0 {
             return false;
         }
-        let page = u64::from(page_granules(size / p.granule, p.pages)) * p.granule;
+        let page = u64::from(p.page_granules(size)) * p.granule;
         let rest = size - self.handed_out_size(kind, rounded, size);
         let reserved = self.reserved();
         rest >= 2 * page
@@ -382,8 +382,11 @@ impl<E> Core<E> {
             self.stats.num_device_alloc += 1;
             return Ok(true);
         }
-        let g = self.page_granule();
-        let page = page_granules(size / g, self.paging.as_ref().map_or(1, |p| p.pages));
+        let p = self
+            .paging
+            .as_ref()
+            .expect("a segment is paged only with paging on");
+        let (g, page) = (p.granule, p.page_granules(size));
         let mut pages = PageMap::default();
         let mapped = self.map_granules(dev, ptr.0, &mut pages, page, (0, (size / g) as u32));
         // Counted reserved: the pages it got, no longer the plain allocation.

@@ -42,11 +42,9 @@ impl<E> Expandable<E> {
         if plans.is_empty() {
             return Ok(0);
         }
-        dev.synchronize()?;
-        self.drop_markers(core, dev);
         // Old mappings would keep pages alive and are mapped nowhere useful;
         // pooled pages are of the big size: room for granules first.
-        self.clear_stale(core, dev, |_| true)?;
+        self.settle(core, dev)?;
         self.release_pooled(core, dev, u64::MAX)?;
         let g = core.granularity.expect("expandable mode has a granularity");
         // Fewest granules to copy first: each swap needs room for its new
@@ -212,7 +210,8 @@ impl<E> Expandable<E> {
             Err(_) => self.page_pool.push((p.handle, kind, old_bytes)),
         }
         core.stats.num_pages_rebacked += 1;
-        self.refile_free_blocks(core, p.seg, p.at, p.at + p.len);
+        // (The idle index stands: no free block held the old page, partly
+        // under live blocks, or holds a new one, all under live blocks.)
         // Every scratch mapping is tried; the first failure is reported.
         let mut done = Ok(());
         for i in 0..k {
@@ -222,35 +221,5 @@ impl<E> Expandable<E> {
         let freed_range = dev.vmm_free_range(scratch, k as u64 * g);
         done.and(freed_range)?;
         Ok(true)
-    }
-
-    /// Files again in the idle index the free blocks over granules
-    /// `first..last` of `seg`, whose pages changed.
-    fn refile_free_blocks(&self, core: &mut Core<E>, seg: SegmentId, first: u32, last: u32) {
-        let g = core.granularity.expect("expandable mode has a granularity");
-        let s = core.segments.get(seg.0);
-        let (lo, hi) = (s.addr + u64::from(first) * g, s.addr + u64::from(last) * g);
-        let mut cur = Some(s.head);
-        let mut changed = Vec::new();
-        while let Some(id) = cur {
-            let b = core.blocks.get(id.0);
-            if b.addr >= hi {
-                break;
-            }
-            if b.state == BlockState::Free && b.addr + b.size > lo {
-                changed.push((
-                    b.freed_at,
-                    id.0,
-                    holds_whole_page(s, g, b.addr, b.addr + b.size),
-                ));
-            }
-            cur = b.next;
-        }
-        for (since, id, idle) in changed {
-            core.idle_index.remove(&(since, id));
-            if idle {
-                core.idle_index.insert((since, id));
-            }
-        }
     }
 }
