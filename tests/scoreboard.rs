@@ -1,6 +1,6 @@
 //! `cachealloc scoreboard` on the two smallest corpus traces, the one with
-//! several streams and the held-out trace where `default` does worst (and
-//! one jittered copy of each), against the
+//! several streams and, from each held-out set, the trace where `default`
+//! does worst (and one jittered copy of each), against the
 //! committed baseline
 //! `tests/data/scoreboard_baseline.json`: a cell whose reserved / allocated
 //! or min-capacity / allocated ratio rises by more than [`TOLERANCE`] (plus
@@ -21,13 +21,16 @@ use std::process::Command;
 const TOLERANCE: f64 = 0.005;
 /// The min-capacity search stops at max(2 MiB, 0.1%).
 const MIB: f64 = (1u64 << 20) as f64;
-const TRACES: [&str; 4] = [
+const TRACES: [&str; 5] = [
     "gnn_varsize.trace.gz",
     "recsys_ragged.trace.gz",
     // The only trace with several streams: it guards the cross-stream rules.
     "multistream_infer.trace.gz",
     // Held out from tuning (traces/holdout/): guards what no rule was chosen on.
     "holdout/video_conv3d.trace.gz",
+    // Recorded after the policy was settled (traces/holdout2/): the one of them
+    // as recorded where `default` reserves the most.
+    "holdout2/dit_sampling.trace.gz",
 ];
 const CONFIGS: [&str; 3] = ["pytorch", "default", "expandable"];
 const BASELINE: &str = "tests/data/scoreboard_baseline.json";
@@ -159,7 +162,11 @@ fn scoreboard_pytorch_emulation_matches_pytorch_on_the_recorded_traces() {
     // PyTorch's own peak reserved / peak allocated on the GPU (the corpus.json
     // files beside the traces).
     let mut runs = Vec::new();
-    for f in ["traces/corpus.json", "traces/holdout/corpus.json"] {
+    for f in [
+        "traces/corpus.json",
+        "traces/holdout/corpus.json",
+        "traces/holdout2/corpus.json",
+    ] {
         let v: Value =
             serde_json::from_str(&std::fs::read_to_string(root().join(f)).unwrap()).unwrap();
         runs.extend(v.as_array().unwrap().iter().cloned());
@@ -177,12 +184,14 @@ fn scoreboard_pytorch_emulation_matches_pytorch_on_the_recorded_traces() {
     {
         checked += 1;
         let rec = runs.iter().find(|r| r["name"] == v["trace"]).unwrap();
-        let gpu = rec["max_reserved"].as_f64().unwrap() / rec["max_allocated"].as_f64().unwrap();
-        let ours = v["peak_reserved_bytes"].as_f64().unwrap()
-            / v["peak_allocated_bytes"].as_f64().unwrap();
+        // Peak reserved bytes: the scoreboard's denominator (requests rounded
+        // to 512 bytes) is not PyTorch's allocated (whole blocks, unsplit
+        // remainders included), so the ratios differ where the bytes agree.
+        let gpu = rec["max_reserved"].as_f64().unwrap();
+        let ours = v["peak_reserved_bytes"].as_f64().unwrap();
         assert!(
             (ours / gpu - 1.0).abs() < 0.01,
-            "{}: replayed PyTorch policy {ours:.4}, PyTorch on the GPU {gpu:.4}",
+            "{}: replayed PyTorch policy peaks at {ours} B reserved, PyTorch on the GPU at {gpu} B",
             v["trace"]
         );
     }

@@ -2,9 +2,10 @@
 # allocator with torch.cuda.memory._record_memory_history and writes the plain trace format
 # (docs/TRACE_FORMAT.md), with a comment line "# step N" at every step boundary.
 #
-#   python3 python/corpus/record.py --out DIR [--set holdout] [--only a,b] [--lanes 3] [--timeout 150]
-#       runs every workload of the set (families.py, or holdout.py with --set holdout) in its
-#       own process (LANES at a time, each with a timeout) and writes DIR/NAME.trace.gz,
+#   python3 python/corpus/record.py --out DIR [--set holdout|holdout2] [--only a,b] [--lanes 3]
+#                                   [--timeout 150]
+#       runs every workload of the set (families.py, or holdout.py / holdout2.py) in its own
+#       process (LANES at a time, each with a timeout) and writes DIR/NAME.trace.gz,
 #       DIR/NAME.json and DIR/summary.json
 #   python3 python/corpus/record.py --one NAME --out DIR [--steps N] [--seed S] [--max-seconds T]
 #       records one workload in this process
@@ -75,10 +76,14 @@ def write_trace(snap, path, marker_stream, max_events):
 
 
 def workloads(name):
-    """The workloads of a set: the corpus (families.py) or the held-out ones (holdout.py)."""
+    """The workloads of a set: the corpus (families.py) or the held-out ones (holdout.py,
+    holdout2.py)."""
     if name == "holdout":
         from holdout import HOLDOUT
         return HOLDOUT
+    if name == "holdout2":
+        from holdout2 import HOLDOUT2
+        return HOLDOUT2
     from families import FAMILIES
     return FAMILIES
 
@@ -170,7 +175,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--one")
-    ap.add_argument("--set", choices=["corpus", "holdout"], default="corpus")
+    ap.add_argument("--set", choices=["corpus", "holdout", "holdout2"], default="corpus")
     ap.add_argument("--only")
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)

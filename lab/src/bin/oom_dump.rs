@@ -55,8 +55,17 @@ fn main() {
         }
     }
     // Per pool: segments, bytes, free bytes.
+    // Reserved beyond what the segments map: pooled pages (expandable) or
+    // pages created for the request that failed.
+    let snap = a.snapshot();
+    let mapped: u64 = snap.segments.iter().map(|s| s.mapped_size).sum();
+    println!(
+        "usage {:?}; mapped in segments {:.1} MiB",
+        a.usage(),
+        mapped as f64 / MIB
+    );
     let mut by_pool: HashMap<String, (u64, u64, u64)> = HashMap::new();
-    for s in &a.snapshot().segments {
+    for s in &snap.segments {
         let (free, line) = lab::segment_line(s);
         let e = by_pool.entry(format!("{:?}", s.pool)).or_default();
         *e = (e.0 + 1, e.1 + s.total_size, e.2 + free);
