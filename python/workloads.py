@@ -59,13 +59,15 @@ def cnn_multiscale(steps, seed):
 WORKLOADS = dict(nmt=nmt, cnn_multiscale=cnn_multiscale)
 
 # The trace corpus's programs (python/corpus/families.py) and the held-out ones
-# (python/corpus/holdout.py) run under the same names, e.g.
+# (python/corpus/holdout.py, holdout2.py) run under the same names, e.g.
 # `python/harness.py --workloads gpt2_finetune` or `python/workloads.py moe_train OUT.json`.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus"))
 from families import FAMILIES  # noqa: E402
 from holdout import HOLDOUT  # noqa: E402
+from holdout2 import HOLDOUT2  # noqa: E402
 WORKLOADS.update({name: gen for name, (gen, _) in FAMILIES.items()})
 WORKLOADS.update({name: gen for name, (gen, _) in HOLDOUT.items()})
+WORKLOADS.update({name: gen for name, (gen, _) in HOLDOUT2.items()})
 
 def write_trace(snap, path):
     ids, next_id, n = {}, 0, 0

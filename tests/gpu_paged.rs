@@ -44,7 +44,7 @@ fn free_pages_of_partly_used_segments_serve_a_request_under_a_cap() {
         let whole: Vec<_> = (0..10)
             .map(|_| alloc.malloc(20 * MIB, s.id()).unwrap())
             .collect();
-        for p in whole {
+        for &p in &whole {
             alloc.free(p).unwrap();
         }
         // 50 blocks of 4 MiB in those ten segments, every other one freed:
@@ -52,6 +52,17 @@ fn free_pages_of_partly_used_segments_serve_a_request_under_a_cap() {
         let blocks = filled_blocks(&alloc, 50, 4 * MIB, s.id(), 0xC0DE_0000);
         let paged = alloc.stats().num_segments_paged;
         assert_eq!(paged, if margin == 0.0 { 0 } else { 10 });
+        // The driver takes the address hint: each segment made paged keeps
+        // the range of its plain allocation, so the layout does not change.
+        let now: Vec<u64> = alloc
+            .snapshot()
+            .segments
+            .iter()
+            .map(|g| g.address.0)
+            .collect();
+        let kept = whole.iter().filter(|p| now.contains(&p.0)).count();
+        println!("margin {margin}: {kept} of 10 segments at their first address");
+        assert_eq!(kept, 10);
         for p in blocks.iter().skip(1).step_by(2) {
             alloc.free(*p).unwrap();
         }

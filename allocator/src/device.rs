@@ -137,6 +137,12 @@ pub trait Device: Send + Sync {
     fn vmm_reserve(&self, _bytes: u64) -> Result<DevicePtr, DeviceError> {
         Err(DeviceError::Unsupported("virtual memory reserve"))
     }
+    /// [`Device::vmm_reserve`], at `hint` if that range is free (a plain
+    /// allocation there was just freed); elsewhere if not. Keeping the address
+    /// keeps the allocator's layout, whose ties go to the lowest address.
+    fn vmm_reserve_at(&self, bytes: u64, _hint: DevicePtr) -> Result<DevicePtr, DeviceError> {
+        self.vmm_reserve(bytes)
+    }
     /// Frees a virtual range reserved by [`Device::vmm_reserve`] (all pages unmapped).
     fn vmm_free_range(&self, _ptr: DevicePtr, _bytes: u64) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("virtual memory free"))

@@ -667,6 +667,37 @@ impl Device for SimulatedDevice {
         Ok(DevicePtr(addr))
     }
 
+    fn vmm_reserve_at(&self, bytes: u64, hint: DevicePtr) -> Result<DevicePtr, DeviceError> {
+        let mut s = self.state.lock();
+        let g = s.granularity;
+        // The hint is taken when it lies, aligned, inside one hole of the address space.
+        let hole = s.holes.range(..=hint.0).next_back().map(|(&a, &l)| (a, l));
+        match hole {
+            Some((start, len))
+                if bytes > 0
+                    && bytes % g == 0
+                    && hint.0 % g == 0
+                    && hint.0 + bytes <= start + len =>
+            {
+                s.fault(calls::VMM_RESERVE, "vmm_reserve")?;
+                s.holes.remove(&start);
+                if hint.0 > start {
+                    s.holes.insert(start, hint.0 - start);
+                }
+                if hint.0 + bytes < start + len {
+                    s.holes.insert(hint.0 + bytes, start + len - hint.0 - bytes);
+                }
+                s.ranges.insert(hint.0, bytes);
+                s.counters.vmm_reserves += 1;
+                Ok(hint)
+            }
+            _ => {
+                drop(s);
+                self.vmm_reserve(bytes)
+            }
+        }
+    }
+
     fn vmm_free_range(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
         s.fault(calls::VMM_FREE_RANGE, "vmm_free_range")?;
@@ -892,6 +923,29 @@ mod tests {
         let e2 = d.record_event(StreamId(2)).unwrap();
         d.wait_event(&e2).unwrap();
         assert!(d.event_completed(&e2).unwrap());
+    }
+
+    #[test]
+    fn vmm_reserve_at_takes_a_free_hint_and_otherwise_reserves_elsewhere() {
+        let d = SimulatedDevice::new(1 << 30);
+        let a = d.allocate(32 << 20).unwrap();
+        let b = d.allocate(32 << 20).unwrap();
+        d.free(a, 32 << 20).unwrap();
+        // The freed plain allocation's range: taken as asked.
+        assert_eq!(d.vmm_reserve_at(32 << 20, a).unwrap(), a);
+        // Taken now, as is the live allocation's: elsewhere, not overlapping.
+        for hint in [a, b] {
+            let r = d.vmm_reserve_at(32 << 20, hint).unwrap();
+            assert!(r.0 + (32 << 20) <= a.0.min(b.0) || r.0 >= a.0.max(b.0) + (32 << 20));
+            d.vmm_free_range(r, 32 << 20).unwrap();
+        }
+        // Misaligned or too large for the hole: elsewhere too.
+        assert_ne!(
+            d.vmm_reserve_at(2 << 20, DevicePtr(b.0 + 4096)).unwrap().0,
+            b.0 + 4096
+        );
+        d.vmm_free_range(a, 32 << 20).unwrap();
+        assert_ne!(d.vmm_reserve_at(64 << 20, a).unwrap(), a);
     }
 
     #[test]

@@ -273,6 +273,8 @@ struct Before {
     counters: SimCounters,
     pending: Vec<u64>,
     snapshot: Snapshot,
+    /// The device's plain allocations, (address, bytes).
+    plain: Vec<(DevicePtr, u64)>,
 }
 
 /// An allocator on a simulated device, with what the test knows about it.
@@ -562,6 +564,7 @@ impl Model {
             counters: self.dev.counters(),
             pending: self.dev.pending_events(),
             snapshot: self.last_snapshot.clone(),
+            plain: self.dev.segments(),
         }
     }
 
@@ -620,10 +623,11 @@ impl Model {
     }
 
     /// A malloc that made a plain segment again paged (`paged_margin`): only
-    /// with paging on; an entirely free segment cached before is gone, and a
-    /// segment of its size and stream is new since `before` (unless released
-    /// again in the same step), with the block at its start if it lies in
-    /// it, larger than the request; reserved memory at or under the cap.
+    /// with paging on; an entirely free plain segment cached before is gone,
+    /// or is a virtual range now at its own address, and a segment of its
+    /// size and stream is new since `before` or is that range (unless
+    /// released again in the same step), with the block at its start if it
+    /// lies in it, larger than the request; reserved memory at or under the cap.
     fn check_repaged(&mut self, before: &Before, p: u64, rounded: u64) -> Result<(), String> {
         if !self.paged {
             return Err(format!(
@@ -633,17 +637,24 @@ impl Model {
         let snap = self.alloc.snapshot();
         // (Its blocks may have been parked in a thread cache or awaiting
         // events that completed since: free to the program.)
+        let (plain_now, ranges_now) = (self.dev.segments(), self.dev.ranges());
+        // Made again where it was: a plain allocation before, a range now.
+        let in_place = |s: &cachealloc_core::SegmentSnapshot| {
+            let seg = (s.address, s.total_size);
+            before.plain.contains(&seg) && !plain_now.contains(&seg) && ranges_now.contains(&seg)
+        };
         let was_free = |s: &&cachealloc_core::SegmentSnapshot| {
             s.blocks.iter().all(|b| b.state != BlockState::Allocated)
-                && !snap.segments.iter().any(|n| n.address == s.address)
+                && (!snap.segments.iter().any(|n| n.address == s.address) || in_place(s))
         };
         let gone: Vec<_> = before.snapshot.segments.iter().filter(was_free).collect();
         let remade = snap.segments.iter().find(|s| {
-            !before
+            let new = !before
                 .snapshot
                 .segments
                 .iter()
-                .any(|o| o.address == s.address)
+                .any(|o| o.address == s.address);
+            (new || gone.iter().any(|g| g.address == s.address))
                 && gone
                     .iter()
                     .any(|g| g.total_size == s.total_size && g.stream == s.stream)
@@ -655,7 +666,7 @@ impl Model {
             let reserved_range = self.dev.counters().vmm_reserves > before.counters.vmm_reserves;
             if gone.is_empty() || !reserved_range {
                 return Err(format!(
-                    "malloc({rounded}) made a segment paged, but no free segment was made again at a new address"
+                    "malloc({rounded}) made a segment paged, but no free segment was made again"
                 ));
             }
             self.saw("malloc made a segment paged that went back at once");

@@ -322,6 +322,14 @@ impl Device for CudaDevice {
         driver::mem_address_reserve(bytes, g)
     }
 
+    fn vmm_reserve_at(&self, bytes: u64, hint: DevicePtr) -> Result<DevicePtr, DeviceError> {
+        let g = self
+            .vmm_granularity()
+            .ok_or(DeviceError::Unsupported("virtual memory reserve"))?;
+        let _ctx = self.enter()?;
+        driver::mem_address_reserve_at(bytes, g, hint.0)
+    }
+
     fn vmm_free_range(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
         let _ctx = self.enter()?;
         // SAFETY: the allocator frees only ranges this device reserved, whole,

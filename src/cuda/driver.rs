@@ -359,11 +359,23 @@ pub fn allocation_granularity(ordinal: i32, recommended: bool) -> Result<u64, De
 /// Reserves `bytes` of virtual address space aligned to `alignment`
 /// (`cuMemAddressReserve`); no memory backs it until [`mem_map`].
 pub fn mem_address_reserve(bytes: u64, alignment: u64) -> Result<DevicePtr, DeviceError> {
+    mem_address_reserve_at(bytes, alignment, 0)
+}
+
+/// [`mem_address_reserve`] asking for the range to start at `hint` (0: no
+/// wish); the driver takes the hint only if that range is free, and
+/// reserves elsewhere otherwise.
+pub fn mem_address_reserve_at(
+    bytes: u64,
+    alignment: u64,
+    hint: u64,
+) -> Result<DevicePtr, DeviceError> {
     let mut p: ffi::CuDevicePtr = 0;
     check(
-        // SAFETY: writes one device pointer into `p`, a valid local; no fixed
-        // address is requested (addr 0), flags must be 0.
-        unsafe { ffi::cuMemAddressReserve(&mut p, bytes as usize, alignment as usize, 0, 0) },
+        // SAFETY: writes one device pointer into `p`, a valid local; the
+        // requested address is only a hint (nothing is mapped or replaced
+        // there by this call), flags must be 0.
+        unsafe { ffi::cuMemAddressReserve(&mut p, bytes as usize, alignment as usize, hint, 0) },
         "cuMemAddressReserve",
     )?;
     Ok(DevicePtr(p))

@@ -354,7 +354,7 @@ impl<E> Core<E> {
         self.stats.num_device_free += 1;
         self.free_candidates[kind as usize].remove(&(since, old, seg.0));
         self.segment_by_addr.remove(&old);
-        let made = match dev.vmm_reserve(size) {
+        let made = match dev.vmm_reserve_at(size, DevicePtr(old)) {
             Ok(ptr) => {
                 self.stats.num_vmm_reserve += 1;
                 Ok((ptr, true))

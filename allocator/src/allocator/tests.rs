@@ -2385,6 +2385,19 @@ fn a_free_segment_split_near_the_limit_is_made_again_paged() {
 }
 
 #[test]
+fn a_segment_made_paged_keeps_its_address() {
+    // Best fit breaks ties by address: a segment that moved when made
+    // paged would change where later blocks go, with no limit in sight too.
+    let (dev, a) = with_capacity(paged(1.0), 100 * MIB);
+    let x = a.malloc(30 * MIB, S0).unwrap();
+    a.free(x).unwrap();
+    let z = a.malloc(12 * MIB, S0).unwrap();
+    assert_eq!(a.stats().num_segments_paged, 1);
+    assert_eq!(z, x, "the paged segment took the plain one's range");
+    freed_and_emptied(&dev, &a, &[z]);
+}
+
+#[test]
 fn a_paged_segment_is_cut_into_the_pages_the_key_asks_for() {
     // A 64 MiB segment is 32 granules: cut into at least N pages of a power
     // of two granules each, all of one size here. One page (or two) would
