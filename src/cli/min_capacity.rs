@@ -264,7 +264,9 @@ pub fn run(args: MinCapacityArgs) -> Result<(), CliError> {
         writeln!(
             out,
             "(smallest simulated device capacity at which the trace completes, flush-and-retry allowed; \
-             precision max(2 MiB, 0.1%); GiB = 2^30 bytes)"
+             precision max(2 MiB, 0.1%); GiB = 2^30 bytes; / peak allocated: over this configuration's own \
+             peak of allocated blocks with no limit, where `scoreboard` divides by the requests' peak \
+             rounded to 512 bytes, the same for every configuration)"
         )?;
     }
     out.flush()?;
