@@ -6,7 +6,9 @@
 //! blocks' data survive, a block handed out over given-back pages gets them
 //! mapped again, and `empty_cache` leaves nothing reserved. When the best
 //! fit lies over pages given back that the capped device cannot map again,
-//! a larger free block of a plain segment, mapped, serves instead.
+//! a larger free block of a plain segment, mapped, serves instead. A
+//! segment made paged keeps its address (the driver takes the freed
+//! range as a hint; a hint in use gets a range elsewhere).
 //!
 //! Skips (with a printed reason) when there is no CUDA driver or device, or
 //! the device has no VMM API.
@@ -149,4 +151,27 @@ fn a_mapped_free_block_serves_when_the_best_fit_cannot_be_mapped_again() {
     alloc.empty_cache().unwrap();
     assert_eq!(alloc.usage().reserved, 0);
     alloc.check_invariants().unwrap();
+}
+
+#[test]
+fn an_address_hint_in_use_reserves_elsewhere() {
+    use cachealloc::core::Device;
+    let _serial = serial();
+    let Some(dev) = gpu_device() else { return };
+    dev.bind_thread().unwrap();
+    // The hint names a live plain allocation: the range comes from elsewhere
+    // (the driver's own choice, or a second call without the hint).
+    let live = dev.allocate(32 * MIB).unwrap();
+    let r = dev.vmm_reserve_at(32 * MIB, live).unwrap();
+    assert!(r.0 + 32 * MIB <= live.0 || r.0 >= live.0 + 32 * MIB);
+    dev.vmm_free_range(r, 32 * MIB).unwrap();
+    // Freed, the same range is taken as asked.
+    dev.free(live, 32 * MIB).unwrap();
+    let again = dev.vmm_reserve_at(32 * MIB, live).unwrap();
+    println!(
+        "hint {:#x}: in use -> {:#x}; free -> {:#x}",
+        live.0, r.0, again.0
+    );
+    assert_eq!(again, live);
+    dev.vmm_free_range(again, 32 * MIB).unwrap();
 }

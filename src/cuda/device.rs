@@ -327,7 +327,10 @@ impl Device for CudaDevice {
             .vmm_granularity()
             .ok_or(DeviceError::Unsupported("virtual memory reserve"))?;
         let _ctx = self.enter()?;
+        // A driver that refuses a hint it cannot take, rather than reserving
+        // elsewhere, is asked again without one.
         driver::mem_address_reserve_at(bytes, g, hint.0)
+            .or_else(|_| driver::mem_address_reserve(bytes, g))
     }
 
     fn vmm_free_range(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
