@@ -491,6 +491,21 @@ impl SimulatedDevice {
             (addr >= start).then_some((start, len, addr))
         });
         let (start, len, addr) = fit.ok_or(DeviceError::OutOfMemory)?;
+        Self::split_hole(s, (start, len), addr, bytes);
+        Ok(addr)
+    }
+
+    /// Address space for `bytes` at exactly `addr`, if that lies inside one hole.
+    fn carve_at(s: &mut SimState, addr: u64, bytes: u64) -> Option<u64> {
+        let (start, len) = s.holes.range(..=addr).next_back().map(|(&a, &l)| (a, l))?;
+        (addr + bytes <= start + len).then(|| {
+            Self::split_hole(s, (start, len), addr, bytes);
+            addr
+        })
+    }
+
+    /// Takes `[addr, addr + bytes)` out of the hole `(start, len)` that holds it.
+    fn split_hole(s: &mut SimState, (start, len): (u64, u64), addr: u64, bytes: u64) {
         s.holes.remove(&start);
         if addr > start {
             s.holes.insert(start, addr - start);
@@ -498,7 +513,30 @@ impl SimulatedDevice {
         if addr + bytes < start + len {
             s.holes.insert(addr + bytes, start + len - addr - bytes);
         }
-        Ok(addr)
+    }
+
+    /// A virtual range of `bytes`: at `hint` when that lies, aligned, inside
+    /// one hole of the address space; else wherever [`Self::carve`] puts it.
+    fn reserve_range(&self, bytes: u64, hint: Option<u64>) -> Result<DevicePtr, DeviceError> {
+        let mut s = self.state.lock();
+        s.fault(calls::VMM_RESERVE, "vmm_reserve")?;
+        let g = s.granularity;
+        if bytes == 0 || bytes % g != 0 {
+            return Err(DeviceError::Driver {
+                name: "CUDA_ERROR_INVALID_VALUE".into(),
+                call: "vmm_reserve",
+            });
+        }
+        let at = hint
+            .filter(|h| h % g == 0)
+            .and_then(|h| Self::carve_at(&mut s, h, bytes));
+        let addr = match at {
+            Some(addr) => addr,
+            None => Self::carve(&mut s, bytes, g)?,
+        };
+        s.ranges.insert(addr, bytes);
+        s.counters.vmm_reserves += 1;
+        Ok(DevicePtr(addr))
     }
 
     /// Gives address space back (merged with neighbouring holes).
@@ -652,50 +690,11 @@ impl Device for SimulatedDevice {
     }
 
     fn vmm_reserve(&self, bytes: u64) -> Result<DevicePtr, DeviceError> {
-        let mut s = self.state.lock();
-        s.fault(calls::VMM_RESERVE, "vmm_reserve")?;
-        let g = s.granularity;
-        if bytes == 0 || bytes % g != 0 {
-            return Err(DeviceError::Driver {
-                name: "CUDA_ERROR_INVALID_VALUE".into(),
-                call: "vmm_reserve",
-            });
-        }
-        let addr = Self::carve(&mut s, bytes, g)?;
-        s.ranges.insert(addr, bytes);
-        s.counters.vmm_reserves += 1;
-        Ok(DevicePtr(addr))
+        self.reserve_range(bytes, None)
     }
 
     fn vmm_reserve_at(&self, bytes: u64, hint: DevicePtr) -> Result<DevicePtr, DeviceError> {
-        let mut s = self.state.lock();
-        let g = s.granularity;
-        // The hint is taken when it lies, aligned, inside one hole of the address space.
-        let hole = s.holes.range(..=hint.0).next_back().map(|(&a, &l)| (a, l));
-        match hole {
-            Some((start, len))
-                if bytes > 0
-                    && bytes % g == 0
-                    && hint.0 % g == 0
-                    && hint.0 + bytes <= start + len =>
-            {
-                s.fault(calls::VMM_RESERVE, "vmm_reserve")?;
-                s.holes.remove(&start);
-                if hint.0 > start {
-                    s.holes.insert(start, hint.0 - start);
-                }
-                if hint.0 + bytes < start + len {
-                    s.holes.insert(hint.0 + bytes, start + len - hint.0 - bytes);
-                }
-                s.ranges.insert(hint.0, bytes);
-                s.counters.vmm_reserves += 1;
-                Ok(hint)
-            }
-            _ => {
-                drop(s);
-                self.vmm_reserve(bytes)
-            }
-        }
+        self.reserve_range(bytes, Some(hint.0))
     }
 
     fn vmm_free_range(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
