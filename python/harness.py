@@ -182,7 +182,8 @@ def worker(spec):
                         releases_paused=extra.get("num_releases_paused"),
                         other_kind_fits=extra.get("num_other_kind_fits"),
                         segments_paged=extra.get("num_segments_paged"),
-                        pages_rebacked=extra.get("num_pages_rebacked"))
+                        pages_rebacked=extra.get("num_pages_rebacked"),
+                        pages_shared=extra.get("num_pages_shared"))
         st = ca.memory_stats()
         return dict(reserved=st["reserved_bytes.all.current"],
                     allocated=st["allocated_bytes.all.current"],
@@ -199,7 +200,8 @@ def worker(spec):
                     releases_paused=st.get("num_releases_paused"),
                     other_kind_fits=st.get("num_other_kind_fits"),
                     segments_paged=st.get("num_segments_paged"),
-                    pages_rebacked=st.get("num_pages_rebacked"))
+                    pages_rebacked=st.get("num_pages_rebacked"),
+                    pages_shared=st.get("num_pages_shared"))
 
     before = figures()
     res.update({k: v for k, v in before.items() if k not in ("reserved", "allocated")})

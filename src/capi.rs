@@ -554,7 +554,7 @@ impl<R: Registry> Abi<R> {
                             "size": b.size,
                             "requested_size": b.requested_size,
                             "state": match b.state {
-                                BlockState::Free | BlockState::Parked => "inactive",
+                                BlockState::Free | BlockState::Parked | BlockState::Aliased => "inactive",
                                 BlockState::Allocated => "active_allocated",
                                 BlockState::AwaitingEvents => "active_pending_free",
                             },

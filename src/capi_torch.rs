@@ -128,7 +128,9 @@ pub fn snapshot_words(snap: &Snapshot) -> Vec<u64> {
         ]);
         for b in &s.blocks {
             let state = match b.state {
-                BlockState::Free | BlockState::Parked => block_state::INACTIVE,
+                BlockState::Free | BlockState::Parked | BlockState::Aliased => {
+                    block_state::INACTIVE
+                }
                 BlockState::Allocated => block_state::ALLOCATED,
                 BlockState::AwaitingEvents => block_state::PENDING_FREE,
             };

@@ -21,6 +21,10 @@ pub enum BlockState {
     /// Freed by the caller and kept by that thread's cache for its next
     /// request of the same size (inactive: not allocated, not in the bins).
     Parked,
+    /// Expandable segments: bytes of a granule whose page is shared with
+    /// granules of other ranges, at offsets another granule's live blocks
+    /// use (inactive: not allocated, not in the bins, never handed out).
+    Aliased,
 }
 
 /// One contiguous piece of a segment.

@@ -274,6 +274,12 @@ pub struct Config {
     /// granule-sized pages mapped at the same addresses, and the page goes
     /// back to the device (no tensor moves; the device is synchronized).
     pub expandable_reback: bool,
+    /// Expandable segments: before an allocation fails (after
+    /// `expandable_reback`), granules partly under live blocks whose live
+    /// bytes lie at disjoint offsets share one page, mapped at each of their
+    /// addresses, and the others go back (no tensor moves; the device is
+    /// synchronized).
+    pub expandable_share: bool,
     /// Expandable segments: past the hard limit, idle pages another stream
     /// freed and may still use are taken at once, the requesting stream made
     /// to wait for that stream's work on the device, not the host.
@@ -358,6 +364,7 @@ impl Config {
             expandable_early_reuse: true,
             expandable_shadows: false,
             expandable_reback: false,
+            expandable_share: false,
             expandable_cross_stream: false,
             expandable_borrow: false,
             borrow_holes: false,
@@ -390,6 +397,9 @@ impl Config {
             // block over them (multistream_infer replay: reserved / allocated
             // 1.140 → 1.079, map calls 2,191 → 1,248; docs/POLICY.md).
             expandable_borrow: true,
+            // Before out of memory, granules whose live bytes do not meet
+            // share a page (minimum capacity; docs/POLICY.md).
+            expandable_share: true,
             huge_size: u64::MAX,
             oom_flush: true,
             ..Self::default()
@@ -1139,6 +1149,16 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::Bool(c.expandable_reback)),
         set: |c, v| c.expandable_reback = b(v),
+    },
+    Key {
+        name: "expandable_share",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Experimental,
+        doc: "expandable segments: before an allocation fails (after expandable_reback), granules partly under live blocks whose live bytes lie at disjoint offsets share one page, mapped at each of their addresses, and the other pages go back (the live bytes are copied into the shared page after a device synchronize; not during a CUDA graph capture)",
+        group: None,
+        get: |c| Some(Value::Bool(c.expandable_share)),
+        set: |c, v| c.expandable_share = b(v),
     },
     Key {
         name: "expandable_borrow",

@@ -20,6 +20,10 @@ pub(crate) struct PageMap {
     handles: BTreeMap<u32, (u64, u32)>,
     /// Runs of mapped granules: first granule → one past the last.
     runs: BTreeMap<u32, u32>,
+    /// Granules mapped to a page another range holds and counts (a page
+    /// shared by granules whose live bytes lie at different offsets; see
+    /// `allocator::expandable::share`): mapped, but not this range's memory.
+    aliases: std::collections::BTreeSet<u32>,
 }
 
 impl PageMap {
@@ -54,9 +58,31 @@ impl PageMap {
         self.runs.insert(start, end);
     }
 
+    /// Marks the one-granule mapping at `at` as another range's page (or,
+    /// with `false`, as this range's own again).
+    pub fn set_alias(&mut self, at: u32, alias: bool) {
+        debug_assert_eq!(self.handles.get(&at).map(|m| m.1), Some(1));
+        if alias {
+            self.aliases.insert(at);
+        } else {
+            self.aliases.remove(&at);
+        }
+    }
+
+    /// Whether granule `at` is mapped to a page another range counts.
+    pub fn is_alias(&self, at: u32) -> bool {
+        self.aliases.contains(&at)
+    }
+
+    /// Aliased granules in `first..last`.
+    pub fn aliases_in(&self, first: u32, last: u32) -> u32 {
+        self.aliases.range(first..last.max(first)).count() as u32
+    }
+
     /// Forgets the mapping that starts at granule `at`; returns its handle and length.
     pub fn remove(&mut self, at: u32) -> Option<(u64, u32)> {
         let (handle, len) = self.handles.remove(&at)?;
+        self.aliases.remove(&at);
         let end = at + len;
         let (&s, &e) = self
             .runs
@@ -177,6 +203,13 @@ impl PageMap {
                 Some((_, e)) if *e == at => *e = at + len,
                 _ => expect.push((at, at + len)),
             }
+        }
+        if let Some(&x) = self
+            .aliases
+            .iter()
+            .find(|&&x| self.handles.get(&x).map(|m| m.1) != Some(1))
+        {
+            return Err(format!("aliased granule {x} is not a one-granule mapping"));
         }
         let runs: Vec<(u32, u32)> = self.runs.iter().map(|(&s, &e)| (s, e)).collect();
         if runs != expect {

@@ -434,6 +434,16 @@ impl SimulatedDevice {
             .collect()
     }
 
+    /// The page mappings as (address, page handle, bytes), lowest address
+    /// first: where one page is mapped at several addresses.
+    pub fn page_mappings(&self) -> Vec<(DevicePtr, u64, u64)> {
+        let s = self.state.lock();
+        s.mapped
+            .iter()
+            .map(|(&a, &(p, n))| (DevicePtr(a), p, n))
+            .collect()
+    }
+
     /// The live segments as (address, bytes), lowest address first.
     pub fn segments(&self) -> Vec<(DevicePtr, u64)> {
         let s = self.state.lock();

@@ -281,6 +281,10 @@ pub struct MemoryStats {
     /// before an allocation failed (`expandable_reback`): their live granules
     /// copied to new pages mapped at the same addresses.
     pub num_pages_rebacked: u64,
+    /// Expandable: granules whose page went back because another granule's
+    /// page, holding their live bytes at other offsets, was mapped there
+    /// (`expandable_share`).
+    pub num_pages_shared: u64,
     /// Allocations of at least `max_split_size`.
     pub oversize_allocations: Stat,
     /// Segments of at least `max_split_size`.
@@ -393,6 +397,7 @@ impl MemoryStats {
         out.push(("num_map".into(), v(self.num_map)));
         out.push(("num_unmap".into(), v(self.num_unmap)));
         out.push(("num_pages_rebacked".into(), v(self.num_pages_rebacked)));
+        out.push(("num_pages_shared".into(), v(self.num_pages_shared)));
         out.push((
             "max_split_size".into(),
             if self.max_split_size == u64::MAX {
@@ -571,6 +576,6 @@ mod tests {
             assert!(keys.contains(&k), "missing {k}");
         }
         assert!(e.contains(&("max_split_size".to_string(), -1)));
-        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 22);
+        assert_eq!(e.len(), 9 * 3 * 4 + 2 * 4 + 23);
     }
 }

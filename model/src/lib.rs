@@ -439,7 +439,7 @@ fn check_stats(
                     add(ACTIVE_BYTES, k, b.size);
                     add(REQUESTED_BYTES, k, b.requested_size);
                 }
-                BlockState::Free | BlockState::Parked => {
+                BlockState::Free | BlockState::Parked | BlockState::Aliased => {
                     if split {
                         add(INACTIVE_SPLIT, k, 1);
                         add(INACTIVE_SPLIT_BYTES, k, b.size);
@@ -690,6 +690,41 @@ impl Model {
         Ok(())
     }
 
+    /// No two blocks in use (allocated or awaiting events) reach the same
+    /// byte of a physical page, however pages are mapped (a page may be
+    /// mapped at several addresses: shared pages, old mappings).
+    fn check_physical_overlap(&self, snap: &Snapshot) -> Result<(), String> {
+        let maps = self.dev.page_mappings();
+        if maps.is_empty() {
+            return Ok(());
+        }
+        // (page, offset start, offset end, block address)
+        let mut used: Vec<(u64, u64, u64, u64)> = Vec::new();
+        for b in snap.segments.iter().flat_map(|s| &s.blocks) {
+            if !matches!(b.state, BlockState::Allocated | BlockState::AwaitingEvents) {
+                continue;
+            }
+            let (lo, hi) = (b.address.0, b.address.0 + b.size);
+            let first = maps.partition_point(|m| m.0 .0 + m.2 <= lo);
+            for &(a, page, n) in maps[first..].iter().take_while(|m| m.0 .0 < hi) {
+                let (x, y) = (lo.max(a.0), hi.min(a.0 + n));
+                if x < y {
+                    used.push((page, x - a.0, y - a.0, lo));
+                }
+            }
+        }
+        used.sort_unstable();
+        for w in used.windows(2) {
+            if w[0].0 == w[1].0 && w[1].1 < w[0].2 && w[0].3 != w[1].3 {
+                return Err(format!(
+                    "blocks at {:#x} and {:#x} both use bytes {:#x}.. of page {}",
+                    w[0].3, w[1].3, w[1].1, w[0].0
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Requests for device memory (segments or physical pages) since `before`, failed ones included.
     fn attempts(&self, before: &Before) -> u64 {
         let (a, b) = (self.dev.counters(), &before.counters);
@@ -705,6 +740,10 @@ impl Model {
     /// and no old mapping lies under one.
     fn check_pages(&self, snap: &Snapshot) -> Result<(), String> {
         let stale = self.alloc.stale_mappings();
+        // Granules mapped to a page another range counts (shared pages)
+        // hold no memory of their own either; they lie under blocks in use.
+        let shared = self.alloc.shared_mappings();
+        self.check_physical_overlap(snap)?;
         let stale_in = |lo: u64, hi: u64| -> u64 {
             stale
                 .iter()
@@ -718,7 +757,13 @@ impl Model {
                 continue; // a plain segment among paged ones
             }
             let dev = self.dev.mapped_bytes_in(s.address, s.total_size);
-            let old = stale_in(s.address.0, s.address.0 + s.total_size);
+            let (lo, hi) = (s.address.0, s.address.0 + s.total_size);
+            let old = stale_in(lo, hi)
+                + shared
+                    .iter()
+                    .filter(|(a, n)| a.0 >= lo && a.0 + n <= hi)
+                    .map(|m| m.1)
+                    .sum::<u64>();
             if dev != s.mapped_size + old {
                 return Err(format!(
                     "segment {} says {} bytes mapped and {old} bytes of old mappings, the device maps {dev} in it",
@@ -1221,6 +1266,9 @@ impl Model {
                     }
                     uses.insert(self.streams[stream]);
                     self.saw("malloc took another stream's free block");
+                }
+                if st.num_pages_shared > before.stats.num_pages_shared {
+                    self.saw("malloc shared pages between granules");
                 }
                 if st.num_segments_paged > before.stats.num_segments_paged {
                     self.check_repaged(before, p.0, rounded)?;

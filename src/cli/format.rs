@@ -94,6 +94,7 @@ pub fn record(
         "num_other_kind_fits": s.num_other_kind_fits,
         "num_segments_paged": s.num_segments_paged,
         "num_pages_rebacked": s.num_pages_rebacked,
+        "num_pages_shared": s.num_pages_shared,
         "num_event_waits": s.num_event_waits,
         "num_events_recorded": s.num_events_recorded,
         "num_alloc_retries": s.num_alloc_retries,

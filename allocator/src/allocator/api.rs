@@ -121,6 +121,18 @@ impl<D: Device> CachingAllocator<D> {
             .collect()
     }
 
+    /// The mappings of pages shared by granules of several ranges
+    /// (`expandable_share`) at each member but the one that counts the
+    /// page, as (address, bytes): they hold no memory of their own.
+    pub fn shared_mappings(&self) -> Vec<(DevicePtr, u64)> {
+        let st = self.state.lock();
+        st.vmm
+            .alias_mappings(&st.core)
+            .into_iter()
+            .map(|(a, n)| (DevicePtr(a), n))
+            .collect()
+    }
+
     /// Whether expandable (page-backed) segments are in use.
     pub fn is_expandable(&self) -> bool {
         self.state.lock().core.granularity.is_some()

@@ -27,6 +27,7 @@ use crate::fasthash::FastMap;
 use std::collections::{BTreeMap, VecDeque};
 
 mod reback;
+mod share;
 
 /// Operations (mallocs and frees, all streams) between two marker events
 /// recorded on one stream as blocks are freed there.
@@ -228,6 +229,9 @@ pub(super) struct Expandable<E> {
     mapped_at: FastMap<u64, (SegmentId, u32)>,
     /// Stream slot where [`Expandable::borrow_fit`]'s next look starts.
     borrow_from: usize,
+    /// Pages mapped at several granules (`Config::expandable_share`): page
+    /// → its members (segment, granule), the one that counts it first.
+    shared: FastMap<u64, Vec<(SegmentId, u32)>>,
 }
 
 /// The old mapping of a page mapped again elsewhere: reused early by a block
@@ -261,6 +265,7 @@ impl<E> Expandable<E> {
             stale: BTreeMap::new(),
             mapped_at: FastMap::default(),
             borrow_from: 0,
+            shared: FastMap::default(),
         }
     }
 
@@ -1370,6 +1375,7 @@ impl<E> Expandable<E> {
     ) -> Result<(), AllocError> {
         self.device_full_at = None;
         self.settle(core, dev)?;
+        self.leave_shared(core, dev)?;
         self.take_idle_pages(core, dev, None, u64::MAX, true, None, &[])?;
         while let Some(&(h, kind, size)) = self.page_pool.last() {
             dev.vmm_release_page(h)?;
@@ -1433,7 +1439,8 @@ impl<E> Expandable<E> {
                 .check((s.size / g) as u32, &sizes)
                 .map_err(|e| format!("range at {:#x}: {e}", s.addr))?;
             for (at, h, _) in pages.within(0, (s.size / g) as u32) {
-                if !handles.insert(h) {
+                // (A shared page counts once, at home: `check_shared`.)
+                if !pages.is_alias(at) && !handles.insert(h) {
                     return Err(format!(
                         "page {h} mapped at granule {at} of {:#x} is also mapped or pooled elsewhere",
                         s.addr
@@ -1486,6 +1493,7 @@ impl<E> Expandable<E> {
                 ));
             }
         }
+        self.check_shared(core)?;
         let blocks: usize = self
             .ranges
             .iter()

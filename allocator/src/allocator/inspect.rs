@@ -125,6 +125,20 @@ impl<E> Core<E> {
             .sum()
     }
 
+    /// The bytes of physical pages segment `seg` counts as its reserved
+    /// memory: what it maps, less granules mapped to a page another range
+    /// counts (a shared page is counted once, where it was first mapped).
+    pub(super) fn counted_bytes_in(&self, seg: &Segment) -> u64 {
+        let mapped = self.mapped_bytes_in(seg, seg.addr, seg.addr + seg.size);
+        match seg.pages() {
+            Some(pages) => {
+                let g = self.granule_of(seg);
+                mapped - u64::from(pages.aliases_in(0, (seg.size / g) as u32)) * g
+            }
+            None => mapped,
+        }
+    }
+
     /// The slab segments, full ones included.
     pub(super) fn slab_segments(&self) -> impl Iterator<Item = &Segment> + '_ {
         self.segment_by_addr
@@ -158,7 +172,7 @@ impl<E> Core<E> {
             segments.push(SegmentSnapshot {
                 address: DevicePtr(s.addr),
                 total_size: s.size,
-                mapped_size: self.mapped_bytes_in(s, s.addr, s.addr + s.size),
+                mapped_size: self.counted_bytes_in(s),
                 allocated_size: allocated,
                 requested_size: requested,
                 stream: s.stream,

@@ -61,7 +61,7 @@ impl<E> State<E> {
         t.expect.segment.increase(kind, 1);
         t.expect
             .reserved_bytes
-            .increase(kind, self.core.mapped_bytes_in(s, s.addr, s.addr + s.size));
+            .increase(kind, self.core.counted_bytes_in(s));
         let mut cur = Some(s.head);
         let mut prev: Option<BlockId> = None;
         let mut at = s.addr;
@@ -262,6 +262,17 @@ impl<E> Core<E> {
                 e.active.increase(kind, 1);
                 e.active_bytes.increase(kind, b.size);
                 e.requested_bytes.increase(kind, b.requested);
+            }
+            BlockState::Aliased => {
+                // (That its granule's page is shared is `check_pages`'.)
+                if self.mapped_bytes_in(s, b.addr, b.addr + b.size) != b.size
+                    || self.live.contains(b.addr)
+                {
+                    return Err(format!(
+                        "aliased block at {:#x} is not mapped or is in the live map",
+                        b.addr
+                    ));
+                }
             }
         }
         Ok(())

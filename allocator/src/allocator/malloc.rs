@@ -124,9 +124,16 @@ impl<E> State<E> {
                 self.wait_all_events(dev)?;
             }
             if attempt == 2 {
-                // Last rung: the free part of pages partly under live blocks.
-                if !self.core.config.expandable_reback || self.vmm.reback(&mut self.core, dev)? == 0
-                {
+                // Last rung: the free part of pages partly under live blocks,
+                // then pages shared by granules whose live bytes do not meet.
+                let mut freed = 0;
+                if self.core.config.expandable_reback {
+                    freed += self.vmm.reback(&mut self.core, dev)?;
+                }
+                if self.core.config.expandable_share {
+                    freed += self.vmm.share(&mut self.core, dev)?;
+                }
+                if freed == 0 {
                     break;
                 }
             }

@@ -1,0 +1,498 @@
+//! Sharing one physical page between granules whose live bytes lie at
+//! different offsets (`Config::expandable_share`), the rung after
+//! [`Expandable::reback`] before an expandable allocation fails.
+//!
+//! A granule partly under live blocks keeps a whole page reserved, and no
+//! page size below the device's granularity can give its free part back.
+//! But a page may be mapped at several addresses: where the live bytes of
+//! two granules (of any ranges) lie at disjoint offsets, those of one are
+//! copied into the other's page at the same offsets, that page is mapped at
+//! both addresses and the first page goes back to the device. No tensor
+//! moves. In each granule, the bytes the page holds for another granule
+//! become [`BlockState::Aliased`] blocks, never handed out; the granule
+//! first mapped (the *home*) keeps the offsets no member uses. A member
+//! whose bytes in use are all freed leaves at the next flush (after the
+//! device is synchronized): its mapping is unmapped and its aliased bytes
+//! are free again; the last member keeps the page as its own.
+
+use super::*;
+use crate::block::Block;
+
+/// Byte spans within a granule, as offsets from its start.
+type Spans = Vec<(u64, u64)>;
+
+/// A granule that may share its page: its segment, granule, one-granule
+/// page, and the spans of its blocks in use.
+struct Candidate {
+    seg: SegmentId,
+    at: u32,
+    handle: u64,
+    live: Spans,
+}
+
+impl Candidate {
+    fn bytes(&self) -> u64 {
+        self.live.iter().map(|&(lo, hi)| hi - lo).sum()
+    }
+}
+
+/// Whether two sets of spans have no byte in common.
+fn disjoint(a: &[(u64, u64)], b: &[(u64, u64)]) -> bool {
+    a.iter()
+        .all(|&(lo, hi)| b.iter().all(|&(l, h)| hi <= l || h <= lo))
+}
+
+/// The spans of `0..g` outside `live`.
+fn complement(live: &[(u64, u64)], g: u64) -> Spans {
+    let mut sorted = live.to_vec();
+    sorted.sort_unstable();
+    let mut out = Vec::new();
+    let mut at = 0;
+    for (lo, hi) in sorted {
+        if at < lo {
+            out.push((at, lo));
+        }
+        at = at.max(hi);
+    }
+    if at < g {
+        out.push((at, g));
+    }
+    out
+}
+
+/// Whether a block in this state holds bytes someone uses.
+fn in_use(state: BlockState) -> bool {
+    matches!(
+        state,
+        BlockState::Allocated | BlockState::AwaitingEvents | BlockState::Parked
+    )
+}
+
+impl<E> Expandable<E> {
+    /// Shares pages between granules partly under live blocks whose live
+    /// bytes lie at disjoint offsets (first fit, fullest granules first),
+    /// after synchronizing the device; not while a stream is captured into
+    /// a CUDA graph. Returns the bytes given back.
+    #[cold]
+    pub(in crate::allocator) fn share<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+    ) -> Result<u64, AllocError> {
+        if core.stream_list.iter().any(|&s| dev.stream_capturing(s)) {
+            return Ok(0);
+        }
+        self.settle(core, dev)?;
+        self.leave_shared(core, dev)?;
+        let mut cands = self.share_candidates(core);
+        cands.sort_by_key(|c| std::cmp::Reverse(c.bytes()));
+        // Granules of one pool kind per page: the page's bytes are counted
+        // under the kind of whichever member holds it.
+        let mut groups: Vec<(PoolKind, Spans, Vec<usize>)> = Vec::new();
+        for (i, c) in cands.iter().enumerate() {
+            let kind = core.segments.get(c.seg.0).pool.kind();
+            match groups
+                .iter_mut()
+                .find(|(k, used, _)| *k == kind && disjoint(used, &c.live))
+            {
+                Some((_, used, members)) => {
+                    used.extend_from_slice(&c.live);
+                    members.push(i);
+                }
+                None => groups.push((kind, c.live.clone(), vec![i])),
+            }
+        }
+        let mut freed = 0;
+        for (_, _, members) in groups.iter().filter(|g| g.2.len() > 1) {
+            freed += self.share_page(core, dev, &cands, members)?;
+        }
+        Ok(freed)
+    }
+
+    /// The granules mapped by a one-granule page of their own (not shared),
+    /// partly under blocks in use, with the spans of those blocks.
+    fn share_candidates(&self, core: &Core<E>) -> Vec<Candidate> {
+        let g = core.granularity.expect("expandable mode has a granularity");
+        let mut out = Vec::new();
+        for &seg in self.ranges.iter().flatten() {
+            let s = core.segments.get(seg.0);
+            let Some(pages) = s.pages() else { continue };
+            // Only a block's first and last granules can be partly under it.
+            let mut spans: BTreeMap<u32, Spans> = BTreeMap::new();
+            let mut cur = Some(s.head);
+            while let Some(id) = cur {
+                let b = core.blocks.get(id.0);
+                cur = b.next;
+                if !in_use(b.state) && b.state != BlockState::Aliased {
+                    continue;
+                }
+                let (lo, hi) = (b.addr - s.addr, b.addr + b.size - s.addr);
+                let (first, last) = ((lo / g) as u32, ((hi - 1) / g) as u32);
+                for x in [first, last]
+                    .into_iter()
+                    .take(if first == last { 1 } else { 2 })
+                {
+                    let g0 = u64::from(x) * g;
+                    let span = (lo.max(g0) - g0, hi.min(g0 + g) - g0);
+                    // An aliased block marks its granule as shared already:
+                    // a full span rules it out.
+                    let span = if b.state == BlockState::Aliased {
+                        (0, g)
+                    } else {
+                        span
+                    };
+                    spans.entry(x).or_default().push(span);
+                }
+            }
+            for (x, live) in spans {
+                let bytes: u64 = live.iter().map(|&(lo, hi)| hi - lo).sum();
+                if bytes >= g || pages.is_alias(x) {
+                    continue;
+                }
+                match pages.covering(x) {
+                    Some((at, handle, 1)) if at == x && !self.shared.contains_key(&handle) => out
+                        .push(Candidate {
+                            seg,
+                            at: x,
+                            handle,
+                            live,
+                        }),
+                    _ => {}
+                }
+            }
+        }
+        out
+    }
+
+    /// Maps the page of the group's first granule at the others' addresses
+    /// (their live bytes copied into it first) and gives their pages back;
+    /// a member the device refuses keeps its page. Returns the bytes given back.
+    fn share_page<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        cands: &[Candidate],
+        members: &[usize],
+    ) -> Result<u64, AllocError> {
+        let g = core.granularity.expect("expandable mode has a granularity");
+        let addr =
+            |core: &Core<E>, c: &Candidate| core.segments.get(c.seg.0).addr + u64::from(c.at) * g;
+        let home = &cands[members[0]];
+        let home_at = addr(core, home);
+        let mut joined: Vec<&Candidate> = vec![home];
+        let mut freed = 0;
+        for c in members[1..].iter().map(|&i| &cands[i]) {
+            let at = addr(core, c);
+            // The member's live bytes go to the same offsets of the home
+            // page, free there; then its address is mapped to that page.
+            let copied = c.live.iter().try_for_each(|&(lo, hi)| {
+                dev.copy(DevicePtr(home_at + lo), DevicePtr(at + lo), hi - lo)
+            });
+            match copied
+                .and_then(|()| dev.synchronize())
+                .and_then(|()| dev.vmm_unmap(DevicePtr(at), g))
+            {
+                Ok(()) => {}
+                Err(DeviceError::OutOfMemory) => continue,
+                Err(e) => return Err(e.into()),
+            }
+            if let Err(e) = dev.vmm_map(DevicePtr(at), home.handle, g) {
+                // Its own page, untouched, goes back where it was.
+                dev.vmm_map(DevicePtr(at), c.handle, g)?;
+                match e {
+                    DeviceError::OutOfMemory => continue,
+                    e => return Err(e.into()),
+                }
+            }
+            core.stats.num_unmap += 1;
+            core.stats.num_map += 1;
+            let kind = core.segments.get(c.seg.0).pool.kind();
+            let pages = core
+                .segments
+                .get_mut(c.seg.0)
+                .pages_mut()
+                .expect("expandable");
+            pages.remove(c.at);
+            pages.insert(c.at, 1, home.handle);
+            pages.set_alias(c.at, true);
+            if core.config.expandable_shadows {
+                self.mapped_at.remove(&c.handle);
+            }
+            match dev.vmm_release_page(c.handle) {
+                Ok(()) => {
+                    core.stats.num_page_release += 1;
+                    core.stats.reserved_bytes.decrease(kind, g);
+                    freed += g;
+                }
+                Err(_) => self.page_pool.push((c.handle, kind, g)),
+            }
+            joined.push(c);
+        }
+        if joined.len() < 2 {
+            return Ok(0);
+        }
+        // Each member's bytes the page holds for others are aliased: in the
+        // home, the others' live spans; elsewhere, all but its own.
+        for (k, c) in joined.iter().enumerate() {
+            let spans: Spans = if k == 0 {
+                joined[1..]
+                    .iter()
+                    .flat_map(|o| o.live.iter().copied())
+                    .collect()
+            } else {
+                complement(&c.live, g)
+            };
+            let at = addr(core, c);
+            for (lo, hi) in spans {
+                core.alias_free_bytes(c.seg, at + lo, at + hi);
+            }
+        }
+        core.stats.num_pages_shared += joined.len() as u64 - 1;
+        self.shared
+            .insert(home.handle, joined.iter().map(|c| (c.seg, c.at)).collect());
+        Ok(freed)
+    }
+
+    /// Members of shared pages with no block in use in their granule leave:
+    /// their mapping is unmapped and their aliased bytes freed; a page's
+    /// last member keeps it as its own (its aliased bytes freed), and a
+    /// page no member uses goes back to the device. The device must be
+    /// synchronized (no queued work may read a mapping that goes).
+    pub(in crate::allocator) fn leave_shared<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+    ) -> Result<(), AllocError> {
+        let handles: Vec<u64> = self.shared.keys().copied().collect();
+        for h in handles {
+            let members = self.shared.remove(&h).expect("listed");
+            let (live, dead): (Vec<_>, Vec<_>) = members
+                .iter()
+                .partition(|&&(seg, at)| core.granule_in_use(seg, at));
+            if dead.is_empty() {
+                self.shared.insert(h, members);
+                continue;
+            }
+            let home_kind = core.segments.get(members[0].0 .0).pool.kind();
+            for &(seg, at) in &dead {
+                self.unmap_member(core, dev, seg, at)?;
+            }
+            let g = core.granularity.expect("expandable mode has a granularity");
+            let Some(&(seg, at)) = live.first() else {
+                if core.config.expandable_shadows {
+                    self.mapped_at.remove(&h);
+                }
+                match dev.vmm_release_page(h) {
+                    Ok(()) => {
+                        core.stats.num_page_release += 1;
+                        core.stats.reserved_bytes.decrease(home_kind, g);
+                    }
+                    Err(_) => self.page_pool.push((h, home_kind, g)),
+                }
+                continue;
+            };
+            if dead.contains(&members[0]) {
+                // A new home counts the page (members are of one pool kind).
+                let pages = core
+                    .segments
+                    .get_mut(seg.0)
+                    .pages_mut()
+                    .expect("expandable");
+                pages.set_alias(at, false);
+                if core.config.expandable_shadows {
+                    self.mapped_at.insert(h, (seg, at));
+                }
+            }
+            if live.len() == 1 {
+                core.free_aliased(seg, at);
+            } else {
+                self.shared.insert(h, live);
+            }
+        }
+        Ok(())
+    }
+
+    /// Unmaps a leaving member's granule and frees its aliased bytes.
+    fn unmap_member<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        seg: SegmentId,
+        at: u32,
+    ) -> Result<(), AllocError> {
+        let g = core.granularity.expect("expandable mode has a granularity");
+        let base = core.segments.get(seg.0).addr;
+        dev.vmm_unmap(DevicePtr(base + u64::from(at) * g), g)?;
+        core.stats.num_unmap += 1;
+        core.segments
+            .get_mut(seg.0)
+            .pages_mut()
+            .expect("expandable")
+            .remove(at);
+        core.free_aliased(seg, at);
+        Ok(())
+    }
+
+    /// Checks the shared pages: every member maps its page, the home
+    /// counts it and the others mark it as an alias, every aliased granule
+    /// is a member, and aliased blocks lie in members only.
+    pub(in crate::allocator) fn check_shared(&self, core: &Core<E>) -> Result<(), String> {
+        let g = match core.granularity {
+            Some(g) => g,
+            None => return Ok(()),
+        };
+        let mut members = std::collections::HashSet::new();
+        for (&h, list) in &self.shared {
+            if list.len() < 2 {
+                return Err(format!("shared page {h} has {} members", list.len()));
+            }
+            for (k, &(seg, at)) in list.iter().enumerate() {
+                let pages = core
+                    .segments
+                    .get(seg.0)
+                    .pages()
+                    .ok_or("shared outside a range")?;
+                if pages.covering(at) != Some((at, h, 1)) || pages.is_alias(at) != (k > 0) {
+                    return Err(format!("shared page {h}: member {k} at granule {at} maps another page or is marked wrongly"));
+                }
+                members.insert((seg.0, at));
+            }
+        }
+        for &seg in self.ranges.iter().flatten() {
+            let s = core.segments.get(seg.0);
+            let Some(pages) = s.pages() else { continue };
+            let n = (s.size / g) as u32;
+            for x in (0..n).filter(|&x| pages.is_alias(x)) {
+                if !members.contains(&(seg.0, x)) {
+                    return Err(format!(
+                        "aliased granule {x} of {:#x} is no shared page's member",
+                        s.addr
+                    ));
+                }
+            }
+            let mut cur = Some(s.head);
+            while let Some(id) = cur {
+                let b = core.blocks.get(id.0);
+                if b.state == BlockState::Aliased {
+                    let (first, last) = ((b.addr - s.addr) / g, (b.addr + b.size - 1 - s.addr) / g);
+                    if first != last || !members.contains(&(seg.0, first as u32)) {
+                        return Err(format!(
+                            "aliased block at {:#x} outside a shared granule",
+                            b.addr
+                        ));
+                    }
+                }
+                cur = b.next;
+            }
+        }
+        Ok(())
+    }
+
+    /// The mappings of shared pages at their members other than the home,
+    /// as (address, bytes): mapped, but counted where the page is at home.
+    pub(in crate::allocator) fn alias_mappings(&self, core: &Core<E>) -> Vec<(u64, u64)> {
+        let Some(g) = core.granularity else {
+            return Vec::new();
+        };
+        self.shared
+            .values()
+            .flat_map(|list| list[1..].iter())
+            .map(|&(seg, at)| (core.segments.get(seg.0).addr + u64::from(at) * g, g))
+            .collect()
+    }
+}
+
+impl<E> Core<E> {
+    /// Whether a block in use lies (partly) in granule `at` of `seg`.
+    fn granule_in_use(&self, seg: SegmentId, at: u32) -> bool {
+        let g = self.granularity.expect("expandable mode has a granularity");
+        let s = self.segments.get(seg.0);
+        let (lo, hi) = (s.addr + u64::from(at) * g, s.addr + u64::from(at + 1) * g);
+        self.blocks_between(seg, lo, hi)
+            .iter()
+            .any(|&id| in_use(self.blocks.get(id.0).state))
+    }
+
+    /// The blocks of `seg` that overlap `lo..hi`, in address order.
+    fn blocks_between(&self, seg: SegmentId, lo: u64, hi: u64) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        let mut cur = Some(self.segments.get(seg.0).head);
+        while let Some(id) = cur {
+            let b = self.blocks.get(id.0);
+            if b.addr >= hi {
+                break;
+            }
+            if b.addr + b.size > lo {
+                out.push(id);
+            }
+            cur = b.next;
+        }
+        out
+    }
+
+    /// Makes bytes `lo..hi` of `seg`, which lie in one free block, an
+    /// aliased block; the free block's parts before and after stay free.
+    fn alias_free_bytes(&mut self, seg: SegmentId, lo: u64, hi: u64) {
+        let id = *self
+            .blocks_between(seg, lo, lo + 1)
+            .first()
+            .expect("a segment tiles its range");
+        let b = self.blocks.get(id.0);
+        let (addr, size, pool, since) = (b.addr, b.size, b.pool, b.freed_at);
+        debug_assert!(b.state == BlockState::Free && hi <= addr + size);
+        self.bins_mut(pool).remove(size, addr, id);
+        self.idle_index.remove(&(since, id.0));
+        let mid = if addr < lo { self.cut(id, lo) } else { id };
+        let after = (hi < addr + size).then(|| self.cut(mid, hi));
+        self.blocks.get_mut(mid.0).state = BlockState::Aliased;
+        if mid != id {
+            self.merge_into_bins(id);
+        }
+        if let Some(after) = after {
+            self.merge_into_bins(after);
+        }
+    }
+
+    /// Cuts block `id` (out of the bins) at `at`; returns the back part,
+    /// a block of the same state and age.
+    fn cut(&mut self, id: BlockId, at: u64) -> BlockId {
+        let b = self.blocks.get(id.0);
+        let (addr, size, seg, pool, since, next, state) = (
+            b.addr, b.size, b.segment, b.pool, b.freed_at, b.next, b.state,
+        );
+        debug_assert!(addr < at && at < addr + size);
+        let back = BlockId(self.blocks.insert(Block {
+            prev: Some(id),
+            next,
+            state,
+            ..Block::free(at, addr + size - at, seg, pool, since)
+        }));
+        if let Some(n) = next {
+            self.blocks.get_mut(n.0).prev = Some(back);
+        }
+        let b = self.blocks.get_mut(id.0);
+        b.next = Some(back);
+        b.size = at - addr;
+        back
+    }
+
+    /// Frees the aliased blocks of granule `at` of `seg` (merged with free neighbours, filed).
+    fn free_aliased(&mut self, seg: SegmentId, at: u32) {
+        let g = self.granularity.expect("expandable mode has a granularity");
+        let s = self.segments.get(seg.0);
+        let (lo, hi) = (s.addr + u64::from(at) * g, s.addr + u64::from(at + 1) * g);
+        let aliased: Vec<BlockId> = self
+            .blocks_between(seg, lo, hi)
+            .into_iter()
+            .filter(|id| self.blocks.get(id.0).state == BlockState::Aliased)
+            .collect();
+        // (Freeing one merges only free neighbours: the others stay.)
+        for id in aliased {
+            let clock = self.clock;
+            let b = self.blocks.get_mut(id.0);
+            b.state = BlockState::Free;
+            b.freed_at = clock;
+            self.merge_into_bins(id);
+        }
+    }
+}

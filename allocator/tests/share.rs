@@ -1,0 +1,220 @@
+//! Pages shared by granules whose live bytes lie at disjoint offsets
+//! (`expandable_share`), the last rung before an expandable allocation
+//! fails: the live bytes of one granule are copied into the other's page,
+//! that page is mapped at both addresses and the first goes back. Each test
+//! checks the simulated device's mappings and copies, that no two live
+//! blocks reach the same byte of a page, and the allocator's invariants.
+
+use cachealloc_core::simulated::calls;
+use cachealloc_core::{
+    AllocError, BlockState, CachingAllocator, Config, DevicePtr, SimulatedDevice, StreamId,
+};
+
+const MIB: u64 = 1 << 20;
+const S0: StreamId = StreamId(0);
+
+/// `expandable` with 2 MiB pages (the device's granularity) everywhere.
+fn config(share: bool) -> Config {
+    Config::parse(&format!(
+        "expandable,expandable_page_mb:2,expandable_page_divisor:0,expandable_share:{share}"
+    ))
+    .unwrap()
+}
+
+/// Four 2.5 MiB blocks A B C D tile 10 MiB of one range; B and D are freed.
+/// Then granule 1 holds A's last 0.5 MiB (offsets 0..0.5 MiB), granule 2
+/// holds C's first 1 MiB (offsets 1..2 MiB): disjoint, one page can serve
+/// both. Granule 3 holds C's tail at 0..1.5 MiB, which meets both. Returns
+/// A and C.
+fn two_partial_granules(a: &CachingAllocator<SimulatedDevice>) -> (DevicePtr, DevicePtr) {
+    let blocks: Vec<DevicePtr> = (0..4).map(|_| a.malloc(5 * MIB / 2, S0).unwrap()).collect();
+    for w in blocks.windows(2) {
+        assert_eq!(w[1].0, w[0].0 + 5 * MIB / 2, "the blocks tile the range");
+    }
+    assert_eq!(blocks[0].0 % (2 * MIB), 0);
+    a.free(blocks[1]).unwrap();
+    a.free(blocks[3]).unwrap();
+    a.check_invariants().unwrap();
+    (blocks[0], blocks[2])
+}
+
+/// Pairs of (page, block address) for every byte range of a page that a
+/// block in use reaches; panics if two blocks reach the same byte.
+fn assert_no_physical_overlap(a: &CachingAllocator<SimulatedDevice>, dev: &SimulatedDevice) {
+    let maps = dev.page_mappings();
+    let mut used: Vec<(u64, u64, u64, u64)> = Vec::new();
+    for s in a.snapshot().segments {
+        for b in s.blocks.iter().filter(|b| b.state == BlockState::Allocated) {
+            let (lo, hi) = (b.address.0, b.address.0 + b.size);
+            for &(m, page, n) in &maps {
+                let (x, y) = (lo.max(m.0), hi.min(m.0 + n));
+                if x < y {
+                    used.push((page, x - m.0, y - m.0, lo));
+                }
+            }
+        }
+    }
+    used.sort_unstable();
+    for w in used.windows(2) {
+        assert!(
+            w[0].0 != w[1].0 || w[1].1 >= w[0].2,
+            "blocks at {:#x} and {:#x} share bytes of page {}",
+            w[0].3,
+            w[1].3,
+            w[0].0
+        );
+    }
+}
+
+/// Frees `live`, empties the cache and checks that nothing is left on the device.
+fn freed_and_emptied(
+    dev: &SimulatedDevice,
+    a: &CachingAllocator<SimulatedDevice>,
+    live: &[DevicePtr],
+) {
+    a.check_invariants().unwrap();
+    for &p in live {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!((dev.used(), dev.outstanding()), (0, 0));
+}
+
+#[test]
+fn two_granules_whose_live_bytes_do_not_meet_share_a_page_before_out_of_memory() {
+    // 10 MiB device: after B and D go, 4 MiB of the range is free but the
+    // pages under A's and C's edges hold 2.5 MiB of it. A 4 MiB request at
+    // the range's end needs one new page, and the device is full.
+    for share in [false, true] {
+        let dev = SimulatedDevice::new(10 * MIB);
+        let a = CachingAllocator::new(dev.clone(), config(share));
+        let (x, c) = two_partial_granules(&a);
+        let before = dev.counters();
+        let got = a.malloc(4 * MIB, S0);
+        if !share {
+            assert!(matches!(got, Err(AllocError::OutOfMemory(_))), "{got:?}");
+            assert_eq!(a.stats().num_pages_shared, 0);
+            freed_and_emptied(&dev, &a, &[x, c]);
+            continue;
+        }
+        let e = got.unwrap();
+        assert_eq!(a.stats().num_pages_shared, 1);
+        // A's 0.5 MiB in granule 1 was copied into granule 2's page (or
+        // C's 1 MiB into granule 1's), and one page maps both granules.
+        let after = dev.counters();
+        assert_eq!(after.copies - before.copies, 1);
+        let g1 = DevicePtr(x.0 + 2 * MIB);
+        let g2 = DevicePtr(x.0 + 4 * MIB);
+        let maps = dev.page_mappings();
+        let page_at = |p: DevicePtr| maps.iter().find(|m| m.0 == p).map(|m| m.1);
+        assert!(
+            page_at(g1).is_some() && page_at(g1) == page_at(g2),
+            "{maps:?}"
+        );
+        assert_eq!(a.usage().reserved, dev.used());
+        assert!(dev.used() <= 10 * MIB);
+        assert_eq!(a.shared_mappings().len(), 1);
+        assert_no_physical_overlap(&a, &dev);
+        a.check_invariants().unwrap();
+        freed_and_emptied(&dev, &a, &[x, c, e]);
+    }
+}
+
+#[test]
+fn a_run_that_fits_shares_nothing() {
+    let dev = SimulatedDevice::new(1 << 30);
+    let a = CachingAllocator::new(dev.clone(), config(true));
+    let (x, c) = two_partial_granules(&a);
+    let e = a.malloc(4 * MIB, S0).unwrap();
+    assert_eq!(a.stats().num_pages_shared, 0);
+    assert_eq!(dev.counters().copies, 0);
+    assert!(a.shared_mappings().is_empty());
+    freed_and_emptied(&dev, &a, &[x, c, e]);
+}
+
+#[test]
+fn a_member_whose_blocks_are_freed_leaves_and_the_other_keeps_the_page() {
+    let dev = SimulatedDevice::new(10 * MIB);
+    let a = CachingAllocator::new(dev.clone(), config(true));
+    let (x, c) = two_partial_granules(&a);
+    let e = a.malloc(4 * MIB, S0).unwrap();
+    assert_eq!(a.shared_mappings().len(), 1);
+    // The aliased bytes are no free memory: the snapshot shows them, and
+    // neither granule's other-offset bytes can be handed out.
+    let aliased: u64 = a
+        .snapshot()
+        .segments
+        .iter()
+        .flat_map(|s| s.blocks.iter())
+        .filter(|b| b.state == BlockState::Aliased)
+        .map(|b| b.size)
+        .sum();
+    assert!(aliased > 0);
+    // A goes: granule 1 leaves at the next flush, granule 2 keeps the page
+    // for C alone, and its aliased bytes are free again.
+    a.free(x).unwrap();
+    a.empty_cache().unwrap();
+    a.check_invariants().unwrap();
+    assert!(a.shared_mappings().is_empty());
+    assert!(a
+        .snapshot()
+        .segments
+        .iter()
+        .flat_map(|s| s.blocks.iter())
+        .all(|b| b.state != BlockState::Aliased));
+    assert_eq!(a.usage().reserved, dev.used());
+    assert_no_physical_overlap(&a, &dev);
+    // C's granule is whole again: a block can be carved beside C there.
+    let small = a.malloc(MIB + MIB / 2, S0).unwrap();
+    assert_no_physical_overlap(&a, &dev);
+    freed_and_emptied(&dev, &a, &[c, e, small]);
+}
+
+#[test]
+fn a_page_no_member_uses_goes_back_at_empty_cache() {
+    let dev = SimulatedDevice::new(10 * MIB);
+    let a = CachingAllocator::new(dev.clone(), config(true));
+    let (x, c) = two_partial_granules(&a);
+    let e = a.malloc(4 * MIB, S0).unwrap();
+    assert_eq!(a.stats().num_pages_shared, 1);
+    freed_and_emptied(&dev, &a, &[x, c, e]);
+    assert_eq!(dev.mappings(), vec![]);
+}
+
+#[test]
+fn a_failed_copy_leaves_both_pages_where_they_were() {
+    let dev = SimulatedDevice::new(10 * MIB);
+    let a = CachingAllocator::new(dev.clone(), config(true));
+    let (x, c) = two_partial_granules(&a);
+    let maps = dev.page_mappings();
+    dev.fail_calls(calls::COPY, 1);
+    let err = a.malloc(4 * MIB, S0).unwrap_err();
+    assert!(!matches!(err, AllocError::OutOfMemory(_)), "{err:?}");
+    assert_eq!(a.stats().num_pages_shared, 0);
+    assert_eq!(dev.page_mappings(), maps, "nothing moved");
+    assert_eq!(a.usage().reserved, dev.used());
+    a.check_invariants().unwrap();
+    // The next try goes through.
+    let e = a.malloc(4 * MIB, S0).unwrap();
+    assert_eq!(a.stats().num_pages_shared, 1);
+    assert_no_physical_overlap(&a, &dev);
+    freed_and_emptied(&dev, &a, &[x, c, e]);
+}
+
+#[test]
+fn a_refused_map_puts_the_members_own_page_back() {
+    let dev = SimulatedDevice::new(10 * MIB);
+    let a = CachingAllocator::new(dev.clone(), config(true));
+    let (x, c) = two_partial_granules(&a);
+    let maps = dev.page_mappings();
+    // The unmap goes through; the map of the shared page is refused, the
+    // member's own page is mapped back.
+    dev.fail_calls_after(calls::VMM_MAP, 0, 1);
+    let err = a.malloc(4 * MIB, S0).unwrap_err();
+    assert!(!matches!(err, AllocError::OutOfMemory(_)), "{err:?}");
+    assert_eq!(dev.page_mappings(), maps, "the member's page is back");
+    assert_eq!(a.stats().num_pages_shared, 0);
+    a.check_invariants().unwrap();
+    freed_and_emptied(&dev, &a, &[x, c]);
+}
