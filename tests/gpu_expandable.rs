@@ -10,6 +10,10 @@
 //! - a big page partly under a live block gives its free part back before an
 //!   allocation fails (`expandable_reback`): the live granule is copied to a
 //!   new page mapped at the same address, and the block keeps its contents;
+//! - granules whose live bytes lie at disjoint offsets share one page before
+//!   an allocation fails (`expandable_share`): one page mapped at two
+//!   addresses, every block keeps its contents, a block written in the
+//!   freed room corrupts neither, and a member whose block goes leaves;
 //! - CUDA IPC (`cuIpcGetMemHandle`) works on plain segments and is refused on
 //!   expandable ones (the documented caveat).
 //!
@@ -291,6 +295,77 @@ fn a_pinned_big_page_gives_its_free_part_back_and_the_block_keeps_its_data() {
         assert_eq!(bad, 0, "the pinned block kept its data at its address");
         assert!(alloc.stats().reserved_bytes.all().peak <= 64 * MIB);
         for p in [pin, big, q] {
+            alloc.free(p).unwrap();
+        }
+        alloc.empty_cache().unwrap();
+        assert_eq!(alloc.usage().reserved, 0);
+        alloc.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn granules_whose_live_bytes_do_not_meet_share_a_page_and_keep_their_data() {
+    let _serial = serial();
+    let Some(dev) = gpu_device() else { return };
+    dev.bind_thread().unwrap();
+    let s = Stream::new(&dev).unwrap();
+    let half = MIB / 2;
+    for share in [false, true] {
+        let config = Config::parse(&format!(
+            "expandable,expandable_page_divisor:0,expandable_share:{share}"
+        ))
+        .unwrap();
+        let alloc = CachingAllocator::new(CudaDevice::new(0).unwrap(), capped(config, 10 * MIB));
+        // Four 2.5 MiB blocks tile 10 MiB; B and D go. Granule 1 keeps A's
+        // last 0.5 MiB (offsets 0..0.5 MiB), granule 2 C's first 1 MiB
+        // (1..2 MiB): one page can hold both.
+        let blocks: Vec<DevicePtr> = (0..4)
+            .map(|_| alloc.malloc(5 * half, s.id()).unwrap())
+            .collect();
+        let (x, c) = (blocks[0], blocks[2]);
+        fill(x, 5 * half, s.id(), 0x5EED_000A);
+        fill(c, 5 * half, s.id(), 0x5EED_000C);
+        alloc.free(blocks[1]).unwrap();
+        alloc.free(blocks[3]).unwrap();
+        // 4 MiB at the range's end needs one more page; the cap is reached.
+        let e = alloc.malloc(4 * MIB, s.id());
+        if !share {
+            assert!(matches!(e, Err(AllocError::OutOfMemory(_))), "{e:?}");
+            for p in [x, c] {
+                alloc.free(p).unwrap();
+            }
+            alloc.empty_cache().unwrap();
+            continue;
+        }
+        let e = e.expect("served once two granules share a page");
+        fill(e, 4 * MIB, s.id(), 0x5EED_000E);
+        let st = alloc.stats();
+        println!(
+            "shared: {} page(s) went back, {} mapped at two addresses, reserved {} MiB of a 10 MiB cap",
+            st.num_pages_shared,
+            alloc.shared_mappings().len(),
+            alloc.usage().reserved / MIB
+        );
+        assert_eq!(st.num_pages_shared, 1);
+        assert_eq!(alloc.shared_mappings().len(), 1);
+        let bad = mismatches(x, 5 * half, s.id(), 0x5EED_000A)
+            + mismatches(c, 5 * half, s.id(), 0x5EED_000C)
+            + mismatches(e, 4 * MIB, s.id(), 0x5EED_000E);
+        assert_eq!(bad, 0, "every block kept its data through the shared page");
+        alloc.check_invariants().unwrap();
+        // A goes: its granule leaves the page at empty_cache; C keeps it, and
+        // a block carved beside C is written without touching C.
+        alloc.free(x).unwrap();
+        alloc.empty_cache().unwrap();
+        assert!(alloc.shared_mappings().is_empty());
+        let beside = alloc.malloc(MIB + half, s.id()).unwrap();
+        fill(beside, MIB + half, s.id(), 0x5EED_000B);
+        let bad = mismatches(c, 5 * half, s.id(), 0x5EED_000C)
+            + mismatches(e, 4 * MIB, s.id(), 0x5EED_000E)
+            + mismatches(beside, MIB + half, s.id(), 0x5EED_000B);
+        assert_eq!(bad, 0, "the page's last member kept its data");
+        assert!(alloc.stats().reserved_bytes.all().peak <= 10 * MIB);
+        for p in [c, e, beside] {
             alloc.free(p).unwrap();
         }
         alloc.empty_cache().unwrap();

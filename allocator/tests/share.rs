@@ -218,3 +218,19 @@ fn a_refused_map_puts_the_members_own_page_back() {
     a.check_invariants().unwrap();
     freed_and_emptied(&dev, &a, &[x, c]);
 }
+
+#[test]
+fn under_a_cap_pages_are_shared_as_on_a_full_device() {
+    let dev = SimulatedDevice::new(1 << 40);
+    let config = Config {
+        memory_cap: Some(cachealloc_core::MemoryCap::Bytes(10 * MIB)),
+        ..config(true)
+    };
+    let a = CachingAllocator::new(dev.clone(), config);
+    let (x, c) = two_partial_granules(&a);
+    let e = a.malloc(4 * MIB, S0).unwrap();
+    assert_eq!(a.stats().num_pages_shared, 1);
+    assert!(a.stats().reserved_bytes.all().peak <= 10 * MIB);
+    assert_no_physical_overlap(&a, &dev);
+    freed_and_emptied(&dev, &a, &[x, c, e]);
+}
