@@ -37,11 +37,22 @@ fn cap() -> impl Strategy<Value = Option<MemoryCap>> {
     ]
 }
 
+/// Requests of a few hundred KiB to a few MiB, many of them partly filling
+/// 2 MiB granules: where expandable segments share pages before out of memory.
+fn granule_size() -> impl Strategy<Value = u64> {
+    (18u32..22, any::<u64>()).prop_map(|(e, m)| log_size(e, m))
+}
+
 /// Ops; `faults` weighs the injected device failures (2 by default).
-fn op(faults: u32) -> impl Strategy<Value = Op> {
+fn op(faults: u32) -> BoxedStrategy<Op> {
+    op_sized(faults, size().boxed())
+}
+
+/// [`op`] with requests drawn from `size`.
+fn op_sized(faults: u32, size: BoxedStrategy<u64>) -> BoxedStrategy<Op> {
     let slot = any::<usize>();
     prop_oneof![
-        30 => (size(), 0usize..3).prop_map(|(size, stream)| Op::Malloc { size, stream }),
+        30 => (size, 0usize..3).prop_map(|(size, stream)| Op::Malloc { size, stream }),
         22 => slot.prop_map(|slot| Op::Free { slot }),
         8 => (any::<usize>(), 0usize..3).prop_map(|(slot, stream)| Op::RecordStream { slot, stream }),
         6 => any::<usize>().prop_map(|index| Op::CompleteEvent { index }),
@@ -61,6 +72,7 @@ fn op(faults: u32) -> impl Strategy<Value = Op> {
         2 => (any::<usize>(), any::<u64>()).prop_map(|(slot, offset)| Op::InteriorFree { slot, offset }),
         1 => Just(Op::ResetPeak),
     ]
+    .boxed()
 }
 
 fn cases(default: u32) -> u32 {
@@ -83,6 +95,16 @@ fn run_config_with(
     n_cases: u32,
     faults: u32,
 ) -> BTreeMap<&'static str, u64> {
+    run_config_ops(name, config, n_cases, op(faults))
+}
+
+/// [`run_config`] with sequences of `ops`.
+fn run_config_ops(
+    name: &str,
+    config: Config,
+    n_cases: u32,
+    ops: BoxedStrategy<Op>,
+) -> BTreeMap<&'static str, u64> {
     let mut runner = TestRunner::new(PropConfig {
         cases: cases(n_cases),
         max_shrink_iters: 4096,
@@ -92,7 +114,7 @@ fn run_config_with(
     let strategy = (
         proptest::sample::select(CAPACITIES.to_vec()),
         2usize..=3,
-        proptest::collection::vec(op(faults), 1..200),
+        proptest::collection::vec(ops, 1..200),
     );
     let ooms = std::cell::Cell::new(0);
     let mallocs = std::cell::Cell::new(0);
@@ -246,6 +268,26 @@ fn model_pytorch_slabs_16() {
 #[test]
 fn model_expandable() {
     run_config("expandable", config("expandable"), 256);
+}
+
+/// Requests that partly fill granules, so that pages are shared before out
+/// of memory again and again: no two live blocks reach the same byte of a
+/// page, members leave at `empty_cache`, nothing leaks.
+#[test]
+fn model_expandable_shared_pages() {
+    let seen = run_config_ops(
+        "expandable (shared pages)",
+        config("expandable"),
+        1024,
+        op_sized(2, granule_size().boxed()),
+    );
+    assert!(
+        seen.get("malloc shared pages between granules")
+            .copied()
+            .unwrap_or(0)
+            >= 10,
+        "{seen:?}"
+    );
 }
 
 /// Without shadows: a page moved away is unmapped where it was at once.

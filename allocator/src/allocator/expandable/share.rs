@@ -36,10 +36,33 @@ impl Candidate {
     }
 }
 
-/// Whether two sets of spans have no byte in common.
-fn disjoint(a: &[(u64, u64)], b: &[(u64, u64)]) -> bool {
-    a.iter()
-        .all(|&(lo, hi)| b.iter().all(|&(l, h)| hi <= l || h <= lo))
+/// A page to share planned: its pool kind, its home (segment, granule,
+/// page), the home's offsets still free for joiners, and the joiners
+/// (indices of candidates).
+struct Plan {
+    kind: PoolKind,
+    home: (SegmentId, u32, u64),
+    free: Spans,
+    joiners: Vec<usize>,
+}
+
+/// Whether every span of `live` lies inside one span of `free`.
+fn within(live: &[(u64, u64)], free: &[(u64, u64)]) -> bool {
+    live.iter()
+        .all(|&(lo, hi)| free.iter().any(|&(a, b)| a <= lo && hi <= b))
+}
+
+/// The spans of `free` less the bytes of `taken`.
+fn subtract(free: &[(u64, u64)], taken: &[(u64, u64)]) -> Spans {
+    let mut out: Spans = free.to_vec();
+    for &(lo, hi) in taken {
+        out = out
+            .into_iter()
+            .flat_map(|(a, b)| [(a, lo.min(b)), (hi.max(a), b)])
+            .filter(|&(a, b)| a < b)
+            .collect();
+    }
+    out
 }
 
 /// The spans of `0..g` outside `live`.
@@ -86,25 +109,46 @@ impl<E> Expandable<E> {
         self.leave_shared(core, dev)?;
         let mut cands = self.share_candidates(core);
         cands.sort_by_key(|c| std::cmp::Reverse(c.bytes()));
-        // Granules of one pool kind per page: the page's bytes are counted
-        // under the kind of whichever member holds it.
-        let mut groups: Vec<(PoolKind, Spans, Vec<usize>)> = Vec::new();
+        // First fit, fullest granules first, into the pages already shared
+        // and then into new ones: a granule joins a page whose home has its
+        // live spans free. Granules of one pool kind per page: the page's
+        // bytes are counted under the kind of whichever member holds it.
+        let mut plans: Vec<Plan> = self
+            .shared
+            .iter()
+            .map(|(&handle, members)| {
+                let (seg, at) = members[0];
+                Plan {
+                    kind: core.segments.get(seg.0).pool.kind(),
+                    home: (seg, at, handle),
+                    free: core.free_spans(seg, at),
+                    joiners: Vec::new(),
+                }
+            })
+            .collect();
+        plans.sort_by_key(|p| (p.home.0 .0, p.home.1));
         for (i, c) in cands.iter().enumerate() {
             let kind = core.segments.get(c.seg.0).pool.kind();
-            match groups
+            match plans
                 .iter_mut()
-                .find(|(k, used, _)| *k == kind && disjoint(used, &c.live))
+                .find(|p| p.kind == kind && within(&c.live, &p.free))
             {
-                Some((_, used, members)) => {
-                    used.extend_from_slice(&c.live);
-                    members.push(i);
+                Some(p) => {
+                    p.free = subtract(&p.free, &c.live);
+                    p.joiners.push(i);
                 }
-                None => groups.push((kind, c.live.clone(), vec![i])),
+                None => plans.push(Plan {
+                    kind,
+                    home: (c.seg, c.at, c.handle),
+                    free: complement(&c.live, core.granularity.expect("expandable")),
+                    joiners: Vec::new(),
+                }),
             }
         }
         let mut freed = 0;
-        for (_, _, members) in groups.iter().filter(|g| g.2.len() > 1) {
-            freed += self.share_page(core, dev, &cands, members)?;
+        for p in plans.iter().filter(|p| !p.joiners.is_empty()) {
+            let joiners: Vec<&Candidate> = p.joiners.iter().map(|&i| &cands[i]).collect();
+            freed += self.share_page(core, dev, p.home, &joiners)?;
         }
         Ok(freed)
     }
@@ -164,26 +208,27 @@ impl<E> Expandable<E> {
         out
     }
 
-    /// Maps the page of the group's first granule at the others' addresses
-    /// (their live bytes copied into it first) and gives their pages back;
-    /// a member the device refuses keeps its page. Returns the bytes given back.
+    /// Maps the page of granule `home` (segment, granule, page) at the
+    /// joiners' addresses (their live bytes copied into it first) and gives
+    /// their pages back; a joiner the device refuses keeps its page.
+    /// Returns the bytes given back.
     fn share_page<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
-        cands: &[Candidate],
-        members: &[usize],
+        home: (SegmentId, u32, u64),
+        joiners: &[&Candidate],
     ) -> Result<u64, AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
-        let addr =
-            |core: &Core<E>, c: &Candidate| core.segments.get(c.seg.0).addr + u64::from(c.at) * g;
-        let home = &cands[members[0]];
-        let home_at = addr(core, home);
-        let mut joined: Vec<&Candidate> = vec![home];
+        let addr = |core: &Core<E>, seg: SegmentId, at: u32| {
+            core.segments.get(seg.0).addr + u64::from(at) * g
+        };
+        let (home_seg, home_granule, page) = home;
+        let home_at = addr(core, home_seg, home_granule);
         let mut freed = 0;
-        for c in members[1..].iter().map(|&i| &cands[i]) {
-            let at = addr(core, c);
-            // The member's live bytes go to the same offsets of the home
+        for &c in joiners {
+            let at = addr(core, c.seg, c.at);
+            // The joiner's live bytes go to the same offsets of the home
             // page, free there; then its address is mapped to that page.
             let copied = c.live.iter().try_for_each(|&(lo, hi)| {
                 dev.copy(DevicePtr(home_at + lo), DevicePtr(at + lo), hi - lo)
@@ -196,7 +241,7 @@ impl<E> Expandable<E> {
                 Err(DeviceError::OutOfMemory) => continue,
                 Err(e) => return Err(e.into()),
             }
-            if let Err(e) = dev.vmm_map(DevicePtr(at), home.handle, g) {
+            if let Err(e) = dev.vmm_map(DevicePtr(at), page, g) {
                 // Its own page, untouched, goes back where it was.
                 dev.vmm_map(DevicePtr(at), c.handle, g)?;
                 match e {
@@ -213,7 +258,7 @@ impl<E> Expandable<E> {
                 .pages_mut()
                 .expect("expandable");
             pages.remove(c.at);
-            pages.insert(c.at, 1, home.handle);
+            pages.insert(c.at, 1, page);
             pages.set_alias(c.at, true);
             if core.config.expandable_shadows {
                 self.mapped_at.remove(&c.handle);
@@ -226,30 +271,20 @@ impl<E> Expandable<E> {
                 }
                 Err(_) => self.page_pool.push((c.handle, kind, g)),
             }
-            joined.push(c);
-        }
-        if joined.len() < 2 {
-            return Ok(0);
-        }
-        // Each member's bytes the page holds for others are aliased: in the
-        // home, the others' live spans; elsewhere, all but its own.
-        for (k, c) in joined.iter().enumerate() {
-            let spans: Spans = if k == 0 {
-                joined[1..]
-                    .iter()
-                    .flat_map(|o| o.live.iter().copied())
-                    .collect()
-            } else {
-                complement(&c.live, g)
-            };
-            let at = addr(core, c);
-            for (lo, hi) in spans {
+            // The bytes the page holds for others are aliased: in the home,
+            // the joiner's live spans; in the joiner, all but its own.
+            for &(lo, hi) in &c.live {
+                core.alias_free_bytes(home_seg, home_at + lo, home_at + hi);
+            }
+            for (lo, hi) in complement(&c.live, g) {
                 core.alias_free_bytes(c.seg, at + lo, at + hi);
             }
+            core.stats.num_pages_shared += 1;
+            self.shared
+                .entry(page)
+                .or_insert_with(|| vec![(home_seg, home_granule)])
+                .push((c.seg, c.at));
         }
-        core.stats.num_pages_shared += joined.len() as u64 - 1;
-        self.shared
-            .insert(home.handle, joined.iter().map(|c| (c.seg, c.at)).collect());
         Ok(freed)
     }
 
@@ -263,50 +298,52 @@ impl<E> Expandable<E> {
         core: &mut Core<E>,
         dev: &D,
     ) -> Result<(), AllocError> {
+        let g = core.granularity.expect("expandable mode has a granularity");
         let handles: Vec<u64> = self.shared.keys().copied().collect();
         for h in handles {
-            let members = self.shared.remove(&h).expect("listed");
-            let (live, dead): (Vec<_>, Vec<_>) = members
-                .iter()
-                .partition(|&&(seg, at)| core.granule_in_use(seg, at));
-            if dead.is_empty() {
-                self.shared.insert(h, members);
-                continue;
-            }
-            let home_kind = core.segments.get(members[0].0 .0).pool.kind();
-            for &(seg, at) in &dead {
+            let members = self.shared[&h].clone();
+            let kind = core.segments.get(members[0].0 .0).pool.kind();
+            for (seg, at) in members {
+                if core.granule_in_use(seg, at) {
+                    continue;
+                }
+                // A failure leaves the member mapped and listed, as it was.
                 self.unmap_member(core, dev, seg, at)?;
-            }
-            let g = core.granularity.expect("expandable mode has a granularity");
-            let Some(&(seg, at)) = live.first() else {
-                if core.config.expandable_shadows {
-                    self.mapped_at.remove(&h);
-                }
-                match dev.vmm_release_page(h) {
-                    Ok(()) => {
-                        core.stats.num_page_release += 1;
-                        core.stats.reserved_bytes.decrease(home_kind, g);
+                let list = self.shared.get_mut(&h).expect("listed");
+                let was_home = list[0] == (seg, at);
+                list.retain(|&m| m != (seg, at));
+                if let (true, Some(&(s, a))) = (was_home, list.first()) {
+                    // The next member counts the page (members are of one pool kind).
+                    core.segments
+                        .get_mut(s.0)
+                        .pages_mut()
+                        .expect("expandable")
+                        .set_alias(a, false);
+                    if core.config.expandable_shadows {
+                        self.mapped_at.insert(h, (s, a));
                     }
-                    Err(_) => self.page_pool.push((h, home_kind, g)),
-                }
-                continue;
-            };
-            if dead.contains(&members[0]) {
-                // A new home counts the page (members are of one pool kind).
-                let pages = core
-                    .segments
-                    .get_mut(seg.0)
-                    .pages_mut()
-                    .expect("expandable");
-                pages.set_alias(at, false);
-                if core.config.expandable_shadows {
-                    self.mapped_at.insert(h, (seg, at));
                 }
             }
-            if live.len() == 1 {
-                core.free_aliased(seg, at);
-            } else {
-                self.shared.insert(h, live);
+            match self.shared[&h].as_slice() {
+                [] => {
+                    self.shared.remove(&h);
+                    if core.config.expandable_shadows {
+                        self.mapped_at.remove(&h);
+                    }
+                    match dev.vmm_release_page(h) {
+                        Ok(()) => {
+                            core.stats.num_page_release += 1;
+                            core.stats.reserved_bytes.decrease(kind, g);
+                        }
+                        Err(_) => self.page_pool.push((h, kind, g)),
+                    }
+                }
+                &[(seg, at)] => {
+                    // The last member keeps the page as its own.
+                    self.shared.remove(&h);
+                    core.free_aliased(seg, at);
+                }
+                _ => {}
             }
         }
         Ok(())
@@ -411,6 +448,18 @@ impl<E> Core<E> {
         self.blocks_between(seg, lo, hi)
             .iter()
             .any(|&id| in_use(self.blocks.get(id.0).state))
+    }
+
+    /// The spans of granule `at` of `seg` that free blocks cover, as offsets.
+    fn free_spans(&self, seg: SegmentId, at: u32) -> Spans {
+        let g = self.granularity.expect("expandable mode has a granularity");
+        let lo = self.segments.get(seg.0).addr + u64::from(at) * g;
+        self.blocks_between(seg, lo, lo + g)
+            .into_iter()
+            .map(|id| self.blocks.get(id.0))
+            .filter(|b| b.state == BlockState::Free)
+            .map(|b| (b.addr.max(lo) - lo, (b.addr + b.size).min(lo + g) - lo))
+            .collect()
     }
 
     /// The blocks of `seg` that overlap `lo..hi`, in address order.
