@@ -11,7 +11,7 @@
 //!
 //! Skips (with a printed reason) when there is no CUDA driver or device.
 
-use cachealloc::core::{CachingAllocator, Config, DevicePtr, StreamId};
+use cachealloc::core::{AllocError, CachingAllocator, Config, DevicePtr, MemoryCap, StreamId};
 use cachealloc::cuda::driver::{self, Stream};
 use std::collections::BTreeMap;
 
@@ -64,6 +64,20 @@ fn pattern_two_streams_slabs() {
     pattern_two_streams_with(Config::parse("default,slab_max_kb:1024").unwrap());
 }
 
+/// Expandable segments under a cap the workload keeps running into: every
+/// allocation that fails frees a random live block and goes on, so the
+/// rungs before out of memory (pinned pages swapped, pages shared by
+/// granules whose live bytes do not meet) run again and again between the
+/// pattern checks.
+#[test]
+fn pattern_two_streams_expandable_capped() {
+    let config = Config {
+        memory_cap: Some(MemoryCap::Bytes(160 << 20)),
+        ..Config::expandable()
+    };
+    pattern_two_streams_with(config);
+}
+
 fn pattern_two_streams_with(config: Config) {
     let Some(dev) = gpu_device() else { return };
     println!("device: {}; config {}", dev.name(), config.name);
@@ -71,6 +85,7 @@ fn pattern_two_streams_with(config: Config) {
     let streams = [Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap()];
     let ids = [streams[0].id(), streams[1].id()];
     let expandable = config.expandable_segments;
+    let config_capped = config.memory_cap.is_some();
     let alloc = CachingAllocator::new(dev, config);
     if expandable && !alloc.is_expandable() {
         println!(
@@ -90,6 +105,8 @@ fn pattern_two_streams_with(config: Config) {
     let mut next_pattern: u32 = 0x1000_0001;
     let (mut checks, mut mismatches, mut verified_bytes) = (0u64, 0u64, 0u64);
     let (mut allocs, mut frees, mut cross) = (0u64, 0u64, 0u64);
+    let capped = config_capped;
+    let mut ooms = 0u64;
 
     let check_all = |live: &[Live], mismatches: &mut u64, verified: &mut u64| {
         for s in &streams {
@@ -116,7 +133,19 @@ fn pattern_two_streams_with(config: Config) {
         if grow {
             let bytes = rng.log_uniform(4, 8 << 20) / 4 * 4;
             let si = rng.below(2) as usize;
-            let ptr = alloc.malloc(bytes, ids[si]).expect("malloc");
+            let ptr = match alloc.malloc(bytes, ids[si]) {
+                Ok(ptr) => ptr,
+                Err(AllocError::OutOfMemory(_)) if capped && !live.is_empty() => {
+                    // Under the cap: make room and go on.
+                    let l = live.swap_remove(rng.below(live.len() as u64) as usize);
+                    ranges.remove(&l.ptr.0);
+                    alloc.free(l.ptr).expect("free");
+                    frees += 1;
+                    ooms += 1;
+                    continue;
+                }
+                Err(e) => panic!("malloc({bytes}): {e}"),
+            };
             // No overlap with any live range.
             if let Some((&s, &e)) = ranges.range(..=ptr.0).next_back() {
                 assert!(e <= ptr.0, "{ptr} inside live [{s:#x}, {e:#x})");
@@ -176,6 +205,18 @@ fn pattern_two_streams_with(config: Config) {
     }
     let released = alloc.empty_cache().unwrap();
     alloc.check_invariants().unwrap();
+    if capped {
+        println!(
+            "capped: {ooms} allocations out of memory, {} pages swapped, {} pages shared, peak reserved {} MiB",
+            stats.num_pages_rebacked,
+            stats.num_pages_shared,
+            stats.reserved_bytes.all().peak >> 20
+        );
+        assert!(
+            ooms > 0 && stats.num_pages_shared > 0,
+            "the cap was reached and pages shared"
+        );
+    }
     println!(
         "pattern: {OPS} ops ({allocs} allocs, {frees} frees, {cross} used by both streams), \
          {checks} checks, {:.2} GiB verified, {mismatches} mismatching words; \

@@ -234,3 +234,63 @@ fn under_a_cap_pages_are_shared_as_on_a_full_device() {
     assert_no_physical_overlap(&a, &dev);
     freed_and_emptied(&dev, &a, &[x, c, e]);
 }
+
+/// Two streams of random requests (4 B to 8 MiB, log-uniform) under a cap
+/// the workload keeps running into, each failure freeing a random live
+/// block: pages are shared again and again, members leave, and no two live
+/// blocks ever reach the same byte of a page (the GPU pattern test runs the
+/// same sequence with data checks).
+#[test]
+fn random_requests_under_a_cap_share_pages_without_overlap() {
+    let dev = SimulatedDevice::new(1 << 40);
+    let config = Config {
+        memory_cap: Some(cachealloc_core::MemoryCap::Bytes(160 * MIB)),
+        ..Config::expandable()
+    };
+    let a = CachingAllocator::new(dev.clone(), config);
+    let mut x: u64 = 0x5EED_CAFE;
+    let mut next = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let mut live: Vec<DevicePtr> = Vec::new();
+    let mut ooms = 0;
+    for op in 1..=20_000u32 {
+        let grow = live.len() < 8 || (live.len() < 400 && next(100) < 55);
+        if grow {
+            let exp = 2 + next(22) as u32;
+            let bytes = (1u64 << exp) + next(1u64 << exp);
+            let stream = StreamId(next(2) as u64);
+            match a.malloc(bytes, stream) {
+                Ok(p) => live.push(p),
+                Err(AllocError::OutOfMemory(_)) => {
+                    ooms += 1;
+                    let p = live.swap_remove(next(live.len() as u64) as usize);
+                    a.free(p).unwrap();
+                }
+                Err(e) => panic!("malloc({bytes}): {e}"),
+            }
+        } else {
+            let p = live.swap_remove(next(live.len() as u64) as usize);
+            a.free(p).unwrap();
+        }
+        if op % 500 == 0 {
+            assert_no_physical_overlap(&a, &dev);
+            a.check_invariants().unwrap();
+        }
+    }
+    let st = a.stats();
+    eprintln!(
+        "{ooms} OOMs, {} pages shared, {} swapped",
+        st.num_pages_shared, st.num_pages_rebacked
+    );
+    assert!(
+        ooms > 0 && st.num_pages_shared > 0,
+        "{ooms} OOMs, {} shared",
+        st.num_pages_shared
+    );
+    assert!(st.reserved_bytes.all().peak <= 160 * MIB);
+    freed_and_emptied(&dev, &a, &live);
+}
