@@ -294,3 +294,23 @@ fn random_requests_under_a_cap_share_pages_without_overlap() {
     assert!(st.reserved_bytes.all().peak <= 160 * MIB);
     freed_and_emptied(&dev, &a, &live);
 }
+
+#[test]
+fn a_shared_page_no_member_uses_goes_back_before_out_of_memory() {
+    let dev = SimulatedDevice::new(10 * MIB);
+    let a = CachingAllocator::new(dev.clone(), config(true));
+    let (x, c) = two_partial_granules(&a);
+    let e = a.malloc(4 * MIB, S0).unwrap();
+    assert_eq!(a.shared_mappings().len(), 1);
+    // Every block goes: the shared page is held by aliased bytes alone,
+    // which also split the range. The whole device for one block needs
+    // the flush before out of memory to give that page back.
+    for p in [x, c, e] {
+        a.free(p).unwrap();
+    }
+    let whole = a.malloc(10 * MIB, S0).unwrap();
+    assert!(a.shared_mappings().is_empty());
+    assert_eq!(dev.used(), 10 * MIB);
+    assert_no_physical_overlap(&a, &dev);
+    freed_and_emptied(&dev, &a, &[whole]);
+}

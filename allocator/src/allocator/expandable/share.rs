@@ -105,8 +105,15 @@ impl<E> Expandable<E> {
         if core.stream_list.iter().any(|&s| dev.stream_capturing(s)) {
             return Ok(0);
         }
-        self.settle(core, dev)?;
-        self.leave_shared(core, dev)?;
+        // Leaving unmaps, and copies read live blocks: the device must be
+        // idle first (one synchronize, only where there is something to do).
+        let mut settled = false;
+        let mut freed = 0;
+        if !self.shared.is_empty() {
+            self.settle(core, dev)?;
+            settled = true;
+            freed += self.leave_shared(core, dev)?;
+        }
         let mut cands = self.share_candidates(core);
         cands.sort_by_key(|c| std::cmp::Reverse(c.bytes()));
         // First fit, fullest granules first, into the pages already shared
@@ -145,7 +152,12 @@ impl<E> Expandable<E> {
                 }),
             }
         }
-        let mut freed = 0;
+        if plans.iter().all(|p| p.joiners.is_empty()) {
+            return Ok(freed);
+        }
+        if !settled {
+            self.settle(core, dev)?;
+        }
         for p in plans.iter().filter(|p| !p.joiners.is_empty()) {
             let joiners: Vec<&Candidate> = p.joiners.iter().map(|&i| &cands[i]).collect();
             freed += self.share_page(core, dev, p.home, &joiners)?;
@@ -292,13 +304,15 @@ impl<E> Expandable<E> {
     /// their mapping is unmapped and their aliased bytes freed; a page's
     /// last member keeps it as its own (its aliased bytes freed), and a
     /// page no member uses goes back to the device. The device must be
-    /// synchronized (no queued work may read a mapping that goes).
+    /// synchronized (no queued work may read a mapping that goes). Returns
+    /// the bytes of the pages given back.
     pub(in crate::allocator) fn leave_shared<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
-    ) -> Result<(), AllocError> {
+    ) -> Result<u64, AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
+        let mut released = 0;
         let handles: Vec<u64> = self.shared.keys().copied().collect();
         for h in handles {
             let members = self.shared[&h].clone();
@@ -334,6 +348,7 @@ impl<E> Expandable<E> {
                         Ok(()) => {
                             core.stats.num_page_release += 1;
                             core.stats.reserved_bytes.decrease(kind, g);
+                            released += g;
                         }
                         Err(_) => self.page_pool.push((h, kind, g)),
                     }
@@ -346,7 +361,7 @@ impl<E> Expandable<E> {
                 _ => {}
             }
         }
-        Ok(())
+        Ok(released)
     }
 
     /// Unmaps a leaving member's granule and frees its aliased bytes.
