@@ -233,8 +233,7 @@ impl<E> Core<E> {
     pub(super) fn split_free(&mut self, id: BlockId, at: u64) -> BlockId {
         let g = self.granularity.expect("expandable mode has a granularity");
         let b = self.blocks.get(id.0);
-        let (addr, size, seg, pool, since, next) =
-            (b.addr, b.size, b.segment, b.pool, b.freed_at, b.next);
+        let (addr, size, seg, pool, since) = (b.addr, b.size, b.segment, b.pool, b.freed_at);
         debug_assert!(b.state == BlockState::Free && addr < at && at < addr + size);
         debug_assert_eq!((at - self.segments.get(seg.0).addr) % g, 0);
         if !b.is_split() {
@@ -242,9 +241,28 @@ impl<E> Core<E> {
         }
         self.bins_mut(pool).remove(size, addr, id);
         self.idle_index.remove(&(since, id.0));
+        let back = self.cut(id, at);
+        for (part, start, end) in [(id, addr, at), (back, at, addr + size)] {
+            self.bins_mut(pool).insert(end - start, start, part);
+            if expandable::holds_whole_page(self.segments.get(seg.0), g, start, end) {
+                self.idle_index.insert((since, part.0));
+            }
+        }
+        back
+    }
+
+    /// Cuts block `id` (out of the bins) at `at`; returns the back part,
+    /// a block of the same state and age.
+    pub(super) fn cut(&mut self, id: BlockId, at: u64) -> BlockId {
+        let b = self.blocks.get(id.0);
+        let (addr, size, seg, pool, since, next, state) = (
+            b.addr, b.size, b.segment, b.pool, b.freed_at, b.next, b.state,
+        );
+        debug_assert!(addr < at && at < addr + size);
         let back = BlockId(self.blocks.insert(Block {
             prev: Some(id),
             next,
+            state,
             ..Block::free(at, addr + size - at, seg, pool, since)
         }));
         if let Some(n) = next {
@@ -253,12 +271,6 @@ impl<E> Core<E> {
         let b = self.blocks.get_mut(id.0);
         b.next = Some(back);
         b.size = at - addr;
-        for (part, start, end) in [(id, addr, at), (back, at, addr + size)] {
-            self.bins_mut(pool).insert(end - start, start, part);
-            if expandable::holds_whole_page(self.segments.get(seg.0), g, start, end) {
-                self.idle_index.insert((since, part.0));
-            }
-        }
         back
     }
 

@@ -16,7 +16,6 @@
 //! are free again; the last member keeps the page as its own.
 
 use super::*;
-use crate::block::Block;
 
 /// Byte spans within a granule, as offsets from its start.
 type Spans = Vec<(u64, u64)>;
@@ -515,29 +514,6 @@ impl<E> Core<E> {
         if let Some(after) = after {
             self.merge_into_bins(after);
         }
-    }
-
-    /// Cuts block `id` (out of the bins) at `at`; returns the back part,
-    /// a block of the same state and age.
-    fn cut(&mut self, id: BlockId, at: u64) -> BlockId {
-        let b = self.blocks.get(id.0);
-        let (addr, size, seg, pool, since, next, state) = (
-            b.addr, b.size, b.segment, b.pool, b.freed_at, b.next, b.state,
-        );
-        debug_assert!(addr < at && at < addr + size);
-        let back = BlockId(self.blocks.insert(Block {
-            prev: Some(id),
-            next,
-            state,
-            ..Block::free(at, addr + size - at, seg, pool, since)
-        }));
-        if let Some(n) = next {
-            self.blocks.get_mut(n.0).prev = Some(back);
-        }
-        let b = self.blocks.get_mut(id.0);
-        b.next = Some(back);
-        b.size = at - addr;
-        back
     }
 
     /// Frees the aliased blocks of granule `at` of `seg` (merged with free neighbours, filed).
