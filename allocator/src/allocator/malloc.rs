@@ -192,33 +192,40 @@ impl<E> State<E> {
         let fit = self.core.bins[pool.index()]
             .as_ref()
             .and_then(|b| b.best_fit(rounded));
-        // (The block, and whether its pages are all mapped.)
+        // (The block, where in it the request goes, and whether its pages
+        // there are all mapped.) A placement inside the block is cut only
+        // once the block is taken: a borrowed block instead leaves it whole.
         let own = match fit {
             Some(fit) if self.core.config.expandable_place => {
-                let e = match self.vmm.place(&self.core, pool, rounded, fit) {
-                    (entry, at) if at == entry.1 => entry,
-                    ((size, start, id), at) => {
-                        (start + size - at, at, self.core.split_free(id, at))
-                    }
-                };
-                Some((e, expandable::carve_mapped(&self.core, e, rounded)))
+                let (entry, at) = self.vmm.place(&self.core, pool, rounded, fit);
+                let (size, start, id) = entry;
+                let there = (start + size - at, at, id);
+                Some((
+                    entry,
+                    at,
+                    expandable::carve_mapped(&self.core, there, rounded),
+                ))
             }
             Some(fit) => {
                 let bins = self.core.bins[pool.index()]
                     .as_ref()
                     .expect("it gave the fit");
-                Some(self.vmm.near_fit(&self.core, dev, bins, fit, rounded)?)
+                let (e, mapped) = self.vmm.near_fit(&self.core, dev, bins, fit, rounded)?;
+                Some((e, e.1, mapped))
             }
             None => None,
         };
-        let needs_pages = own.map_or(true, |(_, mapped)| !mapped);
+        let needs_pages = own.map_or(true, |(_, _, mapped)| !mapped);
         if needs_pages && self.core.config.expandable_borrow {
             if let Some(e) = self.vmm.borrow_fit(&mut self.core, dev, pool, rounded)? {
                 return Ok((e, true));
             }
         }
         match own {
-            Some((e, _)) => Ok((e, false)),
+            Some((e, at, _)) if at == e.1 => Ok((e, false)),
+            Some(((size, start, id), at, _)) => {
+                Ok(((start + size - at, at, self.core.split_free(id, at)), false))
+            }
             None => Ok((self.new_range(dev, req)?, false)),
         }
     }
