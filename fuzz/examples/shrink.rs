@@ -40,7 +40,9 @@ fn main() {
     let needle = args.get(2).cloned().unwrap_or_else(|| kind(&first));
     eprintln!(
         "config {}, capacity {}, streams {}; needle {needle:?}",
-        setup.config.name, setup.capacity, setup.streams
+        setup.config.to_conf_string(),
+        setup.capacity,
+        setup.streams
     );
     let fails = |ops: &[Op]| run_setup(&setup, ops).is_err_and(|e| e.contains(&needle));
     // Cut everything after the failing step.
@@ -114,7 +116,9 @@ fn main() {
     let err = run_setup(&setup, &ops).unwrap_err();
     println!(
         "// config {}, capacity {}, streams {}",
-        setup.config.name, setup.capacity, setup.streams
+        setup.config.to_conf_string(),
+        setup.capacity,
+        setup.streams
     );
     println!("// {}", err.lines().next().unwrap_or(""));
     println!("let ops = [");
