@@ -314,3 +314,53 @@ fn a_shared_page_no_member_uses_goes_back_before_out_of_memory() {
     assert_no_physical_overlap(&a, &dev);
     freed_and_emptied(&dev, &a, &[whole]);
 }
+
+/// The two rungs make room for each other: a big page partly under a live
+/// block can be swapped for a granule only once there is room for that
+/// granule, which two small-pool granules sharing a page give.
+#[test]
+fn sharing_makes_room_for_a_pinned_page_to_give_its_free_part_back() {
+    let config = |share: bool| {
+        Config::parse(&format!(
+            "expandable,expandable_page_divisor:0,expandable_share:{share}"
+        ))
+        .unwrap()
+    };
+    for share in [false, true] {
+        let dev = SimulatedDevice::new(1 << 30);
+        let a = CachingAllocator::new(dev.clone(), config(share));
+        // Small pool: four 1 MiB blocks over two granules; the middle two
+        // go, so granule 0 holds live bytes at 0..1 MiB, granule 1 at 1..2 MiB.
+        let small: Vec<DevicePtr> = (0..4).map(|_| a.malloc(MIB, S0).unwrap()).collect();
+        a.free(small[1]).unwrap();
+        a.free(small[2]).unwrap();
+        // Large pool, with room: a 6 MiB and a 2 MiB block under one 8 MiB
+        // page; the 6 MiB one goes, so the page is pinned by the 2 MiB block.
+        let x = a.malloc(6 * MIB, S0).unwrap();
+        let pin = a.malloc(2 * MIB, S0).unwrap();
+        a.free(x).unwrap();
+        assert!(
+            dev.page_mappings().iter().any(|m| m.2 == 8 * MIB),
+            "{:?}",
+            dev.page_mappings()
+        );
+        // Now capped at what is reserved: nothing more can be created.
+        assert_eq!(dev.used(), 12 * MIB);
+        a.set_memory_cap(Some(cachealloc_core::MemoryCap::Bytes(12 * MIB)))
+            .unwrap();
+        // 6.5 MiB: more than the pinned page's free 6 MiB; it needs the room
+        // of the swap (6 MiB back), which needs the shared page's room first.
+        let got = a.malloc(6 * MIB + MIB / 2, S0);
+        let st = a.stats();
+        assert_eq!(got.is_ok(), share, "share {share}: {got:?}");
+        assert_eq!(
+            (st.num_pages_shared > 0, st.num_pages_rebacked > 0),
+            (share, share)
+        );
+        assert!(st.reserved_bytes.all().peak <= 12 * MIB);
+        assert_no_physical_overlap(&a, &dev);
+        let mut live = vec![small[0], small[3], pin];
+        live.extend(got.ok());
+        freed_and_emptied(&dev, &a, &live);
+    }
+}

@@ -126,12 +126,22 @@ impl<E> State<E> {
             if attempt == 2 {
                 // Last rung: the free part of pages partly under live blocks,
                 // then pages shared by granules whose live bytes do not meet.
+                // Each makes room for the other (a swap needs room for its
+                // new pages first; the pages it frees become granules that
+                // may share): in turn while either gives something back.
                 let mut freed = 0;
-                if self.core.config.expandable_reback {
-                    freed += self.vmm.reback(&mut self.core, dev)?;
-                }
-                if self.core.config.expandable_share {
-                    freed += self.vmm.share(&mut self.core, dev)?;
+                loop {
+                    let mut round = 0;
+                    if self.core.config.expandable_reback {
+                        round += self.vmm.reback(&mut self.core, dev)?;
+                    }
+                    if self.core.config.expandable_share {
+                        round += self.vmm.share(&mut self.core, dev)?;
+                    }
+                    freed += round;
+                    if round == 0 || !self.core.config.expandable_reback {
+                        break;
+                    }
                 }
                 if freed == 0 {
                     break;
