@@ -337,6 +337,12 @@ impl<E> Core<E> {
         (kind, slab)
     }
 
+    /// Whether any stream of this allocator is being captured into a CUDA graph.
+    #[cold]
+    pub(super) fn any_stream_capturing<D: Device<Event = E>>(&self, dev: &D) -> bool {
+        self.stream_list.iter().any(|&s| dev.stream_capturing(s))
+    }
+
     /// Whether a stream block `id` was used on is being captured.
     #[inline]
     pub(super) fn uses_capturing<D: Device<Event = E>>(&self, dev: &D, id: BlockId) -> bool {

@@ -35,7 +35,7 @@ impl<E> Expandable<E> {
         core: &mut Core<E>,
         dev: &D,
     ) -> Result<u64, AllocError> {
-        if core.stream_list.iter().any(|&s| dev.stream_capturing(s)) {
+        if core.any_stream_capturing(dev) {
             return Ok(0);
         }
         let mut plans = self.reback_plans(core);
@@ -58,6 +58,30 @@ impl<E> Expandable<E> {
             freed += u64::from(plan.len - plan.live.len() as u32) * g;
         }
         Ok(freed)
+    }
+
+    /// Gives `handle` (`bytes` counted under `kind`) back to the device;
+    /// one the device refuses stays pooled, still counted. Returns the
+    /// bytes given back.
+    pub(super) fn release_or_pool<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        handle: u64,
+        kind: PoolKind,
+        bytes: u64,
+    ) -> u64 {
+        match dev.vmm_release_page(handle) {
+            Ok(()) => {
+                core.stats.num_page_release += 1;
+                core.stats.reserved_bytes.decrease(kind, bytes);
+                bytes
+            }
+            Err(_) => {
+                self.page_pool.push((handle, kind, bytes));
+                0
+            }
+        }
     }
 
     /// The pages larger than a granule with granules both under live blocks
@@ -202,13 +226,7 @@ impl<E> Expandable<E> {
         // page leaves the count once released (pooled, still counted, if
         // the device refuses).
         core.stats.reserved_bytes.increase(kind, k as u64 * g);
-        match dev.vmm_release_page(p.handle) {
-            Ok(()) => {
-                core.stats.num_page_release += 1;
-                core.stats.reserved_bytes.decrease(kind, old_bytes);
-            }
-            Err(_) => self.page_pool.push((p.handle, kind, old_bytes)),
-        }
+        self.release_or_pool(core, dev, p.handle, kind, old_bytes);
         core.stats.num_pages_rebacked += 1;
         // (The idle index stands: no free block held the old page, partly
         // under live blocks, or holds a new one, all under live blocks.)

@@ -101,7 +101,7 @@ impl<E> Expandable<E> {
         core: &mut Core<E>,
         dev: &D,
     ) -> Result<u64, AllocError> {
-        if core.stream_list.iter().any(|&s| dev.stream_capturing(s)) {
+        if core.any_stream_capturing(dev) {
             return Ok(0);
         }
         // Leaving unmaps, and copies read live blocks: the device must be
@@ -274,14 +274,7 @@ impl<E> Expandable<E> {
             if core.config.expandable_shadows {
                 self.mapped_at.remove(&c.handle);
             }
-            match dev.vmm_release_page(c.handle) {
-                Ok(()) => {
-                    core.stats.num_page_release += 1;
-                    core.stats.reserved_bytes.decrease(kind, g);
-                    freed += g;
-                }
-                Err(_) => self.page_pool.push((c.handle, kind, g)),
-            }
+            freed += self.release_or_pool(core, dev, c.handle, kind, g);
             // The bytes the page holds for others are aliased: in the home,
             // the joiner's live spans; in the joiner, all but its own.
             for &(lo, hi) in &c.live {
@@ -343,14 +336,7 @@ impl<E> Expandable<E> {
                     if core.config.expandable_shadows {
                         self.mapped_at.remove(&h);
                     }
-                    match dev.vmm_release_page(h) {
-                        Ok(()) => {
-                            core.stats.num_page_release += 1;
-                            core.stats.reserved_bytes.decrease(kind, g);
-                            released += g;
-                        }
-                        Err(_) => self.page_pool.push((h, kind, g)),
-                    }
+                    released += self.release_or_pool(core, dev, h, kind, g);
                 }
                 &[(seg, at)] => {
                     // The last member keeps the page as its own.
