@@ -312,6 +312,11 @@ pub struct Config {
     /// (pages are a power of two granules): more, smaller pages give more
     /// back before an allocation fails, for more driver calls near the limit.
     pub paged_pages: u64,
+    /// Plain segments: each is made of one page of the CUDA virtual memory
+    /// API instead of one `cuMemAlloc`, and goes back once the work queued
+    /// on its stream is done (an event), without waiting for the whole
+    /// device as `cuMemFree` does.
+    pub vmm_segments: bool,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
     /// Freed blocks each thread keeps for its own next request of the same
@@ -371,6 +376,7 @@ impl Config {
             oom_other_kinds: false,
             paged_margin: 0.0,
             paged_pages: DEFAULT_PAGED_PAGES,
+            vmm_segments: false,
             expandable_segments: false,
         }
     }
@@ -1213,6 +1219,16 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::U64(c.paged_pages)),
         set: |c, v| c.paged_pages = u(v),
+    },
+    Key {
+        name: "vmm_segments",
+        aliases: &[],
+        kind: BOOL,
+        stability: Stability::Experimental,
+        doc: "plain segments: each is made of one page of the CUDA virtual memory API instead of one cuMemAlloc, and goes back once the work queued on its stream is done, without waiting for the whole device as cuMemFree does (off with oom_flush off, with expandable segments, and on devices without the virtual memory API)",
+        group: None,
+        get: |c| Some(Value::Bool(c.vmm_segments)),
+        set: |c, v| c.vmm_segments = b(v),
     },
     Key {
         name: "expandable_cross_stream",

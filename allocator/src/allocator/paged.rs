@@ -25,10 +25,23 @@ pub(crate) struct Paging {
     margin: f64,
     /// Pages a paged segment is cut into at least (`Config::paged_pages`).
     pages: u64,
+    /// `Config::vmm_segments`: new segments are made of one page.
+    pub(super) one_page: bool,
     /// Pages unmapped whose release the device refused: (handle, bytes,
     /// pool kind). Still held, so still counted reserved, and released
     /// again before pages go back next (flush, `empty_cache`, a segment's release).
     orphans: Vec<(u64, u64, PoolKind)>,
+}
+
+/// A paged segment given back once the work queued on its stream before its
+/// release is done (`Config::vmm_segments`): its pages stay counted reserved
+/// until then, and its range reserved.
+pub(crate) struct PendingRelease<E> {
+    event: E,
+    base: u64,
+    size: u64,
+    kind: PoolKind,
+    pages: PageMap,
 }
 
 impl Paging {
@@ -49,11 +62,12 @@ impl Paging {
         let on = config.caching
             && config.oom_flush
             && !config.expandable_segments
-            && config.paged_margin > 0.0;
+            && (config.paged_margin > 0.0 || config.vmm_segments);
         on.then_some(Paging {
             granule,
             margin: config.paged_margin,
             pages: config.paged_pages,
+            one_page: config.vmm_segments,
             orphans: Vec::new(),
         })
     }
@@ -215,9 +229,139 @@ impl<E> Core<E> {
 
     /// Pages unmapped but not yet released, by pool kind and bytes (counted reserved).
     pub(super) fn orphaned_pages(&self) -> impl Iterator<Item = (PoolKind, u64)> + '_ {
+        let g = self.page_granule();
+        let releasing = self
+            .releasing
+            .iter()
+            .map(move |r| (r.kind, u64::from(r.pages.mapped_granules(0, u32::MAX)) * g));
         self.paging
             .iter()
             .flat_map(|p| p.orphans.iter().map(|&(_, len, kind)| (kind, len)))
+            .chain(releasing)
+    }
+
+    /// The ranges of [`Core::releasing`], as (address, bytes).
+    pub(super) fn releasing_ranges(&self) -> impl Iterator<Item = (DevicePtr, u64)> + '_ {
+        self.releasing.iter().map(|r| (DevicePtr(r.base), r.size))
+    }
+
+    /// `Config::vmm_segments`: a new segment of `size` bytes (a multiple of
+    /// the granularity) made of one page in a range of its own, mapped.
+    /// `Ok(None)`: the device has no room (nothing is left made).
+    #[cold]
+    pub(super) fn alloc_one_page<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        size: u64,
+    ) -> Result<Option<(DevicePtr, PageMap, u32)>, AllocError> {
+        let g = self.page_granule();
+        let ptr = match dev.vmm_reserve(size) {
+            Ok(p) => p,
+            Err(DeviceError::OutOfMemory) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        self.stats.num_vmm_reserve += 1;
+        let n = (size / g) as u32;
+        let mut pages = PageMap::default();
+        let mapped = self.map_granules(dev, ptr.0, &mut pages, n, (0, n));
+        match mapped {
+            Ok(true) => Ok(Some((ptr, pages, n))),
+            // One page: refused, nothing is mapped.
+            Ok(false) => {
+                dev.vmm_free_range(ptr, size)?;
+                Ok(None)
+            }
+            Err(e) => {
+                // (A device error: the range goes back if it can.)
+                let _ = dev.vmm_free_range(ptr, size);
+                Err(e)
+            }
+        }
+    }
+
+    /// Gives back the segments waiting in [`Core::releasing`] whose stream
+    /// has done the work queued before their release (with `wait`, all of
+    /// them, waiting for each). Returns the bytes released.
+    #[cold]
+    pub(super) fn release_done<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        wait: bool,
+    ) -> Result<u64, AllocError> {
+        let g = self.page_granule();
+        let mut total = 0;
+        let mut i = 0;
+        while i < self.releasing.len() {
+            let r = &self.releasing[i];
+            let done = if wait {
+                dev.wait_event(&r.event)?;
+                true
+            } else {
+                dev.event_completed(&r.event)?
+            };
+            if !done {
+                i += 1;
+                continue;
+            }
+            let mut r = self.releasing.swap_remove(i);
+            let n = (r.size / g) as u32;
+            match self.unmap_granules(dev, r.base, r.kind, true, &mut r.pages, (0, n)) {
+                Ok(bytes) => total += bytes,
+                Err(e) => {
+                    // What is left stays waiting, to be given back next time.
+                    self.releasing.push(r);
+                    return Err(e);
+                }
+            }
+            dev.release_event(r.event);
+            dev.vmm_free_range(DevicePtr(r.base), r.size)?;
+        }
+        Ok(total)
+    }
+
+    /// `Config::vmm_segments`: cuts the one page of the entirely free
+    /// segment `seg` into pages of [`Paging::page_granules`], at the same
+    /// addresses, as a plain segment is made paged at the split (the device
+    /// is synchronized first, as `cuMemFree` does there: work queued before
+    /// its blocks' frees may still use it).
+    #[cold]
+    fn split_page<D: Device<Event = E>>(
+        &mut self,
+        dev: &D,
+        seg: SegmentId,
+    ) -> Result<(), AllocError> {
+        dev.synchronize()?;
+        self.stats.num_sync_all_streams += 1;
+        let g = self.page_granule();
+        let s = self.segments.get(seg.0);
+        let (base, size, kind) = (s.addr, s.size, s.pool.kind());
+        let n = (size / g) as u32;
+        let page = self
+            .paging
+            .as_ref()
+            .expect("a segment is paged only with paging on")
+            .page_granules(size);
+        let mut pages = self.take_pages(seg);
+        if let Err(e) = self.unmap_granules(dev, base, kind, true, &mut pages, (0, n)) {
+            self.put_pages(seg, pages);
+            return Err(e);
+        }
+        let mapped = self.map_granules(dev, base, &mut pages, page, (0, n));
+        let held = u64::from(pages.mapped_granules(0, u32::MAX)) * g;
+        self.stats.reserved_bytes.increase(kind, held);
+        self.segments.get_mut(seg.0).kind = SegmentKind::Paged { pages, page };
+        self.stats.num_segments_paged += 1;
+        if let Ok(false) = mapped {
+            self.note_device_full(0);
+        }
+        mapped.map(|_| ())
+    }
+
+    /// Whether `seg` is a segment of [`Core::alloc_one_page`] not yet cut
+    /// into smaller pages.
+    fn is_one_page(&self, seg: &Segment) -> bool {
+        let g = self.page_granule();
+        matches!(seg.kind, SegmentKind::Paged { page, .. } if g > 0 && u64::from(page) * g == seg.size)
     }
 
     /// Maps what is unmapped under `[start, end)` of the paged segment
@@ -308,7 +452,14 @@ impl<E> Core<E> {
         let b = self.blocks.get(id.0);
         let (size, seg, pool) = (b.size, b.segment, b.pool);
         let s = self.segments.get(seg.0);
-        if !s.is_paged() {
+        if self.is_one_page(s) && !b.is_split() && self.repages(pool.kind(), size, rounded) {
+            if let Err(e) = self.split_page(dev, seg) {
+                let addr = self.blocks.get(id.0).addr;
+                self.bins_mut(pool).insert(size, addr, id);
+                self.note_maybe_free(seg);
+                return Err(e);
+            }
+        } else if !s.is_paged() {
             let whole_plain = matches!(s.kind, SegmentKind::Plain) && !b.is_split();
             if !whole_plain || !self.repages(pool.kind(), size, rounded) {
                 return Ok(true);
@@ -504,10 +655,29 @@ impl<E> Core<E> {
     ) -> Result<u64, AllocError> {
         let g = self.page_granule();
         self.release_orphans(dev)?;
+        let s = self.segments.get(seg.0);
+        let (base, size, kind, stream) = (s.addr, s.size, s.pool.kind(), s.stream);
+        let one_page = self.paging.as_ref().is_some_and(|p| p.one_page);
+        if one_page && !dev.stream_capturing(stream) {
+            // Given back once the work queued on its stream so far is done:
+            // every other stream's use of its blocks was waited for before
+            // they were freed (their events), so that work is the last.
+            let event = dev.record_event(stream)?;
+            self.stats.num_events_recorded += 1;
+            let pages = self.take_pages(seg);
+            let bytes = u64::from(pages.mapped_granules(0, u32::MAX)) * g;
+            self.releasing.push(PendingRelease {
+                event,
+                base,
+                size,
+                kind,
+                pages,
+            });
+            self.release_done(dev, false)?;
+            return Ok(bytes);
+        }
         dev.synchronize()?;
         self.stats.num_sync_all_streams += 1;
-        let s = self.segments.get(seg.0);
-        let (base, size, kind) = (s.addr, s.size, s.pool.kind());
         let mut pages = self.take_pages(seg);
         let released =
             self.unmap_granules(dev, base, kind, true, &mut pages, (0, (size / g) as u32));
