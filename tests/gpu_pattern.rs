@@ -232,10 +232,10 @@ fn pattern_two_streams_with(config: Config) {
             stats.num_pages_shared,
             stats.reserved_bytes.all().peak >> 20
         );
-        assert!(
-            ooms > 0 && stats.num_pages_shared > 0,
-            "the cap was reached and pages shared"
-        );
+        assert!(ooms > 0, "the cap was reached");
+        if expandable {
+            assert!(stats.num_pages_shared > 0, "pages shared under the cap");
+        }
     }
     println!(
         "pattern: {OPS} ops ({allocs} allocs, {frees} frees, {cross} used by both streams), \
