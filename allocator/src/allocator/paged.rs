@@ -37,7 +37,8 @@ pub(crate) struct Paging {
 /// release is done (`Config::vmm_segments`): its pages stay counted reserved
 /// until then, and its range reserved.
 pub(crate) struct PendingRelease<E> {
-    event: E,
+    /// `None`: no work to wait for (a range whose release the device refused).
+    event: Option<E>,
     base: u64,
     size: u64,
     kind: PoolKind,
@@ -268,12 +269,17 @@ impl<E> Core<E> {
             Ok(true) => Ok(Some((ptr, pages, n))),
             // One page: refused, nothing is mapped.
             Ok(false) => {
-                dev.vmm_free_range(ptr, size)?;
+                if let Err(e) = dev.vmm_free_range(ptr, size) {
+                    self.keep_range(ptr.0, size, pages);
+                    return Err(e.into());
+                }
                 Ok(None)
             }
             Err(e) => {
-                // (A device error: the range goes back if it can.)
-                let _ = dev.vmm_free_range(ptr, size);
+                // (A device error: the range goes back now or later.)
+                if dev.vmm_free_range(ptr, size).is_err() {
+                    self.keep_range(ptr.0, size, pages);
+                }
                 Err(e)
             }
         }
@@ -292,12 +298,13 @@ impl<E> Core<E> {
         let mut total = 0;
         let mut i = 0;
         while i < self.releasing.len() {
-            let r = &self.releasing[i];
-            let done = if wait {
-                dev.wait_event(&r.event)?;
-                true
-            } else {
-                dev.event_completed(&r.event)?
+            let done = match &self.releasing[i].event {
+                None => true,
+                Some(e) if wait => {
+                    dev.wait_event(e)?;
+                    true
+                }
+                Some(e) => dev.event_completed(e)?,
             };
             if !done {
                 i += 1;
@@ -313,10 +320,35 @@ impl<E> Core<E> {
                     return Err(e);
                 }
             }
-            dev.release_event(r.event);
-            dev.vmm_free_range(DevicePtr(r.base), r.size)?;
+            if let Err(e) = dev.vmm_free_range(DevicePtr(r.base), r.size) {
+                // Tried again next time (the work is done: nothing to wait for).
+                if let Some(ev) = r.event.take() {
+                    dev.release_event(ev);
+                }
+                self.releasing.push(r);
+                return Err(e.into());
+            }
+            if let Some(ev) = r.event {
+                dev.release_event(ev);
+            }
         }
         Ok(total)
+    }
+
+    /// Keeps the range at `base` whose release the device refused (with
+    /// whatever `pages` it still maps) among [`Core::releasing`], to be
+    /// given back next time, so that nothing is lost.
+    #[cold]
+    fn keep_range(&mut self, base: u64, size: u64, pages: PageMap) {
+        // Its mapped pages were counted reserved by the mapping; a refused
+        // mapping left none.
+        self.releasing.push(PendingRelease {
+            event: None,
+            base,
+            size,
+            kind: PoolKind::Large,
+            pages,
+        });
     }
 
     /// `Config::vmm_segments`: cuts the one page of the entirely free
@@ -667,13 +699,15 @@ impl<E> Core<E> {
             let pages = self.take_pages(seg);
             let bytes = u64::from(pages.mapped_granules(0, u32::MAX)) * g;
             self.releasing.push(PendingRelease {
-                event,
+                event: Some(event),
                 base,
                 size,
                 kind,
                 pages,
             });
-            self.release_done(dev, false)?;
+            // This segment is given back whatever happens next: a device
+            // error giving back a waiting one is met again at its next poll.
+            let _ = self.release_done(dev, false);
             return Ok(bytes);
         }
         dev.synchronize()?;
