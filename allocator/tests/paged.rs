@@ -103,12 +103,17 @@ proptest! {
 /// `vmm_segments`: a segment of one VMM page and a request that outgrows the
 /// peak (release before grow gives the free segment back) on a device that
 /// runs `lag` operations behind the host.
+/// (All of the peak allocated bytes may wait: `vmm_waiting_share:1`.)
 fn released_while_busy(cap: Option<u64>) -> (SimulatedDevice, CachingAllocator<SimulatedDevice>) {
+    released_while_busy_with("default,vmm_segments:true,vmm_waiting_share:1", cap)
+}
+
+fn released_while_busy_with(
+    conf: &str,
+    cap: Option<u64>,
+) -> (SimulatedDevice, CachingAllocator<SimulatedDevice>) {
     let dev = SimulatedDevice::new(1 << 30).with_event_lag(Some(4));
-    let a = CachingAllocator::new(
-        dev.clone(),
-        Config::parse("default,vmm_segments:true").unwrap(),
-    );
+    let a = CachingAllocator::new(dev.clone(), Config::parse(conf).unwrap());
     let s = StreamId(0);
     let p = a.malloc(100 * MIB, s).unwrap();
     assert_eq!(
@@ -166,5 +171,21 @@ fn empty_cache_gives_back_the_waiting_segments() {
     a.empty_cache().unwrap();
     assert!(a.releasing().is_empty());
     assert_eq!(dev.used(), 300 * MIB);
+    a.check_invariants().unwrap();
+}
+
+/// Past `vmm_waiting_share` of the peak allocated bytes, the oldest segment
+/// given back is waited for at once (its stream's event, not the device).
+#[test]
+fn past_the_waiting_share_the_oldest_release_is_waited_for() {
+    let (dev, a) =
+        released_while_busy_with("default,vmm_segments:true,vmm_waiting_share:0.5", None);
+    assert!(
+        a.releasing().is_empty(),
+        "100 MiB may not wait for a 100 MiB peak's half"
+    );
+    assert_eq!((a.usage().reserved, dev.used()), (300 * MIB, 300 * MIB));
+    let st = a.stats();
+    assert_eq!((st.num_event_waits, st.num_sync_all_streams), (1, 0));
     a.check_invariants().unwrap();
 }

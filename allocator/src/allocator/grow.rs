@@ -79,7 +79,7 @@ impl<E> State<E> {
             rounded,
         } = req;
         if !self.core.releasing.is_empty() {
-            self.core.release_done(dev, false)?;
+            self.core.release_done(dev, paged::Wait::No)?;
         }
         if self.caches.cached_blocks() > 0 {
             // Blocks parked in thread caches go back before the device is asked.
@@ -396,7 +396,7 @@ impl<E> State<E> {
         for (_, seg) in self.core.free_segments() {
             self.release_segment(dev, seg)?;
         }
-        self.core.release_done(dev, true)?;
+        self.core.release_done(dev, paged::Wait::All)?;
         self.core.release_free_pages(dev)?;
         if self.core.granularity.is_some() {
             self.vmm.release_expandable(&mut self.core, dev)?;

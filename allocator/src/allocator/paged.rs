@@ -33,6 +33,17 @@ pub(crate) struct Paging {
     orphans: Vec<(u64, u64, PoolKind)>,
 }
 
+/// How long [`Core::release_done`] waits for the segments' streams.
+#[derive(Clone, Copy)]
+pub(super) enum Wait {
+    /// Not at all: only those whose work is done go back.
+    No,
+    /// For every one.
+    All,
+    /// For the oldest ones while more than this many bytes wait.
+    Over(u64),
+}
+
 /// A paged segment given back once the work queued on its stream before its
 /// release is done (`Config::vmm_segments`): its pages stay counted reserved
 /// until then, and its range reserved.
@@ -241,6 +252,15 @@ impl<E> Core<E> {
             .chain(releasing)
     }
 
+    /// Bytes of the pages of [`Core::releasing`], still counted reserved.
+    fn waiting_bytes(&self) -> u64 {
+        let g = self.page_granule();
+        self.releasing
+            .iter()
+            .map(|r| u64::from(r.pages.mapped_granules(0, u32::MAX)) * g)
+            .sum()
+    }
+
     /// The ranges of [`Core::releasing`], as (address, bytes).
     pub(super) fn releasing_ranges(&self) -> impl Iterator<Item = (DevicePtr, u64)> + '_ {
         self.releasing.iter().map(|r| (DevicePtr(r.base), r.size))
@@ -292,16 +312,24 @@ impl<E> Core<E> {
     pub(super) fn release_done<D: Device<Event = E>>(
         &mut self,
         dev: &D,
-        wait: bool,
+        wait: Wait,
     ) -> Result<u64, AllocError> {
         let g = self.page_granule();
         let mut total = 0;
         let mut i = 0;
+        // Oldest first: a wait for the work queued before an older release
+        // leaves the work queued since on the device.
         while i < self.releasing.len() {
+            let must = match wait {
+                Wait::No => false,
+                Wait::All => true,
+                Wait::Over(bytes) => self.waiting_bytes() > bytes,
+            };
             let done = match &self.releasing[i].event {
                 None => true,
-                Some(e) if wait => {
+                Some(e) if must => {
                     dev.wait_event(e)?;
+                    self.stats.num_event_waits += 1;
                     true
                 }
                 Some(e) => dev.event_completed(e)?,
@@ -310,7 +338,7 @@ impl<E> Core<E> {
                 i += 1;
                 continue;
             }
-            let mut r = self.releasing.swap_remove(i);
+            let mut r = self.releasing.remove(i);
             let n = (r.size / g) as u32;
             match self.unmap_granules(dev, r.base, r.kind, true, &mut r.pages, (0, n)) {
                 Ok(bytes) => total += bytes,
@@ -705,9 +733,13 @@ impl<E> Core<E> {
                 kind,
                 pages,
             });
+            // What may wait is bounded (`vmm_waiting_share` of the peak
+            // allocated bytes): past it, the oldest releases are waited for.
             // This segment is given back whatever happens next: a device
             // error giving back a waiting one is met again at its next poll.
-            let _ = self.release_done(dev, false);
+            let peak = self.stats.allocated_bytes.all().peak;
+            let bound = (peak as f64 * self.config.vmm_waiting_share) as u64;
+            let _ = self.release_done(dev, Wait::Over(bound));
             return Ok(bytes);
         }
         dev.synchronize()?;
