@@ -252,6 +252,20 @@ impl<E> Core<E> {
             .chain(releasing)
     }
 
+    /// Lifts [`Core::high_water`] to the reserved bytes, less those of
+    /// segments given back that wait for their stream's work: they are on
+    /// their way out, and a mark lifted by them would keep the release
+    /// rules from running at later growths (`vmm_segments`).
+    #[inline]
+    pub(super) fn note_high_water(&mut self) {
+        let waiting = if self.releasing.is_empty() {
+            0
+        } else {
+            self.waiting_bytes()
+        };
+        self.high_water = self.high_water.max(self.reserved() - waiting);
+    }
+
     /// Bytes of the pages of [`Core::releasing`], still counted reserved.
     fn waiting_bytes(&self) -> u64 {
         let g = self.page_granule();
@@ -472,7 +486,7 @@ impl<E> Core<E> {
         let mapped = u64::from(pages.mapped_granules(first, last) - before) * g;
         self.put_pages(seg, pages);
         self.stats.reserved_bytes.increase(kind, mapped);
-        self.high_water = self.high_water.max(self.reserved());
+        self.note_high_water();
         if let Ok(false) = done {
             self.note_device_full(0);
         }
