@@ -165,9 +165,6 @@ pub(super) struct Core<E> {
     pub(super) limit: limit::Limit,
     /// Paged plain segments near the device's limit (`Config::paged_margin`).
     pub(super) paging: Option<paged::Paging>,
-    /// `Config::vmm_segments`: segments given back, waiting for the work
-    /// queued on their stream before their release.
-    pub(super) releasing: Vec<paged::PendingRelease<E>>,
     /// Expandable segments: free blocks in the bins that hold a whole mapped
     /// page, as (idle since, block), longest idle first.
     pub(super) idle_index: std::collections::BTreeSet<(u64, u32)>,

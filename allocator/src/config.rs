@@ -32,10 +32,6 @@ const DEFAULT_PAGE_DIVISOR: u64 = 128;
 /// reserved memory passes half the limit. Within 10% of it only, the
 /// corpus's minimum capacity is 1.056 instead of 1.044 (docs/POLICY.md).
 const DEFAULT_PAGED_MARGIN: f64 = 0.5;
-/// `vmm_waiting_share`: segments given back may hold this share of the
-/// peak allocated bytes while they wait for their stream's work.
-pub const DEFAULT_VMM_WAITING_SHARE: f64 = 0.05;
-
 /// `paged_pages`: a paged segment is cut into at least this many pages
 /// (32 to 63 once it spans 32 granules), so that making one costs a few
 /// dozen driver calls however large it is. Against 16, the corpus and 8
@@ -316,15 +312,6 @@ pub struct Config {
     /// (pages are a power of two granules): more, smaller pages give more
     /// back before an allocation fails, for more driver calls near the limit.
     pub paged_pages: u64,
-    /// Plain segments: each is made of one page of the CUDA virtual memory
-    /// API instead of one `cuMemAlloc`, and goes back once the work queued
-    /// on its stream is done (an event), without waiting for the whole
-    /// device as `cuMemFree` does.
-    pub vmm_segments: bool,
-    /// `vmm_segments`: the share of the peak allocated bytes that segments
-    /// given back may hold while they wait for their stream's work; past it
-    /// the oldest are waited for.
-    pub vmm_waiting_share: f64,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
     /// Freed blocks each thread keeps for its own next request of the same
@@ -384,8 +371,6 @@ impl Config {
             oom_other_kinds: false,
             paged_margin: 0.0,
             paged_pages: DEFAULT_PAGED_PAGES,
-            vmm_segments: false,
-            vmm_waiting_share: DEFAULT_VMM_WAITING_SHARE,
             expandable_segments: false,
         }
     }
@@ -1228,26 +1213,6 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::U64(c.paged_pages)),
         set: |c, v| c.paged_pages = u(v),
-    },
-    Key {
-        name: "vmm_segments",
-        aliases: &[],
-        kind: BOOL,
-        stability: Stability::Experimental,
-        doc: "plain segments: each is made of one page of the CUDA virtual memory API instead of one cuMemAlloc, and goes back once the work queued on its stream is done, without waiting for the whole device as cuMemFree does (off with oom_flush off, with expandable segments, and on devices without the virtual memory API)",
-        group: None,
-        get: |c| Some(Value::Bool(c.vmm_segments)),
-        set: |c, v| c.vmm_segments = b(v),
-    },
-    Key {
-        name: "vmm_waiting_share",
-        aliases: &[],
-        kind: BUDGET,
-        stability: Stability::Experimental,
-        doc: "vmm_segments: the share of the peak allocated bytes that segments given back may hold while they wait for their stream's work; past it the oldest are waited for (the host waits for that stream's work up to their release, not for the whole device)",
-        group: None,
-        get: |c| Some(Value::F64(c.vmm_waiting_share)),
-        set: |c, v| c.vmm_waiting_share = f(v),
     },
     Key {
         name: "expandable_cross_stream",

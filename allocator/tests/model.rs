@@ -198,24 +198,6 @@ fn model_default_paged() {
     );
 }
 
-/// Segments of one VMM page (`vmm_segments`): given back once their
-/// stream's work is done, cut into smaller pages at the split near the limit.
-#[test]
-fn model_default_vmm_segments() {
-    let cov = run_config(
-        "default-vmm-segments",
-        config("default-vmm-segments"),
-        cases(96),
-    );
-    for seen in [
-        "malloc made a free segment paged as it split it",
-        "a segment given back waits for its stream's work",
-        "empty_cache released segments",
-    ] {
-        assert!(cov.contains_key(seen), "{seen}: {cov:?}");
-    }
-}
-
 #[test]
 fn model_pytorch_paged_half() {
     run_config("pytorch-paged-half", config("pytorch-paged-half"), 128);

@@ -156,9 +156,6 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         // free pages of partly used ones go back before a request fails.
         ("default-paged", parse("default,paged_margin:1")),
         ("pytorch-paged-half", parse("pytorch,paged_margin:0.5")),
-        // Segments of one VMM page, given back once their stream's work is
-        // done; cut into smaller pages at the split near the limit.
-        ("default-vmm-segments", parse("default,vmm_segments:true")),
         // Page-backed segments: virtual ranges, physical pages mapped under blocks.
         ("expandable", Config::expandable()),
         // Other streams' busy pages waited for on the host instead.
@@ -530,7 +527,7 @@ impl Model {
             alloc,
             expandable,
             paged: !expandable
-                && (setup.config.paged_margin > 0.0 || setup.config.vmm_segments)
+                && setup.config.paged_margin > 0.0
                 && setup.config.caching
                 && setup.config.oom_flush,
             config: setup.config.clone(),
@@ -642,12 +639,9 @@ impl Model {
         // events that completed since: free to the program.)
         let (plain_now, ranges_now) = (self.dev.segments(), self.dev.ranges());
         // Made again where it was: a plain allocation before, a range now.
-        // (`vmm_segments`: a range of one page cut into smaller ones, in place.)
-        let vmm = self.config.vmm_segments;
         let in_place = |s: &cachealloc_core::SegmentSnapshot| {
             let seg = (s.address, s.total_size);
-            (vmm || before.plain.contains(&seg) && !plain_now.contains(&seg))
-                && ranges_now.contains(&seg)
+            before.plain.contains(&seg) && !plain_now.contains(&seg) && ranges_now.contains(&seg)
         };
         let was_free = |s: &&cachealloc_core::SegmentSnapshot| {
             s.blocks.iter().all(|b| b.state != BlockState::Allocated)
@@ -794,10 +788,6 @@ impl Model {
                     ));
                 }
             }
-        }
-        // Segments given back, waiting for their stream's work, keep their pages.
-        for (a, n) in self.alloc.releasing() {
-            mapped += self.dev.mapped_bytes_in(a, n);
         }
         let all: u64 = self.dev.mappings().iter().map(|m| m.1).sum();
         if all != mapped {
@@ -1440,14 +1430,11 @@ impl Model {
         } else {
             (self.dev.segments(), self.dev.ranges())
         };
-        // (Segments given back wait for their stream's work: still ranges.)
-        let mut snap_segs: Vec<(DevicePtr, u64)> = snap
+        let snap_segs: Vec<(DevicePtr, u64)> = snap
             .segments
             .iter()
             .map(|s| (s.address, s.total_size))
-            .chain(self.alloc.releasing())
             .collect();
-        snap_segs.sort_unstable();
         if dev_segs != snap_segs {
             return Err(format!(
                 "the allocator's segments {snap_segs:?} are not the device's {dev_segs:?}"
@@ -1470,21 +1457,10 @@ impl Model {
         } else {
             if self.paged {
                 self.check_pages(&snap)?;
-                if !self.alloc.releasing().is_empty() {
-                    self.saw("a segment given back waits for its stream's work");
-                }
             } else if !self.dev.mappings().is_empty() || self.dev.unmapped_page_bytes() != 0 {
                 return Err("plain segments, yet the device holds physical pages".into());
             }
-            // (Segments given back, waiting for their stream's work, are
-            // still counted reserved: their pages are the device's.)
-            let releasing: u64 = self
-                .alloc
-                .releasing()
-                .into_iter()
-                .map(|(a, n)| self.dev.mapped_bytes_in(a, n))
-                .sum();
-            let unmapped = self.dev.unmapped_page_bytes() + releasing;
+            let unmapped = self.dev.unmapped_page_bytes();
             check_stats_against_snapshot(&stats, &snap, self.config.max_split_size, unmapped)?;
         }
         let reserved = stats.reserved_bytes.all().current;

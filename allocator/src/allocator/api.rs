@@ -79,7 +79,6 @@ impl<D: Device> CachingAllocator<D> {
                     granularity,
                     limit: limit::Limit::new(total),
                     paging,
-                    releasing: Vec::new(),
                     idle_index: Default::default(),
                     oversize_refused: None,
                     churn: ChurnBudget::new(if granularity.is_none() {
@@ -132,13 +131,6 @@ impl<D: Device> CachingAllocator<D> {
             .into_iter()
             .map(|(a, n)| (DevicePtr(a), n))
             .collect()
-    }
-
-    /// Segments given back that wait for the work queued on their stream
-    /// before they go to the device (`vmm_segments`), as (address, bytes):
-    /// no longer in the snapshot, still counted reserved.
-    pub fn releasing(&self) -> Vec<(DevicePtr, u64)> {
-        self.state.lock().core.releasing_ranges().collect()
     }
 
     /// Whether expandable (page-backed) segments are in use.

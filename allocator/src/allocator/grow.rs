@@ -78,9 +78,6 @@ impl<E> State<E> {
             size,
             rounded,
         } = req;
-        if !self.core.releasing.is_empty() {
-            self.core.release_done(dev, paged::Wait::No)?;
-        }
         if self.caches.cached_blocks() > 0 {
             // Blocks parked in thread caches go back before the device is asked.
             self.flush_thread_caches();
@@ -396,7 +393,6 @@ impl<E> State<E> {
         for (_, seg) in self.core.free_segments() {
             self.release_segment(dev, seg)?;
         }
-        self.core.release_done(dev, paged::Wait::All)?;
         self.core.release_free_pages(dev)?;
         if self.core.granularity.is_some() {
             self.vmm.release_expandable(&mut self.core, dev)?;
@@ -695,27 +691,13 @@ impl<E> Core<E> {
             None
         };
         let kind = pool.kind();
-        let one_page = self
-            .paging
-            .as_ref()
-            .is_some_and(|p| p.one_page && size % p.granule == 0);
-        let (ptr, pages) = if one_page {
-            match self.alloc_one_page(dev, size)? {
-                Some((ptr, pages, n)) => (ptr, Some((pages, n))),
-                None => {
-                    self.note_device_full(size);
-                    return Ok(None);
-                }
+        let ptr = match dev.allocate(size) {
+            Ok(p) => p,
+            Err(DeviceError::OutOfMemory) => {
+                self.note_device_full(size);
+                return Ok(None);
             }
-        } else {
-            match dev.allocate(size) {
-                Ok(p) => (p, None),
-                Err(DeviceError::OutOfMemory) => {
-                    self.note_device_full(size);
-                    return Ok(None);
-                }
-                Err(e) => return Err(e.into()),
-            }
+            Err(e) => return Err(e.into()),
         };
         if regrowth {
             self.churn.charge(before, self.churn_clock(dev));
@@ -723,16 +705,11 @@ impl<E> Core<E> {
         let seg = self.add_segment(ptr, size, stream, pool, None);
         let id = self.segments.get(seg.0).head;
         self.stats.reserved_bytes.increase(kind, size);
-        match pages {
-            Some((pages, page)) => {
-                self.segments.get_mut(seg.0).kind = SegmentKind::Paged { pages, page };
-            }
-            None => self.stats.num_device_alloc += 1,
-        }
+        self.stats.num_device_alloc += 1;
         if size >= self.config.max_split_size {
             self.stats.oversize_segments.increase(1);
         }
-        self.note_high_water();
+        self.high_water = self.high_water.max(self.reserved());
         Ok(Some(id))
     }
 

@@ -25,35 +25,10 @@ pub(crate) struct Paging {
     margin: f64,
     /// Pages a paged segment is cut into at least (`Config::paged_pages`).
     pages: u64,
-    /// `Config::vmm_segments`: new segments are made of one page.
-    pub(super) one_page: bool,
     /// Pages unmapped whose release the device refused: (handle, bytes,
     /// pool kind). Still held, so still counted reserved, and released
     /// again before pages go back next (flush, `empty_cache`, a segment's release).
     orphans: Vec<(u64, u64, PoolKind)>,
-}
-
-/// How long [`Core::release_done`] waits for the segments' streams.
-#[derive(Clone, Copy)]
-pub(super) enum Wait {
-    /// Not at all: only those whose work is done go back.
-    No,
-    /// For every one.
-    All,
-    /// For the oldest ones while more than this many bytes wait.
-    Over(u64),
-}
-
-/// A paged segment given back once the work queued on its stream before its
-/// release is done (`Config::vmm_segments`): its pages stay counted reserved
-/// until then, and its range reserved.
-pub(crate) struct PendingRelease<E> {
-    /// `None`: no work to wait for (a range whose release the device refused).
-    event: Option<E>,
-    base: u64,
-    size: u64,
-    kind: PoolKind,
-    pages: PageMap,
 }
 
 impl Paging {
@@ -74,12 +49,11 @@ impl Paging {
         let on = config.caching
             && config.oom_flush
             && !config.expandable_segments
-            && (config.paged_margin > 0.0 || config.vmm_segments);
+            && config.paged_margin > 0.0;
         on.then_some(Paging {
             granule,
             margin: config.paged_margin,
             pages: config.paged_pages,
-            one_page: config.vmm_segments,
             orphans: Vec::new(),
         })
     }
@@ -241,201 +215,9 @@ impl<E> Core<E> {
 
     /// Pages unmapped but not yet released, by pool kind and bytes (counted reserved).
     pub(super) fn orphaned_pages(&self) -> impl Iterator<Item = (PoolKind, u64)> + '_ {
-        let g = self.page_granule();
-        let releasing = self
-            .releasing
-            .iter()
-            .map(move |r| (r.kind, u64::from(r.pages.mapped_granules(0, u32::MAX)) * g));
         self.paging
             .iter()
             .flat_map(|p| p.orphans.iter().map(|&(_, len, kind)| (kind, len)))
-            .chain(releasing)
-    }
-
-    /// Lifts [`Core::high_water`] to the reserved bytes, less those of
-    /// segments given back that wait for their stream's work: they are on
-    /// their way out, and a mark lifted by them would keep the release
-    /// rules from running at later growths (`vmm_segments`).
-    #[inline]
-    pub(super) fn note_high_water(&mut self) {
-        let waiting = if self.releasing.is_empty() {
-            0
-        } else {
-            self.waiting_bytes()
-        };
-        self.high_water = self.high_water.max(self.reserved() - waiting);
-    }
-
-    /// Bytes of the pages of [`Core::releasing`], still counted reserved.
-    fn waiting_bytes(&self) -> u64 {
-        let g = self.page_granule();
-        self.releasing
-            .iter()
-            .map(|r| u64::from(r.pages.mapped_granules(0, u32::MAX)) * g)
-            .sum()
-    }
-
-    /// The ranges of [`Core::releasing`], as (address, bytes).
-    pub(super) fn releasing_ranges(&self) -> impl Iterator<Item = (DevicePtr, u64)> + '_ {
-        self.releasing.iter().map(|r| (DevicePtr(r.base), r.size))
-    }
-
-    /// `Config::vmm_segments`: a new segment of `size` bytes (a multiple of
-    /// the granularity) made of one page in a range of its own, mapped.
-    /// `Ok(None)`: the device has no room (nothing is left made).
-    #[cold]
-    pub(super) fn alloc_one_page<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        size: u64,
-    ) -> Result<Option<(DevicePtr, PageMap, u32)>, AllocError> {
-        let g = self.page_granule();
-        let ptr = match dev.vmm_reserve(size) {
-            Ok(p) => p,
-            Err(DeviceError::OutOfMemory) => return Ok(None),
-            Err(e) => return Err(e.into()),
-        };
-        self.stats.num_vmm_reserve += 1;
-        let n = (size / g) as u32;
-        let mut pages = PageMap::default();
-        let mapped = self.map_granules(dev, ptr.0, &mut pages, n, (0, n));
-        match mapped {
-            Ok(true) => Ok(Some((ptr, pages, n))),
-            // One page: refused, nothing is mapped.
-            Ok(false) => {
-                if let Err(e) = dev.vmm_free_range(ptr, size) {
-                    self.keep_range(ptr.0, size, pages);
-                    return Err(e.into());
-                }
-                Ok(None)
-            }
-            Err(e) => {
-                // (A device error: the range goes back now or later.)
-                if dev.vmm_free_range(ptr, size).is_err() {
-                    self.keep_range(ptr.0, size, pages);
-                }
-                Err(e)
-            }
-        }
-    }
-
-    /// Gives back the segments waiting in [`Core::releasing`] whose stream
-    /// has done the work queued before their release (with `wait`, all of
-    /// them, waiting for each). Returns the bytes released.
-    #[cold]
-    pub(super) fn release_done<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        wait: Wait,
-    ) -> Result<u64, AllocError> {
-        let g = self.page_granule();
-        let mut total = 0;
-        let mut i = 0;
-        // Oldest first: a wait for the work queued before an older release
-        // leaves the work queued since on the device.
-        while i < self.releasing.len() {
-            let must = match wait {
-                Wait::No => false,
-                Wait::All => true,
-                Wait::Over(bytes) => self.waiting_bytes() > bytes,
-            };
-            let done = match &self.releasing[i].event {
-                None => true,
-                Some(e) if must => {
-                    dev.wait_event(e)?;
-                    self.stats.num_event_waits += 1;
-                    true
-                }
-                Some(e) => dev.event_completed(e)?,
-            };
-            if !done {
-                i += 1;
-                continue;
-            }
-            let mut r = self.releasing.remove(i);
-            let n = (r.size / g) as u32;
-            match self.unmap_granules(dev, r.base, r.kind, true, &mut r.pages, (0, n)) {
-                Ok(bytes) => total += bytes,
-                Err(e) => {
-                    // What is left stays waiting, to be given back next time.
-                    self.releasing.push(r);
-                    return Err(e);
-                }
-            }
-            if let Err(e) = dev.vmm_free_range(DevicePtr(r.base), r.size) {
-                // Tried again next time (the work is done: nothing to wait for).
-                if let Some(ev) = r.event.take() {
-                    dev.release_event(ev);
-                }
-                self.releasing.push(r);
-                return Err(e.into());
-            }
-            if let Some(ev) = r.event {
-                dev.release_event(ev);
-            }
-        }
-        Ok(total)
-    }
-
-    /// Keeps the range at `base` whose release the device refused (with
-    /// whatever `pages` it still maps) among [`Core::releasing`], to be
-    /// given back next time, so that nothing is lost.
-    #[cold]
-    fn keep_range(&mut self, base: u64, size: u64, pages: PageMap) {
-        // Its mapped pages were counted reserved by the mapping; a refused
-        // mapping left none.
-        self.releasing.push(PendingRelease {
-            event: None,
-            base,
-            size,
-            kind: PoolKind::Large,
-            pages,
-        });
-    }
-
-    /// `Config::vmm_segments`: cuts the one page of the entirely free
-    /// segment `seg` into pages of [`Paging::page_granules`], at the same
-    /// addresses, as a plain segment is made paged at the split (the device
-    /// is synchronized first, as `cuMemFree` does there: work queued before
-    /// its blocks' frees may still use it).
-    #[cold]
-    fn split_page<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        seg: SegmentId,
-    ) -> Result<(), AllocError> {
-        dev.synchronize()?;
-        self.stats.num_sync_all_streams += 1;
-        let g = self.page_granule();
-        let s = self.segments.get(seg.0);
-        let (base, size, kind) = (s.addr, s.size, s.pool.kind());
-        let n = (size / g) as u32;
-        let page = self
-            .paging
-            .as_ref()
-            .expect("a segment is paged only with paging on")
-            .page_granules(size);
-        let mut pages = self.take_pages(seg);
-        if let Err(e) = self.unmap_granules(dev, base, kind, true, &mut pages, (0, n)) {
-            self.put_pages(seg, pages);
-            return Err(e);
-        }
-        let mapped = self.map_granules(dev, base, &mut pages, page, (0, n));
-        let held = u64::from(pages.mapped_granules(0, u32::MAX)) * g;
-        self.stats.reserved_bytes.increase(kind, held);
-        self.segments.get_mut(seg.0).kind = SegmentKind::Paged { pages, page };
-        self.stats.num_segments_paged += 1;
-        if let Ok(false) = mapped {
-            self.note_device_full(0);
-        }
-        mapped.map(|_| ())
-    }
-
-    /// Whether `seg` is a segment of [`Core::alloc_one_page`] not yet cut
-    /// into smaller pages.
-    fn is_one_page(&self, seg: &Segment) -> bool {
-        let g = self.page_granule();
-        matches!(seg.kind, SegmentKind::Paged { page, .. } if g > 0 && u64::from(page) * g == seg.size)
     }
 
     /// Maps what is unmapped under `[start, end)` of the paged segment
@@ -486,7 +268,7 @@ impl<E> Core<E> {
         let mapped = u64::from(pages.mapped_granules(first, last) - before) * g;
         self.put_pages(seg, pages);
         self.stats.reserved_bytes.increase(kind, mapped);
-        self.note_high_water();
+        self.high_water = self.high_water.max(self.reserved());
         if let Ok(false) = done {
             self.note_device_full(0);
         }
@@ -526,14 +308,7 @@ impl<E> Core<E> {
         let b = self.blocks.get(id.0);
         let (size, seg, pool) = (b.size, b.segment, b.pool);
         let s = self.segments.get(seg.0);
-        if self.is_one_page(s) && !b.is_split() && self.repages(pool.kind(), size, rounded) {
-            if let Err(e) = self.split_page(dev, seg) {
-                let addr = self.blocks.get(id.0).addr;
-                self.bins_mut(pool).insert(size, addr, id);
-                self.note_maybe_free(seg);
-                return Err(e);
-            }
-        } else if !s.is_paged() {
+        if !s.is_paged() {
             let whole_plain = matches!(s.kind, SegmentKind::Plain) && !b.is_split();
             if !whole_plain || !self.repages(pool.kind(), size, rounded) {
                 return Ok(true);
@@ -729,35 +504,10 @@ impl<E> Core<E> {
     ) -> Result<u64, AllocError> {
         let g = self.page_granule();
         self.release_orphans(dev)?;
-        let s = self.segments.get(seg.0);
-        let (base, size, kind, stream) = (s.addr, s.size, s.pool.kind(), s.stream);
-        let one_page = self.paging.as_ref().is_some_and(|p| p.one_page);
-        if one_page && !dev.stream_capturing(stream) {
-            // Given back once the work queued on its stream so far is done:
-            // every other stream's use of its blocks was waited for before
-            // they were freed (their events), so that work is the last.
-            let event = dev.record_event(stream)?;
-            self.stats.num_events_recorded += 1;
-            let pages = self.take_pages(seg);
-            let bytes = u64::from(pages.mapped_granules(0, u32::MAX)) * g;
-            self.releasing.push(PendingRelease {
-                event: Some(event),
-                base,
-                size,
-                kind,
-                pages,
-            });
-            // What may wait is bounded (`vmm_waiting_share` of the peak
-            // allocated bytes): past it, the oldest releases are waited for.
-            // This segment is given back whatever happens next: a device
-            // error giving back a waiting one is met again at its next poll.
-            let peak = self.stats.allocated_bytes.all().peak;
-            let bound = (peak as f64 * self.config.vmm_waiting_share) as u64;
-            let _ = self.release_done(dev, Wait::Over(bound));
-            return Ok(bytes);
-        }
         dev.synchronize()?;
         self.stats.num_sync_all_streams += 1;
+        let s = self.segments.get(seg.0);
+        let (base, size, kind) = (s.addr, s.size, s.pool.kind());
         let mut pages = self.take_pages(seg);
         let released =
             self.unmap_granules(dev, base, kind, true, &mut pages, (0, (size / g) as u32));
