@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from vmm_busy import U64, AccessDesc, Location, Prop, check, cu
+from vmm_busy import U64, check, cu, setup
 
 cu.cuMemAlloc_v2.argtypes = [C.POINTER(U64), C.c_size_t]
 cu.cuMemFree_v2.argtypes = [U64]
@@ -36,20 +36,7 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
 
-    torch.cuda.init()
-    torch.zeros(1, device="cuda")  # the primary context is current from here on
-    dev = torch.cuda.current_device()
-    prop = Prop()
-    prop.type = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location = Location(1, dev)  # CU_MEM_LOCATION_TYPE_DEVICE
-    access = AccessDesc(Location(1, dev), 3)  # READWRITE
-
-    torch.cuda._sleep(1000)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    torch.cuda._sleep(50_000_000)
-    torch.cuda.synchronize()
-    cycles_per_ms = 50_000_000 / ((time.perf_counter() - t) * 1e3)
+    prop, access, cycles_per_ms = setup()
 
     def plain_alloc(size):
         p = U64()

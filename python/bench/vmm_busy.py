@@ -76,6 +76,26 @@ cu.cuMemcpyDtoH_v2.argtypes = [C.c_void_p, U64, C.c_size_t]
 cu.cuMemGetAllocationGranularity.argtypes = [C.POINTER(C.c_size_t), C.POINTER(Prop), C.c_int]
 
 
+
+def setup():
+    """Makes the primary context current; returns the device's page
+    properties, read/write access for it, and the cycles per millisecond of
+    torch.cuda._sleep (measured, not assumed)."""
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")  # the primary context is current from here on
+    dev = torch.cuda.current_device()
+    prop = Prop()
+    prop.type = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location = Location(1, dev)  # CU_MEM_LOCATION_TYPE_DEVICE
+    access = AccessDesc(Location(1, dev), 3)  # READWRITE
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    torch.cuda._sleep(50_000_000)
+    torch.cuda.synchronize()
+    return prop, access, 50_000_000 / ((time.perf_counter() - t) * 1e3)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, default=64)
@@ -84,18 +104,12 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
 
-    torch.cuda.init()
-    torch.zeros(1, device="cuda")  # the primary context is current from here on
-    dev = torch.cuda.current_device()
-    prop = Prop()
-    prop.type = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location = Location(1, dev)  # CU_MEM_LOCATION_TYPE_DEVICE
+    prop, access, cycles_per_ms = setup()
     gran = C.c_size_t()
     check(cu.cuMemGetAllocationGranularity(C.byref(gran), C.byref(prop), 0), "granularity")
     page = a.page_mb << 20
     assert page % gran.value == 0, f"page must be a multiple of {gran.value}"
     n = a.pages
-    access = AccessDesc(Location(1, dev), 3)  # READWRITE
 
     handles = []
     for _ in range(n):
@@ -107,14 +121,6 @@ def main():
     for v in va:
         check(cu.cuMemAddressReserve(C.byref(v), span, 0, 0, 0), "reserve")
     base, base2 = va[0].value, va[1].value
-
-    # Cycles per millisecond for torch.cuda._sleep: measured, not assumed.
-    torch.cuda._sleep(1000)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    torch.cuda._sleep(50_000_000)
-    torch.cuda.synchronize()
-    cycles_per_ms = 50_000_000 / ((time.perf_counter() - t) * 1e3)
 
     def busy():
         """Queues a kernel of --busy-ms that touches none of the pages."""
