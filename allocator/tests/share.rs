@@ -262,7 +262,7 @@ fn random_requests_under_a_cap_share_pages_without_overlap() {
         if grow {
             let exp = 2 + next(22) as u32;
             let bytes = (1u64 << exp) + next(1u64 << exp);
-            let stream = StreamId(next(2) as u64);
+            let stream = StreamId(next(2));
             match a.malloc(bytes, stream) {
                 Ok(p) => live.push(p),
                 Err(AllocError::OutOfMemory(_)) => {
