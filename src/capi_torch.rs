@@ -303,23 +303,19 @@ pub use exports::*;
 
 /// The configuration of a private pool's allocator, from the device's
 /// `config` (see `cachealloc_torch_pool_new`): no thread caches, slabs,
-/// expandable or paged segments or holes borrowed from another stream's segments
+/// expandable segments or holes borrowed from another stream's segments
 /// (nothing records stream events behind a capture, and a block the graph
-/// freed stays where its stream left it), nothing given back on its own (no release before growing, no garbage
-/// collection, no release on out-of-memory, no oversize segment given back
-/// for a smaller request), and PyTorch's 20 MiB medium segments (a pool's
-/// peak starts at zero with its capture).
+/// freed stays where its stream left it), nothing given back on its own (no
+/// garbage collection, no release on out-of-memory), and PyTorch's 20 MiB
+/// medium segments (a pool's peak starts at zero with its capture).
 pub fn pool_config(mut config: Config) -> Config {
     config.thread_cache = 0;
     config.slab_max = 0;
     config.expandable_segments = false;
     config.borrow_holes = false;
-    config.paged_margin = 0.0;
-    config.release_before_grow = false;
     config.garbage_collection_threshold = None;
     config.oom_flush = false;
     config.medium_segment_divisor = 0;
-    config.oversize_ratio = 0.0;
     config
 }
 
@@ -799,7 +795,7 @@ mod tests {
     use cachealloc_core::{MemoryCap, SimulatedDevice};
 
     fn alloc_1g() -> CachingAllocator<SimulatedDevice> {
-        CachingAllocator::new(SimulatedDevice::new(1 << 30), Config::default())
+        CachingAllocator::new(SimulatedDevice::new(1 << 30), Config::segments())
     }
 
     #[test]
@@ -809,7 +805,7 @@ mod tests {
             (c.thread_cache, c.slab_max, c.expandable_segments),
             (0, 0, false)
         );
-        assert!(!c.release_before_grow && !c.oom_flush && !c.borrow_holes);
+        assert!(!c.oom_flush && !c.borrow_holes);
         assert!(c.garbage_collection_threshold.is_none());
         // A fresh pool's first medium request takes a 20 MiB segment, as
         // PyTorch's graph pools do (`default` alone would make it 4 MiB).

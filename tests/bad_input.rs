@@ -311,7 +311,10 @@ fn bad_configs_name_the_key_and_value() {
         ),
         ("small_segment_mb:0", &["`small_segment_mb`"]),
         ("backend:cudaMallocAsync", &["`backend`", "native"]),
-        ("release_order:newest", &["`newest` for `release_order`"]),
+        (
+            "expandable_edges:newest",
+            &["`newest` for `expandable_edges`"],
+        ),
     ];
     for (conf, needles) in cases {
         let o = run(&["replay", "tests/data/small.trace", "--config", conf]);
@@ -333,22 +336,22 @@ fn bad_configs_name_the_key_and_value() {
     }
 }
 
-/// The `release_order` error lists every value it accepts (the message
-/// comes from the key table, as the parser's values do).
+/// A choice key's error lists every value it accepts (the message comes
+/// from the key table, as the parser's values do).
 #[test]
-fn release_order_error_lists_every_accepted_value() {
+fn choice_error_lists_every_accepted_value() {
     let o = run(&[
         "replay",
         "tests/data/small.trace",
         "--config",
-        "release_order:newest",
+        "expandable_edges:newest",
     ]);
-    assert_fails(&o, 2, &["`newest` for `release_order`"]);
+    assert_fails(&o, 2, &["`newest` for `expandable_edges`"]);
     let err = stderr(&o);
     let words: Vec<&str> = err
         .split(|c: char| !(c.is_alphanumeric() || c == '_'))
         .collect();
-    for value in ["smallest_fit", "oldest", "largest"] {
+    for value in ["pressure", "small", "big"] {
         assert!(words.contains(&value), "`{value}` not listed: {err}");
     }
 }

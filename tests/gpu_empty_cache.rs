@@ -17,7 +17,7 @@ const TOLERANCE: u64 = 4 * MIB;
 
 #[test]
 fn empty_cache_returns_memory_to_the_driver() {
-    empty_cache_with(Config::default());
+    empty_cache_with(Config::segments());
 }
 
 #[test]

@@ -224,7 +224,7 @@ fn ipc_handles_work_on_plain_segments_only() {
     let _serial = serial();
     let Some(dev) = gpu_device() else { return };
     dev.bind_thread().unwrap();
-    let plain = CachingAllocator::new(CudaDevice::new(0).unwrap(), Config::default());
+    let plain = CachingAllocator::new(CudaDevice::new(0).unwrap(), Config::segments());
     let vmm = CachingAllocator::new(dev, Config::expandable());
     let p = plain.malloc(4 * MIB, StreamId(0)).unwrap();
     let v = vmm.malloc(4 * MIB, StreamId(0)).unwrap();
@@ -372,4 +372,21 @@ fn granules_whose_live_bytes_do_not_meet_share_a_page_and_keep_their_data() {
         assert_eq!(alloc.usage().reserved, 0);
         alloc.check_invariants().unwrap();
     }
+}
+
+/// `default` is expandable segments on a device with the virtual memory API
+/// (probed with a trial map when the allocator starts), with no notice.
+#[test]
+fn default_maps_pages_on_a_device_with_the_virtual_memory_api() {
+    let _serial = serial();
+    let Some(dev) = gpu_device() else { return };
+    dev.bind_thread().unwrap();
+    let a = CachingAllocator::new(dev, Config::default());
+    assert!(a.is_expandable(), "{:?}", a.notices());
+    assert!(a.notices().is_empty(), "{:?}", a.notices());
+    let p = a.malloc(30 * MIB, StreamId(0)).unwrap();
+    let st = a.stats();
+    assert!(st.num_map > 0 && st.num_device_alloc == 0, "{st:?}");
+    a.free(p).unwrap();
+    a.empty_cache().unwrap();
 }

@@ -108,11 +108,9 @@ fn other_kinds_under_a_memory_cap() {
     dev.bind_thread().unwrap();
     let s = Stream::new(&dev).unwrap();
     // The huge segment takes the whole cap: no segment of any kind fits beside it.
-    // (Plain segments: split again near the limit, a paged one would move.)
     let config = Config {
         memory_cap: Some(MemoryCap::Bytes(300 * MIB)),
-        paged_margin: 0.0,
-        ..Config::default()
+        ..Config::segments()
     };
     assert!(config.oom_other_kinds);
     let alloc = CachingAllocator::new(dev, config);

@@ -4,7 +4,7 @@
 //! Zero mismatches means no two live allocations overlap and no memory was
 //! handed out while a stream could still write to it.
 //!
-//! It runs twice: on plain segments (`Config::default()`) and on expandable
+//! It runs twice: on plain segments (`Config::segments()`) and on expandable
 //! segments (`Config::expandable()`, CUDA virtual memory API), where pages are
 //! also unmapped and re-mapped elsewhere during the run, with and without
 //! shadow mappings.
@@ -27,7 +27,7 @@ struct Live {
 
 #[test]
 fn pattern_two_streams() {
-    pattern_two_streams_with(Config::default());
+    pattern_two_streams_with(Config::segments());
 }
 
 #[test]

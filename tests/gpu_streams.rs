@@ -43,7 +43,7 @@ fn allocator_with(dev: CudaDevice, config: Config) -> Option<CachingAllocator<Cu
 
 #[test]
 fn cross_stream_block_not_reused_before_work_completes() {
-    cross_stream_with(Config::default());
+    cross_stream_with(Config::segments());
 }
 
 #[test]
@@ -54,12 +54,12 @@ fn cross_stream_block_not_reused_before_work_completes_expandable() {
 /// A stream that takes a hole in another stream's partly used segment
 /// (`borrow_holes`) waits on the device for that stream's queued work, so
 /// its writes land after the owner's last write there: a small block under
-/// `default`, a block of a 20 MiB medium segment under PyTorch's sizes.
+/// `segments`, a block of a 20 MiB medium segment under PyTorch's sizes.
 #[test]
 fn a_borrowed_hole_waits_for_its_owners_work() {
     let _serial = serial();
     for (config, size) in [
-        ("default", 64 * 1024),
+        ("segments,borrow_holes:true", 64 * 1024),
         ("pytorch,borrow_holes:true", 4 * MIB),
     ] {
         borrowed_hole_with(Config::parse(config).unwrap(), size);
@@ -285,7 +285,7 @@ fn events_are_pooled() {
     let Some(dev) = gpu_device() else { return };
     dev.bind_thread().unwrap();
     let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
-    let alloc = CachingAllocator::new(dev, Config::default());
+    let alloc = CachingAllocator::new(dev, Config::segments());
     for _ in 0..100 {
         let p = alloc.malloc(MIB, a.id()).unwrap();
         alloc.record_stream(p, b.id()).unwrap();
@@ -354,7 +354,7 @@ fn cached_buffer_roundtrip_through_the_registry() {
 
 #[test]
 fn calls_from_threads_without_a_current_context() {
-    calls_from_threads_with(Config::default());
+    calls_from_threads_with(Config::segments());
 }
 
 #[test]
@@ -457,7 +457,7 @@ fn a_block_freed_during_a_capture_is_guarded_after_it() {
     let Some(dev) = gpu_device() else { return };
     dev.bind_thread().unwrap();
     let s = Stream::new(&dev).unwrap();
-    let alloc = CachingAllocator::new(dev, Config::default());
+    let alloc = CachingAllocator::new(dev, Config::segments());
     let size = 4 * MIB;
     let x = alloc.malloc(size, StreamId(0)).unwrap();
     alloc.record_stream(x, s.id()).unwrap();

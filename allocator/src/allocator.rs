@@ -18,9 +18,8 @@ use crate::bins::Bins;
 use crate::block::{
     Block, BlockId, BlockState, Listed, PoolId, PoolKind, Segment, SegmentId, SegmentKind,
 };
-use crate::churn::ChurnBudget;
 use crate::config::{
-    Config, MemoryCap, ReleaseOrder, MEDIUM_SEGMENT, MEDIUM_SEGMENT_MIN, OVERSIZE_SLACK, SMALL_SIZE,
+    Config, MemoryCap, MEDIUM_SEGMENT, MEDIUM_SEGMENT_MIN, OVERSIZE_SLACK, SMALL_SIZE,
 };
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::{AllocError, OomReport};
@@ -35,10 +34,6 @@ use crate::trace::TraceEvent;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
 
-/// Operations between two marks of the byte clock (`release_idle_frac`).
-const BYTE_MARK_EVERY: u64 = 64;
-/// Marks of the byte clock kept (the last 4 M operations).
-const BYTE_MARKS: usize = 65536;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -150,31 +145,14 @@ pub(super) struct Core<E> {
     pub(super) high_water: u64,
     /// Mallocs and frees so far: the clock of idle ages.
     pub(super) clock: u64,
-    /// Bytes (rounded) allocated so far through the locked path.
-    pub(super) bytes_clock: u64,
-    /// `(clock, bytes_clock)` every [`BYTE_MARK_EVERY`] operations, the last
-    /// [`BYTE_MARKS`] of them: converts an idle age in operations into bytes
-    /// allocated since (`release_idle_frac`).
-    pub(super) byte_marks: VecDeque<(u64, u64)>,
     pub(super) recorder: Option<Recorder>,
     /// Things the user should know about the configuration (e.g. a fallback).
     pub(super) notices: Vec<String>,
     /// Page granularity of expandable segments; `Some` turns them on.
     pub(super) granularity: Option<u64>,
-    /// The memory it may reserve: device size and where it was found full.
-    pub(super) limit: limit::Limit,
-    /// Paged plain segments near the device's limit (`Config::paged_margin`).
-    pub(super) paging: Option<paged::Paging>,
     /// Expandable segments: free blocks in the bins that hold a whole mapped
     /// page, as (idle since, block), longest idle first.
     pub(super) idle_index: std::collections::BTreeSet<(u64, u32)>,
-    /// The whole free segment the last lookup refused as more than
-    /// `oversize_ratio` times the request: growing for that request gives
-    /// it back first ([`State::grow`]).
-    pub(super) oversize_refused: Option<SegmentId>,
-    /// `release_time_budget`: the driver time of releasing and growing again
-    /// against run time; while spent, the release rules pause.
-    pub(super) churn: ChurnBudget,
 }
 
 /// An allocator's state under its lock: the shared records and the
@@ -227,17 +205,6 @@ impl<E> Core<E> {
         self.stats.reserved_bytes.all().current
     }
 
-    /// The device's clock for `release_time_budget`, read only when a budget
-    /// is set (each reading is a system call on a real device).
-    #[inline]
-    fn churn_clock<D: Device<Event = E>>(&self, dev: &D) -> Option<u64> {
-        if self.churn.limited() {
-            dev.now_ns()
-        } else {
-            None
-        }
-    }
-
     /// The size of the segments large requests below the threshold share:
     /// [`MEDIUM_SEGMENT`], or with `medium_segment_divisor` that share of the
     /// peak reserved memory, in 2 MiB steps from 2 to 20 MiB.
@@ -281,9 +248,7 @@ mod grow;
 mod inspect;
 mod invariants;
 mod layout;
-mod limit;
 mod malloc;
-mod paged;
 mod slabs;
 mod thread_cache;
 

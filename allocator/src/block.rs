@@ -144,15 +144,6 @@ pub(crate) enum SegmentKind {
     },
     /// A small-pool segment cut into chunks of one size class.
     Slab(SlabSeg),
-    /// A plain segment backed by pages of the device's granularity, so that
-    /// pages inside its free blocks can go back to the device while the
-    /// segment is partly used (`Config::paged_margin`).
-    Paged {
-        /// Its mapped pages, in granules.
-        pages: PageMap,
-        /// Granules per page (the last page may be shorter).
-        page: u32,
-    },
 }
 
 /// Where a slab is listed in its pool (see `allocator::slabs`).
@@ -190,23 +181,18 @@ impl Segment {
         matches!(self.kind, SegmentKind::Expandable { .. })
     }
 
-    /// Whether the segment is a plain segment backed page by page.
-    pub fn is_paged(&self) -> bool {
-        matches!(self.kind, SegmentKind::Paged { .. })
-    }
-
-    /// An expandable or paged segment's mapped pages.
+    /// An expandable segment's mapped pages.
     pub fn pages(&self) -> Option<&PageMap> {
         match &self.kind {
-            SegmentKind::Expandable { pages, .. } | SegmentKind::Paged { pages, .. } => Some(pages),
+            SegmentKind::Expandable { pages, .. } => Some(pages),
             _ => None,
         }
     }
 
-    /// An expandable or paged segment's mapped pages, to change.
+    /// An expandable segment's mapped pages, to change.
     pub fn pages_mut(&mut self) -> Option<&mut PageMap> {
         match &mut self.kind {
-            SegmentKind::Expandable { pages, .. } | SegmentKind::Paged { pages, .. } => Some(pages),
+            SegmentKind::Expandable { pages, .. } => Some(pages),
             _ => None,
         }
     }

@@ -28,24 +28,6 @@ const DEFAULT_MEDIUM_DIVISOR: u64 = 64;
 /// most 1/128 of the peak allocated bytes. Larger divisors leave the
 /// corpus's worst case where it is and only add map calls (docs/POLICY.md).
 const DEFAULT_PAGE_DIVISOR: u64 = 128;
-/// `paged_margin` of `default`: free segments split again are paged once
-/// reserved memory passes half the limit. Within 10% of it only, the
-/// corpus's minimum capacity is 1.056 instead of 1.044 (docs/POLICY.md).
-const DEFAULT_PAGED_MARGIN: f64 = 0.5;
-/// `paged_pages`: a paged segment is cut into at least this many pages
-/// (32 to 63 once it spans 32 granules), so that making one costs a few
-/// dozen driver calls however large it is. Against 16, the corpus and 8
-/// jittered copies need 1.0416 instead of 1.0439 × their peak (held out:
-/// 1.0454 against 1.0515), for 54% more map calls near the limit and no
-/// step time measured in PyTorch (docs/POLICY.md, "How many pages").
-const DEFAULT_PAGED_PAGES: u64 = 32;
-/// `oversize_ratio` of `default`: a huge request does not take an entirely
-/// free huge segment more than twice its size. 1.5 holds less (corpus and 8
-/// jittered copies: geometric mean ratio 1.101 → 1.097; nmt in PyTorch 1.097
-/// → 1.050) but gives huge segments back more often, and each `cuMemFree`
-/// waits for the device: 2–15% more step time on nmt and an LSTM language
-/// model (docs/POLICY.md), so it stays an opt-in.
-const DEFAULT_OVERSIZE_RATIO: f64 = 2.0;
 /// Smallest medium segment (`medium_segment_divisor`).
 pub const MEDIUM_SEGMENT_MIN: u64 = 2 * MIB;
 /// Segment size for large requests below `large_threshold` (PyTorch's `kLargeBuffer`).
@@ -98,18 +80,6 @@ impl MemoryCap {
 /// The smallest byte cap accepted: below one small segment nothing could be allocated.
 pub const MIN_MEMORY_CAP: u64 = 2 * MIB;
 
-/// Which entirely free segments to release first when room is needed.
-#[derive(Copy, Clone, PartialEq, Eq, Debug)]
-pub enum ReleaseOrder {
-    /// The smallest single segment that makes enough room, else the largest first.
-    SmallestFit,
-    /// The longest idle first.
-    Oldest,
-    /// The largest first (whole free segments give back the most memory per
-    /// driver call).
-    Largest,
-}
-
 /// Expandable segments: which page size backs the partly covered big pages
 /// at a block's edges (see `docs/POLICY.md`, "Mixed page sizes").
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
@@ -153,12 +123,6 @@ macro_rules! choice_words {
     };
 }
 
-choice_words!(ReleaseOrder, WORDS:
-    "oldest" => Oldest,
-    "smallest_fit" => SmallestFit,
-    "largest" => Largest,
-);
-
 choice_words!(EdgePages, WORDS:
     "pressure" => Pressure,
     "small" => Small,
@@ -185,8 +149,8 @@ pub struct Config {
     pub medium_segment_divisor: u64,
     /// Granule that own-size large segments are rounded up to.
     pub segment_round: u64,
-    /// Requests at or above this size go to the huge pool, whose blocks only
-    /// huge requests may take (`u64::MAX`: no huge pool).
+    /// Plain segments: requests at or above this size go to the huge pool,
+    /// whose blocks only huge requests may take (`u64::MAX`: no huge pool).
     pub huge_size: u64,
     /// Large blocks are split only when the remainder is larger than this.
     pub large_split_remainder: u64,
@@ -199,45 +163,23 @@ pub struct Config {
     pub garbage_collection_threshold: Option<f64>,
     /// Limit on reserved memory.
     pub memory_cap: Option<MemoryCap>,
-    /// Before a new segment would lift reserved memory above its previous
-    /// peak, release entirely free cached segments first.
-    pub release_before_grow: bool,
-    /// A huge request does not take an entirely free segment more than this
-    /// many times its size (0: no limit); that segment is given back and the
-    /// request gets a segment of its own, so big segments are not carved up
-    /// by smaller, longer-lived blocks.
-    pub oversize_ratio: f64,
-    /// Before growing, release only segments that stayed free while the
-    /// program allocated at least this fraction of its peak allocated bytes
-    /// (0: any free segment): an idle age that means the same on every
-    /// workload, about a step's worth of allocations at 1.
-    pub release_idle_frac: f64,
-    /// The idle age applies only while reserved memory stays within
-    /// `1 + release_idle_slack` times the peak allocated bytes: past that,
-    /// any free segment is released before growing, so the idle age costs at
-    /// most this much memory.
-    pub release_idle_slack: f64,
-    /// Plain segments: the share of run time that releasing segments before
-    /// growing and allocating them again may take, measured on the device's
-    /// clock; past it the release rules pause and reserved memory grows
-    /// instead: step time back for memory, for a program whose steps the
-    /// release rules slow down (0: no limit; a device without a clock, such
-    /// as a replay's, never pauses).
-    pub release_time_budget: f64,
     /// On a device out-of-memory, release cached segments (those that make
     /// room, then every entirely free one) and retry before failing (plain
     /// segments). Off for a CUDA graph's private pool: a
     /// captured graph still uses the pool's free blocks, so only the pool's
     /// owner may give them back.
     pub oom_flush: bool,
-    /// Which free segments go first when room is needed.
-    pub release_order: ReleaseOrder,
     /// Expandable segments: [`IDLE_SLACK`]; the key `expandable_slack` sets
     /// it, and `idle_slack_hard` to twice it.
     pub idle_slack: f64,
     /// Expandable segments: [`IDLE_SLACK_HARD`] (set with `idle_slack`
     /// through `expandable_slack`; a field of its own so that tests can vary it).
     pub idle_slack_hard: f64,
+    /// Expandable segments: idle pages move to where they are needed once
+    /// reserved memory passes `1 + idle_slack` times the peak allocated
+    /// bytes (off: pages stay where they were mapped until `empty_cache`,
+    /// as PyTorch's expandable segments).
+    pub expandable_recycle: bool,
     /// Expandable segments: [`RECYCLE_BATCH`] (a field, with no key, so that
     /// tests can vary it).
     pub recycle_batch: f64,
@@ -252,17 +194,6 @@ pub struct Config {
     /// Expandable segments: page size at the edges of a block, where a big
     /// page would lie only partly under it.
     pub expandable_edges: EdgePages,
-    /// Expandable segments: a block whose best fit lacks pages goes where
-    /// idle mapped pages are instead, so that pages move less (half the map
-    /// calls on the corpus), while the workload is well short of the device's
-    /// memory or the cap; it costs reserved memory there (docs/POLICY.md).
-    /// Off by default.
-    pub expandable_place: bool,
-    /// Expandable segments: past the hard limit, idle pages of the
-    /// requesting stream serve it at once (stream order makes that safe),
-    /// their old mappings dropped once the stream is past them, instead of
-    /// the host waiting for the stream's marker.
-    pub expandable_early_reuse: bool,
     /// Expandable segments: a page moved away keeps its old mapping (a
     /// *shadow*, no unmap call) until that address needs another page; a
     /// block carved over a shadow whose page is idle takes the page back
@@ -302,16 +233,6 @@ pub struct Config {
     /// kind (a small request in a large or huge segment, a large one in a
     /// huge segment).
     pub oom_other_kinds: bool,
-    /// Plain segments: while reserved memory is within this share of the cap
-    /// or of the device's memory, an entirely free large segment that a
-    /// smaller request splits is made again backed page by page (CUDA virtual
-    /// memory API), so that the pages inside its free blocks go back to the
-    /// device before an allocation fails (0: off; off too with `oom_flush` off).
-    pub paged_margin: f64,
-    /// Plain segments: the pages a paged segment is cut into at least
-    /// (pages are a power of two granules): more, smaller pages give more
-    /// back before an allocation fails, for more driver calls near the limit.
-    pub paged_pages: u64,
     /// Page-backed growable segments (CUDA virtual memory API).
     pub expandable_segments: bool,
     /// Freed blocks each thread keeps for its own next request of the same
@@ -344,24 +265,17 @@ impl Config {
             roundup_power2_divisions: [0; POWER2_INTERVALS],
             garbage_collection_threshold: None,
             memory_cap: None,
-            release_before_grow: false,
-            release_order: ReleaseOrder::SmallestFit,
-            oversize_ratio: 0.0,
-            release_idle_frac: 0.0,
-            release_idle_slack: 0.0,
-            release_time_budget: 0.0,
             oom_flush: true,
             idle_slack: IDLE_SLACK,
             idle_slack_hard: IDLE_SLACK_HARD,
             recycle_batch: RECYCLE_BATCH,
+            expandable_recycle: false,
             // PyTorch's expandable segments map 20 MiB pages in the large
             // pools (`kLargeBuffer`), each whole wherever a block reaches
             // into it.
             expandable_page: 20 * MIB,
             expandable_page_divisor: 0,
             expandable_edges: EdgePages::Big,
-            expandable_place: false,
-            expandable_early_reuse: true,
             expandable_shadows: false,
             expandable_reback: false,
             expandable_share: false,
@@ -369,39 +283,63 @@ impl Config {
             expandable_borrow: false,
             borrow_holes: false,
             oom_other_kinds: false,
-            paged_margin: 0.0,
-            paged_pages: DEFAULT_PAGED_PAGES,
             expandable_segments: false,
         }
     }
 
-    /// Our policy on expandable segments (CUDA virtual memory API): one
-    /// virtual range per stream and pool, 2 MiB pages mapped under live
-    /// blocks, idle pages moved to where they are needed instead of growing.
+    /// Plain segments (`cuMemAlloc`), never given back in steady state.
+    ///
+    /// Note [Plain segments never wait in steady state]: `cuMemFree` waits
+    /// for the whole device, so a policy that gives segments back to save
+    /// memory costs step time. This one gives them back only on
+    /// `empty_cache()`, in the out-of-memory flush, under a memory cap or
+    /// fraction, and past `garbage_collection_threshold` (PyTorch's
+    /// meaning); in between, every placement rule it keeps works without a
+    /// driver call: the huge pool, medium segments scaled to the workload,
+    /// thread caches, and other kinds' free blocks before out of memory.
+    ///
+    /// Note [How default chooses]: `default` is this policy with
+    /// `expandable_segments:True`. Where the device lacks the virtual
+    /// memory API (probed when the allocator starts), the allocator falls
+    /// back to these plain segments and says so once in its notices; so
+    /// `default,expandable_segments:False` and `segments` are the same policy.
+    pub fn segments() -> Self {
+        Config {
+            name: "segments".into(),
+            thread_cache: DEFAULT_THREAD_CACHE,
+            huge_size: 256 * MIB,
+            slab_max: DEFAULT_SLAB_MAX,
+            medium_segment_divisor: DEFAULT_MEDIUM_DIVISOR,
+            // Free space stranded in segments of another kind, before out
+            // of memory only.
+            oom_other_kinds: true,
+            // Expandable segments (with `expandable_segments:True`): pages of
+            // at most 8 MiB and 1/128 of the peak allocated bytes, big at
+            // blocks' edges while there is room; idle pages move where they
+            // are needed and keep their old mappings as shadows; a stream
+            // short of pages borrows another's free block over mapped pages;
+            // before out of memory, partly used pages give back their free
+            // part and then share pages.
+            expandable_page: 8 * MIB,
+            expandable_page_divisor: DEFAULT_PAGE_DIVISOR,
+            expandable_edges: EdgePages::Pressure,
+            recycle_batch: 0.0,
+            expandable_recycle: true,
+            expandable_shadows: true,
+            expandable_cross_stream: true,
+            expandable_borrow: true,
+            expandable_reback: true,
+            expandable_share: true,
+            ..Self::pytorch()
+        }
+    }
+
+    /// `default` under its older name: expandable segments, asked for by
+    /// name (falls back to plain segments, with a notice, where the device
+    /// lacks the virtual memory API).
     pub fn expandable() -> Self {
         Config {
             name: "expandable".into(),
-            expandable_segments: true,
-            // Move only the pages needed now: a batch moved ahead is mostly
-            // mapped back where it was (nmt: 8,138 map calls instead of 13,817).
-            recycle_batch: 0.0,
-            // Pages moved away keep their old mappings and go back with no
-            // call (corpus replay: 95,894 map calls instead of 180,085 maps +
-            // unmaps... see docs/POLICY.md).
-            expandable_shadows: true,
-            // Another stream's busy idle pages: its work is waited for on the
-            // device, not the host (multistream_infer on an H100: 1.12 → 0.98 ×
-            // native step time, the same memory; docs/POLICY.md).
-            expandable_cross_stream: true,
-            // A stream short of mapped pages takes another stream's free
-            // block over them (multistream_infer replay: reserved / allocated
-            // 1.140 → 1.079, map calls 2,191 → 1,248; docs/POLICY.md).
-            expandable_borrow: true,
-            // Before out of memory, granules whose live bytes do not meet
-            // share a page (minimum capacity; docs/POLICY.md).
-            expandable_share: true,
-            huge_size: u64::MAX,
-            oom_flush: true,
             ..Self::default()
         }
     }
@@ -417,12 +355,13 @@ impl Config {
 
     /// The named presets, for help texts.
     pub const PRESETS: &'static [&'static str] =
-        &["default", "pytorch", "expandable", "no-caching"];
+        &["default", "segments", "pytorch", "expandable", "no-caching"];
 
     /// A preset by name.
     pub fn preset(name: &str) -> Option<Self> {
         match name {
             "default" => Some(Self::default()),
+            "segments" => Some(Self::segments()),
             "pytorch" => Some(Self::pytorch()),
             "expandable" => Some(Self::expandable()),
             "no-caching" | "no_caching" | "none" => Some(Self::no_caching()),
@@ -787,6 +726,12 @@ fn u(v: Value) -> u64 {
         _ => unreachable!("the kind parses to a whole number"),
     }
 }
+fn w(v: Value) -> &'static str {
+    match v {
+        Value::Word(x) => x,
+        _ => unreachable!("the kind parses to a word"),
+    }
+}
 fn b(v: Value) -> bool {
     matches!(v, Value::Bool(true))
 }
@@ -794,12 +739,6 @@ fn f(v: Value) -> f64 {
     match v {
         Value::F64(x) => x,
         _ => unreachable!("the kind parses to a number"),
-    }
-}
-fn w(v: Value) -> &'static str {
-    match v {
-        Value::Word(x) => x,
-        _ => unreachable!("the kind parses to a word"),
     }
 }
 
@@ -817,13 +756,6 @@ const SHARE: KeyKind = KeyKind::Number {
     min: 0.0,
     min_included: true,
     max: 100.0,
-    max_included: true,
-};
-/// A share of run time.
-const BUDGET: KeyKind = KeyKind::Number {
-    min: 0.0,
-    min_included: true,
-    max: 1.0,
     max_included: true,
 };
 const BOOL: KeyKind = KeyKind::Bool;
@@ -987,75 +919,10 @@ pub static KEYS: &[Key] = &[
         aliases: &[],
         kind: mib(1, MAX_MIB, true),
         stability: Stability::Stable,
-        doc: "requests this large go to the huge pool, whose blocks only huge requests take",
+        doc: "plain segments: requests this large go to the huge pool, whose blocks only huge requests take",
         group: None,
         get: |c| Some(Value::U64(c.huge_size)),
         set: |c, v| c.huge_size = u(v),
-    },
-    Key {
-        name: "oversize_ratio",
-        aliases: &[],
-        kind: KeyKind::Number {
-            min: 0.0,
-            min_included: true,
-            max: 1024.0,
-            max_included: true,
-        },
-        stability: Stability::Experimental,
-        doc: "a huge request does not take a free huge segment more than this many times its size (fractions too: 1.5 holds less for more step time), which is given back instead (0: off)",
-        group: None,
-        get: |c| Some(Value::F64(c.oversize_ratio)),
-        set: |c, v| c.oversize_ratio = f(v),
-    },
-    Key {
-        name: "release_before_grow",
-        aliases: &[],
-        kind: BOOL,
-        stability: Stability::Stable,
-        doc: "before reserved memory would pass its previous peak, release entirely free segments",
-        group: None,
-        get: |c| Some(Value::Bool(c.release_before_grow)),
-        set: |c, v| c.release_before_grow = b(v),
-    },
-    Key {
-        name: "release_order",
-        aliases: &[],
-        kind: KeyKind::Choice(ReleaseOrder::WORDS),
-        stability: Stability::Stable,
-        doc: "which free segments go first: longest idle, the smallest single one that makes room, or the largest",
-        group: None,
-        get: |c| Some(Value::Word(c.release_order.word())),
-        set: |c, v| c.release_order = ReleaseOrder::from_word(w(v)).expect("a word of the table"),
-    },
-    Key {
-        name: "release_idle_frac",
-        aliases: &[],
-        kind: SHARE,
-        stability: Stability::Stable,
-        doc: "before growing, release only segments that stayed free while this fraction of the peak allocated bytes was allocated (0: any)",
-        group: None,
-        get: |c| Some(Value::F64(c.release_idle_frac)),
-        set: |c, v| c.release_idle_frac = f(v),
-    },
-    Key {
-        name: "release_idle_slack",
-        aliases: &[],
-        kind: SHARE,
-        stability: Stability::Stable,
-        doc: "the idle age of release_idle_frac applies only while reserved stays within 1 + this times the peak allocated bytes",
-        group: None,
-        get: |c| Some(Value::F64(c.release_idle_slack)),
-        set: |c, v| c.release_idle_slack = f(v),
-    },
-    Key {
-        name: "release_time_budget",
-        aliases: &[],
-        kind: BUDGET,
-        stability: Stability::Experimental,
-        doc: "plain segments: the share of run time that releasing before growing and allocating again may take (device clock); past it the release rules pause and reserved grows (0: no limit)",
-        group: None,
-        get: |c| Some(Value::F64(c.release_time_budget)),
-        set: |c, v| c.release_time_budget = f(v),
     },
     Key {
         name: "oom_flush",
@@ -1109,26 +976,6 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::Word(c.expandable_edges.word())),
         set: |c, v| c.expandable_edges = EdgePages::from_word(w(v)).expect("a word of the table"),
-    },
-    Key {
-        name: "expandable_place",
-        aliases: &[],
-        kind: BOOL,
-        stability: Stability::Experimental,
-        doc: "expandable segments: a block whose best fit lacks mapped pages goes over idle mapped pages instead, so that fewer pages move (off: best fit, as PyTorch)",
-        group: None,
-        get: |c| Some(Value::Bool(c.expandable_place)),
-        set: |c, v| c.expandable_place = b(v),
-    },
-    Key {
-        name: "expandable_early_reuse",
-        aliases: &[],
-        kind: BOOL,
-        stability: Stability::Experimental,
-        doc: "expandable segments: past the hard limit, idle pages of the requesting stream are mapped under its block at once and their old mappings dropped once the stream is past them (off: wait for the stream's marker)",
-        group: None,
-        get: |c| Some(Value::Bool(c.expandable_early_reuse)),
-        set: |c, v| c.expandable_early_reuse = b(v),
     },
     Key {
         name: "expandable_shadows",
@@ -1189,30 +1036,6 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::Bool(c.oom_other_kinds)),
         set: |c, v| c.oom_other_kinds = b(v),
-    },
-    Key {
-        name: "paged_margin",
-        aliases: &[],
-        kind: BUDGET,
-        stability: Stability::Experimental,
-        doc: "plain segments: while reserved memory is within this share of the cap or of the device's memory, an entirely free large segment that a smaller request splits is made again backed page by page (CUDA virtual memory API), so that the pages inside free blocks of partly used segments go back to the device before an allocation fails (0: off; off too with oom_flush off)",
-        group: None,
-        get: |c| Some(Value::F64(c.paged_margin)),
-        set: |c, v| c.paged_margin = f(v),
-    },
-    Key {
-        name: "paged_pages",
-        aliases: &[],
-        kind: KeyKind::Count {
-            min: 1,
-            max: 4096,
-            pow2: false,
-        },
-        stability: Stability::Experimental,
-        doc: "plain segments: the pages a paged segment is cut into at least (a power of two granules each, at least one granule): more pages give more back before an allocation fails, for more driver calls near the limit",
-        group: None,
-        get: |c| Some(Value::U64(c.paged_pages)),
-        set: |c, v| c.paged_pages = u(v),
     },
     Key {
         name: "expandable_cross_stream",
@@ -1383,49 +1206,14 @@ pub const DEFAULT_SLAB_MAX: u64 = 0;
 pub const MAX_THREAD_CACHE: u32 = 1024;
 
 impl Default for Config {
-    /// cachealloc's own policy (tuned on trace replays; see `docs/POLICY.md`).
+    /// cachealloc's default: expandable segments where the device has the
+    /// virtual memory API, and the [`Config::segments`] policy where it does
+    /// not (see "Note [How default chooses]" in [`Config::segments`]).
     fn default() -> Self {
         Config {
             name: "default".into(),
-            release_before_grow: true,
-            release_order: ReleaseOrder::Largest,
-            thread_cache: DEFAULT_THREAD_CACHE,
-            huge_size: 256 * MIB,
-            oom_flush: true,
-            release_idle_frac: 0.25,
-            release_idle_slack: 0.1,
-            // No time budget: pausing the release rules bought an LSTM
-            // language model its step time back but raised other programs'
-            // memory above PyTorch's (docs/POLICY.md).
-            release_time_budget: 0.0,
-            slab_max: DEFAULT_SLAB_MAX,
-            medium_segment_divisor: DEFAULT_MEDIUM_DIVISOR,
-            oversize_ratio: DEFAULT_OVERSIZE_RATIO,
-            // Holes in another stream's partly used segments before a new
-            // segment (multistream_infer's jittered copies: worst ratio
-            // 1.257 → 1.209; step time on an H200 no worse, docs/POLICY.md).
-            borrow_holes: true,
-            // Free space stranded in segments of another kind before out of
-            // memory. With paging on it rarely acts (one of the corpus's 117
-            // trace copies, 1.0239 → 1.0214); it is what remains where pages
-            // cannot be had (no virtual memory API, `paged_margin:0`: lower
-            // on 13 of 117, by up to 2.3%; docs/POLICY.md).
-            oom_other_kinds: true,
-            // Near the limit, a free segment split again by a smaller request
-            // is made again page-backed, so that the pages inside its free
-            // blocks can go back before an allocation fails (minimum capacity
-            // lower on 115 of the corpus's 117 trace copies; no step time
-            // lost on a GPU at 1.2 × a program's peak; docs/POLICY.md).
-            paged_margin: DEFAULT_PAGED_MARGIN,
-            // 8 MiB pages, big at blocks' edges while there is room
-            // (docs/POLICY.md has the page sizes measured).
-            expandable_page: 8 * MIB,
-            expandable_page_divisor: DEFAULT_PAGE_DIVISOR,
-            expandable_edges: EdgePages::Pressure,
-            // Only where an allocation would fail: a run that fits makes
-            // no copy and no extra call.
-            expandable_reback: true,
-            ..Self::pytorch()
+            expandable_segments: true,
+            ..Self::segments()
         }
     }
 }
@@ -1620,15 +1408,11 @@ mod tests {
 
     #[test]
     fn choice_words_round_trip() {
-        for &word in ReleaseOrder::WORDS {
-            let v = ReleaseOrder::from_word(word).expect("a listed word");
-            assert_eq!(v.word(), word);
-        }
         for &word in EdgePages::WORDS {
             let v = EdgePages::from_word(word).expect("a listed word");
             assert_eq!(v.word(), word);
         }
-        assert_eq!(ReleaseOrder::from_word("newest"), None);
+        assert_eq!(EdgePages::from_word("huge"), None);
     }
 
     #[test]
@@ -1684,8 +1468,9 @@ mod tests {
             Config::pytorch(),
             Config::no_caching(),
             Config::parse("pytorch,max_split_size_mb:64,roundup_power2_divisions:[1:1,2:2,>:4],memory_cap:1GiB").unwrap(),
-            Config::parse("default,huge_size_mb:unlimited,release_order:smallest_fit").unwrap(),
-            Config::parse("default,release_order:smallest_fit,garbage_collection_threshold:0.5,per_process_memory_fraction:0.5")
+            Config::segments(),
+            Config::parse("default,huge_size_mb:unlimited,borrow_holes:True").unwrap(),
+            Config::parse("segments,garbage_collection_threshold:0.5,per_process_memory_fraction:0.5")
                 .unwrap(),
         ] {
             assert_eq!(Config::parse(&c.to_conf_string()).unwrap(), c);
@@ -1751,7 +1536,8 @@ mod tests {
             "caching:True,caching:False",
             "memory_cap:1GiB,per_process_memory_fraction:0.5",
             "memory_fraction:0.5,per_process_memory_fraction:0.5",
-            "release_order:all",
+            "release_order:oldest",
+            "paged_margin:0.5",
             "medium_segment_mb:20",
             "idle_slack:0.5",
         ] {
@@ -1790,21 +1576,55 @@ mod tests {
         }
     }
 
-    /// `docs/POLICY.md`'s key table is the one [`keys_markdown`] generates
-    /// (`CACHEALLOC_UPDATE_DOCS=1` rewrites it).
+    /// `default` is `segments` with expandable segments, and `expandable`
+    /// is `default` by another name; no preset gives segments back on its
+    /// own (see the notes on [`Config::segments`]).
     #[test]
-    fn paged_pages_takes_a_count_from_1_to_4096() {
-        assert_eq!(Config::default().paged_pages, DEFAULT_PAGED_PAGES);
+    fn default_is_segments_with_expandable_segments() {
+        let d = Config::default();
+        assert!(d.expandable_segments);
+        let plain = Config::parse("default,expandable_segments:False").unwrap();
         assert_eq!(
-            Config::parse("default,paged_pages:64").unwrap().paged_pages,
-            64
+            Config {
+                name: "segments".into(),
+                ..plain
+            },
+            Config::segments()
         );
-        for bad in ["0", "4097", "-1", "1.5", "many"] {
-            let e = Config::parse(&format!("default,paged_pages:{bad}")).unwrap_err();
-            assert!(e.to_string().contains("paged_pages"), "{bad}: {e}");
-        }
+        assert!(!Config::segments().expandable_segments);
+        assert_eq!(
+            Config {
+                name: "default".into(),
+                ..Config::expandable()
+            },
+            d
+        );
+        assert!(
+            !Config::segments().borrow_holes,
+            "cross-stream waits are opt-in"
+        );
     }
 
+    /// The printed configuration stays small: the key table is the public
+    /// surface of the policy.
+    #[test]
+    fn printed_configuration_has_at_most_24_keys() {
+        for p in Config::PRESETS {
+            let c = Config::preset(p).unwrap();
+            let printed: Vec<&str> = KEYS
+                .iter()
+                .filter(|k| (k.get)(&c).is_some())
+                .map(|k| k.name)
+                .collect();
+            let text = c.to_conf_string();
+            assert!(printed.iter().all(|k| text.contains(&format!("{k}:"))));
+            assert!(printed.len() <= 24, "{p}: {} keys: {text}", printed.len());
+        }
+        assert!(KEYS.len() <= 32, "{} keys in the table", KEYS.len());
+    }
+
+    /// `docs/POLICY.md`'s key table is the one [`keys_markdown`] generates
+    /// (`CACHEALLOC_UPDATE_DOCS=1` rewrites it).
     #[test]
     fn docs_key_table_matches() {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/POLICY.md");

@@ -94,10 +94,6 @@ pub struct OomReport {
     /// given back before the failure (`expandable_reback` off): smaller
     /// pages are the advice.
     pub big_pages: bool,
-    /// Plain segments: whether segments are paged near the limit
-    /// (`paged_margin`), so that the free pages of partly used ones already
-    /// went back before the failure.
-    pub paged: bool,
 }
 
 impl OomReport {
@@ -155,15 +151,10 @@ impl fmt::Display for OomReport {
                 f,
                 " The cache holds enough free bytes, but in pages of the device's granularity partly under other blocks: free tensors no longer needed, or reduce the batch size."
             )
-        } else if self.fragmented() && self.paged {
-            write!(
-                f,
-                " The cache holds enough free bytes but no block large enough (the free pages of its paged segments went back already): set `expandable_segments:True` or a lower `max_split_size_mb` in CACHEALLOC_CONF to reduce fragmentation."
-            )
         } else if self.fragmented() {
             write!(
                 f,
-                " The cache holds enough free bytes but no block large enough: set `expandable_segments:True`, `paged_margin:0.5` (free pages of partly used segments go back before a request fails) or a lower `max_split_size_mb` in CACHEALLOC_CONF to reduce fragmentation."
+                " The cache holds enough free bytes but no block large enough: set `expandable_segments:True` or a lower `max_split_size_mb` in CACHEALLOC_CONF to reduce fragmentation."
             )
         } else if self.cap.is_some_and(|c| c < self.device_total) {
             write!(f, " Raise the memory cap, or reduce the batch size.")
@@ -199,15 +190,6 @@ mod tests {
         };
         assert!(scattered.fragmented());
         assert!(scattered.to_string().contains("expandable_segments:True"));
-        assert!(scattered.to_string().contains("paged_margin:0.5"));
-        // Paging on already: no need to suggest it.
-        let paged = OomReport {
-            paged: true,
-            ..scattered.clone()
-        };
-        let msg = paged.to_string();
-        assert!(msg.contains("expandable_segments:True"), "{msg}");
-        assert!(!msg.contains("paged_margin"), "{msg}");
         let expandable = OomReport {
             expandable: true,
             big_pages: true,

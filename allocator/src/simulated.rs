@@ -245,6 +245,14 @@ impl SimulatedDevice {
         Self::new(1 << 50)
     }
 
+    /// The same device without the virtual memory API (as an old driver or
+    /// a device that lacks it): [`Device::vmm_granularity`] is `None`, so
+    /// an allocator asked for expandable segments uses plain ones.
+    pub fn without_vmm(self) -> Self {
+        self.state.lock().granularity = 0;
+        self
+    }
+
     /// A device that runs behind the host: an event completes once the host
     /// made `lag` more operations ([`SimulatedDevice::tick`]), or when waited
     /// for (with the stream's earlier ones), or at a synchronize. `None`: as
@@ -531,7 +539,7 @@ impl SimulatedDevice {
         let mut s = self.state.lock();
         s.fault(calls::VMM_RESERVE, "vmm_reserve")?;
         let g = s.granularity;
-        if bytes == 0 || bytes % g != 0 {
+        if g == 0 || bytes == 0 || bytes % g != 0 {
             return Err(DeviceError::Driver {
                 name: "CUDA_ERROR_INVALID_VALUE".into(),
                 call: "vmm_reserve",
@@ -696,7 +704,7 @@ impl Device for SimulatedDevice {
     }
 
     fn vmm_granularity(&self) -> Option<u64> {
-        Some(self.state.lock().granularity)
+        Some(self.state.lock().granularity).filter(|&g| g > 0)
     }
 
     fn vmm_reserve(&self, bytes: u64) -> Result<DevicePtr, DeviceError> {
@@ -727,7 +735,7 @@ impl Device for SimulatedDevice {
     fn vmm_create_page(&self, bytes: u64) -> Result<u64, DeviceError> {
         let mut s = self.state.lock();
         s.fault(calls::VMM_CREATE, "vmm_create_page")?;
-        if bytes == 0 || bytes % s.granularity != 0 {
+        if s.granularity == 0 || bytes == 0 || bytes % s.granularity != 0 {
             return Err(invalid("vmm_create_page"));
         }
         Self::take_space(&mut s, bytes)?;
@@ -756,6 +764,9 @@ impl Device for SimulatedDevice {
         let mut s = self.state.lock();
         s.fault(calls::VMM_MAP, "vmm_map")?;
         let g = s.granularity;
+        if g == 0 {
+            return Err(invalid("vmm_map"));
+        }
         let in_range = s
             .ranges
             .range(..=ptr.0)

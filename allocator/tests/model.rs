@@ -173,13 +173,18 @@ fn model_default() {
     run_config("default", config("default"), 256);
 }
 
+#[test]
+fn model_segments() {
+    run_config("segments", config("segments"), 256);
+}
+
 /// Also the ladder's last rung: requests the device has no room for
 /// served from free blocks in segments of another kind.
 #[test]
-fn model_default_no_borrow_holes() {
+fn model_segments_borrow_holes() {
     let seen = run_config(
-        "default-no-borrow-holes",
-        config("default-no-borrow-holes"),
+        "segments-borrow-holes",
+        config("segments-borrow-holes"),
         256,
     );
     assert!(
@@ -188,19 +193,9 @@ fn model_default_no_borrow_holes() {
     );
 }
 
-/// Also free segments made again paged as a smaller request splits them.
 #[test]
-fn model_default_paged() {
-    let seen = run_config("default-paged", config("default-paged"), 256);
-    assert!(
-        seen.contains_key("malloc made a free segment paged as it split it"),
-        "{seen:?}"
-    );
-}
-
-#[test]
-fn model_pytorch_paged_half() {
-    run_config("pytorch-paged-half", config("pytorch-paged-half"), 128);
+fn model_pytorch_expandable() {
+    run_config("pytorch-expandable", config("pytorch-expandable"), 128);
 }
 
 #[test]
@@ -229,31 +224,20 @@ fn model_pytorch_roundup_power2() {
 }
 
 #[test]
-fn model_default_huge_pool_64() {
-    run_config("default-huge-64", config("default-huge-64"), 96);
+fn model_segments_huge_pool_64() {
+    run_config("segments-huge-64", config("segments-huge-64"), 96);
 }
 
 #[test]
-fn model_default_slabs_1024() {
-    run_config("default-slabs-1024", config("default-slabs-1024"), 256);
+fn model_segments_slabs_1024() {
+    run_config("segments-slabs-1024", config("segments-slabs-1024"), 256);
 }
 
 /// Slabs up to 64 KiB next to plain small blocks, whose holes other
 /// streams borrow: a slab is never made of a borrowed hole.
 #[test]
-fn model_default_slabs_64() {
-    run_config("default-slabs-64", config("default-slabs-64"), 192);
-}
-
-/// Release rules that pause for their time budget: growth past the peak
-/// without releasing, and the huge pool's oversize rule skipped.
-#[test]
-fn model_default_time_budget() {
-    let seen = run_config("default-time-budget", config("default-time-budget"), 128);
-    assert!(
-        seen.contains_key("malloc grew past the peak, release rules paused"),
-        "{seen:?}"
-    );
+fn model_segments_slabs_64() {
+    run_config("segments-slabs-64", config("segments-slabs-64"), 192);
 }
 
 #[test]

@@ -8,7 +8,9 @@
 
 use cachealloc_core::sample::XorShift64;
 use cachealloc_core::{AllocError, CachingAllocator, Config, DevicePtr, SimulatedDevice, StreamId};
-use cachealloc_model::{check_stats_against_snapshot, free_segments};
+use cachealloc_model::{
+    check_expandable_stats_against_snapshot, check_stats_against_snapshot, free_segments,
+};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -133,19 +135,35 @@ fn stress(name: &str, config: Config, capacity: u64, seed: u64) {
     remaining.extend(handoff.lock().drain(..));
     alloc.check_invariants().unwrap();
     let snap = alloc.snapshot();
-    check_stats_against_snapshot(&alloc.stats(), &snap, alloc.config().max_split_size, 0).unwrap();
+    let max_split = alloc.config().max_split_size;
+    if alloc.is_expandable() {
+        // Pages reused early, pooled with only their old mapping left, are pooled too.
+        let early: u64 = alloc
+            .stale_mappings()
+            .iter()
+            .filter(|m| m.2)
+            .map(|m| m.1)
+            .sum();
+        let pooled = dev.unmapped_page_bytes() + early;
+        check_expandable_stats_against_snapshot(&alloc.stats(), &snap, max_split, pooled).unwrap();
+    } else {
+        check_stats_against_snapshot(&alloc.stats(), &snap, max_split, 0).unwrap();
+    }
     assert_eq!(
         alloc.stats().allocation.all().current,
         remaining.len() as u64,
         "every held allocation is live, and nothing else"
     );
     for (p, size) in &remaining {
-        assert!(
-            dev.contains(*p, *size),
-            "{p}+{size} outside the device's segments"
-        );
+        let inside = if alloc.is_expandable() {
+            dev.mapped_bytes_in(*p, *size) == *size
+        } else {
+            dev.contains(*p, *size)
+        };
+        assert!(inside, "{p}+{size} outside the device's memory");
     }
-    assert!(alloc.stats().num_device_alloc > 0);
+    let st = alloc.stats();
+    assert!(st.num_device_alloc + st.num_page_create > 0);
     eprintln!(
         "stress {name}: {} allocations left live, {ooms} OOMs, {} device allocs",
         remaining.len(),
@@ -174,6 +192,7 @@ fn stress(name: &str, config: Config, capacity: u64, seed: u64) {
 #[test]
 fn threads_share_one_allocator() {
     stress("default", Config::default(), 1 << 40, 0x5eed_0001);
+    stress("segments", Config::segments(), 1 << 40, 0x5eed_0003);
 }
 
 #[test]

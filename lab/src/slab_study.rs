@@ -23,9 +23,9 @@ use cachealloc_core::rounding::{slab_class, SLAB_CLASSES};
 
 use crate::lean::SLAB_BYTES;
 
-/// `default` with every request in the bins: the policy before slabs,
+/// Plain segments with every request in the bins: the policy before slabs,
 /// which this study measured them against.
-pub const BINS_DEFAULT: &str = "default,slab_max_kb:0";
+pub const BINS_DEFAULT: &str = "segments,slab_max_kb:0";
 
 /// [`BINS_DEFAULT`] parsed.
 pub fn bins_default() -> Config {

@@ -115,16 +115,13 @@ pub enum Op {
 /// The streams a model uses, by index.
 pub const STREAMS: [StreamId; 3] = [StreamId(0), StreamId(0x7f3a_1000), StreamId(u64::MAX)];
 
-/// With `release_time_budget`, what one segment allocation or free takes on
-/// the model device's clock.
-const CLOCK_CALL_NS: u64 = 1_000_000;
-
 /// The configurations the model tests run: name and config.
 pub fn configs() -> Vec<(&'static str, Config)> {
     let parse = |s: &str| Config::parse(s).expect("valid test config");
     vec![
         ("pytorch", Config::pytorch()),
         ("default", Config::default()),
+        ("segments", Config::segments()),
         ("no-caching", Config::no_caching()),
         (
             "pytorch-max-split-64",
@@ -138,24 +135,25 @@ pub fn configs() -> Vec<(&'static str, Config)> {
             "pytorch-roundup",
             parse("pytorch,roundup_power2_divisions:4"),
         ),
-        (
-            "default-huge-64",
-            parse("default,huge_size_mb:64"),
-        ),
+        ("segments-huge-64", parse("segments,huge_size_mb:64")),
         // One parked block per thread: every park past the first evicts.
-        ("default-thread-cache-1", parse("default,thread_cache:1")),
+        ("segments-thread-cache-1", parse("segments,thread_cache:1")),
         // Free blocks in other streams' partly used segments before growing.
-        ("default-no-borrow-holes", parse("default,borrow_holes:false")),
+        ("segments-borrow-holes", parse("segments,borrow_holes:true")),
         // Slabs for every small request, and for the smallest next to the bins.
-        ("default-slabs-1024", parse("default,slab_max_kb:1024")),
+        ("segments-slabs-1024", parse("segments,slab_max_kb:1024")),
         ("pytorch-slabs-16", parse("pytorch,slab_max_kb:16")),
         // Slabs for the smallest requests, plain small blocks above them
         // whose holes other streams borrow.
-        ("default-slabs-64", parse("default,slab_max_kb:64")),
-        // Paged plain segments: every large one, or those near the limit;
-        // free pages of partly used ones go back before a request fails.
-        ("default-paged", parse("default,paged_margin:1")),
-        ("pytorch-paged-half", parse("pytorch,paged_margin:0.5")),
+        (
+            "segments-slabs-64",
+            parse("segments,slab_max_kb:64,borrow_holes:true"),
+        ),
+        // PyTorch's expandable segments: 20 MiB pages, never moved.
+        (
+            "pytorch-expandable",
+            parse("pytorch,expandable_segments:true"),
+        ),
         // Page-backed segments: virtual ranges, physical pages mapped under blocks.
         ("expandable", Config::expandable()),
         // Other streams' busy pages waited for on the host instead.
@@ -172,35 +170,31 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         // for small requests.
         (
             "expandable-big-edges",
-            parse("expandable,expandable_edges:big,expandable_page_mb:4,expandable_page_divisor:0,slab_max_kb:64"),
+            Config {
+                expandable_edges: cachealloc_core::EdgePages::Big,
+                expandable_page_divisor: 0,
+                ..parse("expandable,expandable_page_mb:4,slab_max_kb:64")
+            },
         ),
         // Pages scaled to the workload where the model's peaks cross the
         // steps: 2 MiB below 40 MiB, 10 MiB below 80 MiB, then 20 MiB.
         (
             "expandable-scaled-pages",
-            parse("expandable,expandable_page_mb:20,expandable_page_divisor:4"),
+            Config {
+                expandable_page_divisor: 4,
+                ..parse("expandable,expandable_page_mb:20")
+            },
         ),
-        // Granule pages everywhere, recycling before growing past the peak;
-        // blocks placed over idle pages (free blocks split in the middle).
+        // Granule pages everywhere.
         (
             "expandable-small-pages",
-            parse(
-                "expandable,expandable_edges:small,expandable_page_mb:2,release_before_grow:true,expandable_place:true",
-            ),
-        ),
-        // Big edge pages and placement over idle pages.
-        (
-            "expandable-place",
-            parse("expandable,expandable_page_mb:8,expandable_page_divisor:0,expandable_place:true"),
+            Config {
+                expandable_edges: cachealloc_core::EdgePages::Small,
+                ..parse("expandable,expandable_page_mb:2")
+            },
         ),
         // A CUDA graph pool's allocator: never gives segments back on its own.
-        (
-            "graph-pool",
-            parse("default,oom_flush:false,release_before_grow:false"),
-        ),
-        // Release rules that pause once their driver calls pass 1% of run
-        // time (the model's device gets a clock: see `Model::with_options`).
-        ("default-time-budget", parse("default,release_time_budget:0.01")),
+        ("graph-pool", parse("segments,oom_flush:false")),
     ]
 }
 
@@ -512,12 +506,7 @@ impl Model {
 
     /// A fresh model judged with `options`.
     pub fn with_options(setup: &Setup, options: Options) -> Self {
-        let mut dev = SimulatedDevice::new(setup.capacity);
-        if setup.config.release_time_budget > 0.0 {
-            // A clock only driver calls move: the budget is spent after a few
-            // releases, so the paused rules run too.
-            dev = dev.with_clock(CLOCK_CALL_NS);
-        }
+        let dev = SimulatedDevice::new(setup.capacity);
         let alloc = CachingAllocator::new(dev.clone(), setup.config.clone());
         let expandable = alloc.is_expandable();
         let cap = setup.config.memory_cap.map(|c| c.bytes(setup.capacity));
@@ -526,10 +515,7 @@ impl Model {
             dev,
             alloc,
             expandable,
-            paged: !expandable
-                && setup.config.paged_margin > 0.0
-                && setup.config.caching
-                && setup.config.oom_flush,
+            paged: false,
             config: setup.config.clone(),
             internal_checks: options.internal_checks,
             streams: STREAMS[..n].to_vec(),
@@ -1569,7 +1555,7 @@ impl Model {
             }
             let kind = if l.rounded <= cachealloc_core::config::SMALL_SIZE {
                 PoolKind::Small
-            } else if l.rounded >= self.config.huge_size {
+            } else if l.rounded >= self.config.huge_size && !self.expandable {
                 PoolKind::Huge
             } else {
                 PoolKind::Large

@@ -174,11 +174,13 @@ impl CudaDevice {
                     }
                     Err(e) => return Err(e.to_string()),
                 }
-                match driver::allocation_granularity(self.ordinal, false) {
-                    Ok(g) if g > 0 && g.is_power_of_two() => Ok(g),
-                    Ok(g) => Err(format!("unusable allocation granularity {g}")),
-                    Err(e) => Err(e.to_string()),
-                }
+                let g = match driver::allocation_granularity(self.ordinal, false) {
+                    Ok(g) if g > 0 && g.is_power_of_two() => g,
+                    Ok(g) => return Err(format!("unusable allocation granularity {g}")),
+                    Err(e) => return Err(e.to_string()),
+                };
+                probe_map(self.ordinal, g).map_err(|e| format!("a trial map failed: {e}"))?;
+                Ok(g)
             })
             .clone()
     }
@@ -376,6 +378,26 @@ impl Device for CudaDevice {
         // queued work can still touch them (the trait's contract).
         unsafe { driver::mem_unmap(ptr, bytes) }
     }
+}
+
+/// Reserves one granule of address space, creates a page, maps it, makes
+/// it accessible and gives everything back: a device or driver that reports
+/// the virtual memory API but refuses to use it (some virtualised GPUs) is
+/// found here, before `default` would rely on it.
+fn probe_map(ordinal: i32, g: u64) -> Result<(), DeviceError> {
+    let range = driver::mem_address_reserve(g, g)?;
+    let mapped = driver::mem_create(g, ordinal).and_then(|page| {
+        let mapped = driver::mem_map(range, page, g, ordinal).and_then(|()| {
+            // SAFETY: the page was mapped just above and no work was queued on it.
+            unsafe { driver::mem_unmap(range, g) }
+        });
+        // SAFETY: the page was created above, is unmapped, and is released once.
+        let released = unsafe { driver::mem_release(page) };
+        mapped.and(released)
+    });
+    // SAFETY: the range was reserved above, whole, and nothing is mapped in it.
+    let freed = unsafe { driver::mem_address_free(range, g) };
+    mapped.and(freed)
 }
 
 impl Drop for CudaDevice {

@@ -21,15 +21,15 @@ impl<D: Device> CachingAllocator<D> {
                 Some(_) if !config.caching => {
                     notices.push("expandable_segments ignored: caching is off".to_string());
                 }
-                _ => notices.push(
-                    "expandable_segments:True requested, but the device has no virtual memory API \
-                     (cuMemCreate/cuMemMap); falling back to plain segments"
-                        .to_string(),
-                ),
+                _ => notices.push(format!(
+                    "{}: expandable segments need the CUDA virtual memory API (cuMemCreate/cuMemMap), \
+                     which this device or driver does not offer; using plain segments (the \
+                     `segments` policy) instead",
+                    config.name
+                )),
             }
         }
         let range_size = total;
-        let paging = paged::Paging::new(&config, device.vmm_granularity());
         let stats = MemoryStats {
             max_split_size: config.max_split_size,
             ..Default::default()
@@ -72,20 +72,10 @@ impl<D: Device> CachingAllocator<D> {
                     stats,
                     high_water: 0,
                     clock: 0,
-                    bytes_clock: 0,
-                    byte_marks: VecDeque::new(),
                     recorder: None,
                     notices,
                     granularity,
-                    limit: limit::Limit::new(total),
-                    paging,
                     idle_index: Default::default(),
-                    oversize_refused: None,
-                    churn: ChurnBudget::new(if granularity.is_none() {
-                        config.release_time_budget
-                    } else {
-                        0.0
-                    }),
                     config,
                 },
                 vmm: expandable::Expandable::<D::Event>::new(range_size),

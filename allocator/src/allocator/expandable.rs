@@ -46,13 +46,6 @@ const BORROW_POOLS: usize = 8;
 /// work up to its block's free and no further.
 pub(super) const MAX_MARKERS: usize = 64;
 
-/// `expandable_place` places blocks over idle pages only while the peak
-/// allocated bytes (or what reserved memory would reach) stay below this
-/// fraction short of the device's memory or the cap; past that, best fit.
-/// With 20%, placement lowers or keeps the minimum capacity on 11 of the 13
-/// corpus traces (docs/POLICY.md).
-const PLACE_ROOM: f64 = 0.2;
-
 /// The widest margin below the device's memory or the cap within which
 /// mappings count as under pressure (granule pages at blocks' edges). The
 /// margin is the hard slack, twice `expandable_slack`, up to this bound: a
@@ -346,90 +339,6 @@ impl<E> Expandable<E> {
         scaled_granules(core, (s.page_size() / g) as u32, bytes)
     }
 
-    /// With `expandable_place`, where a block of `rounded` bytes of `pool`
-    /// goes: the best fit `fit` (size, address, block) of the bins if its
-    /// pages are all mapped;
-    /// otherwise the place among free blocks holding idle pages (the idle
-    /// index) that needs the fewest granules mapped — the start of the
-    /// block, the start of a run of mapped pages in it, or where the block
-    /// would end at the end of such a run (aligned down to a big page).
-    /// Returns the free block and the address in it. Within [`PLACE_ROOM`]
-    /// of the device's memory or the cap, best fit.
-    ///
-    /// Best fit alone moves pages after the blocks: a block carved at the
-    /// unmapped start of a free block takes the idle pages further on,
-    /// which the next request then lacks (replay, gpt2_finetune: 32,522
-    /// maps; placed over idle pages: 14,740). docs/POLICY.md has the table.
-    pub(super) fn place(
-        &self,
-        core: &Core<E>,
-        pool: PoolId,
-        rounded: u64,
-        fit: Entry,
-    ) -> (Entry, u64) {
-        let g = core.granularity.expect("expandable mode has a granularity");
-        let unmapped = |id: BlockId, at: u64| -> u64 {
-            let s = core.segments.get(core.blocks.get(id.0).segment.0);
-            let first = ((at - s.addr) / g) as u32;
-            let last = (at + rounded - s.addr).div_ceil(g) as u32;
-            let pages = s.pages().expect("expandable");
-            u64::from(last - first - pages.mapped_granules(first, last))
-        };
-        // (granules to map, block size, address): the lowest wins.
-        let mut best = (unmapped(fit.2, fit.1), fit.0, fit.1);
-        let mut choice = (fit, fit.1);
-        if best.0 == 0 {
-            return choice;
-        }
-        // Near the device's (or the cap's) size, best fit: a block placed inside
-        // a free block shares the page under its end with free space, which
-        // costs memory exactly when memory is short.
-        let limit = self.memory_limit(core);
-        let demand = core
-            .stats
-            .allocated_bytes
-            .all()
-            .peak
-            .max(core.reserved() + rounded);
-        if demand as f64 > limit as f64 * (1.0 - PLACE_ROOM) {
-            return choice;
-        }
-        for &(_, raw) in &core.idle_index {
-            let id = BlockId(raw);
-            let b = core.blocks.get(id.0);
-            if b.pool != pool || b.size < rounded {
-                continue;
-            }
-            let (start, end) = (b.addr, b.addr + b.size);
-            let s = core.segments.get(b.segment.0);
-            let big = s.page_size();
-            let first = (start - s.addr).div_ceil(g) as u32;
-            let last = ((end - s.addr) / g) as u32;
-            let runs = s.pages().expect("expandable").runs_overlapping(first, last);
-            let starts = runs.flat_map(|(a, z)| {
-                let a = s.addr + u64::from(a.max(first)) * g;
-                let z = s.addr + u64::from(z.min(last)) * g;
-                // Ending at the run's end, the block's start aligned down to a big page.
-                let back = z
-                    .checked_sub(rounded)
-                    .filter(|&x| x >= start)
-                    .map(|x| s.addr + (x - s.addr) / big * big);
-                [Some(a), back]
-            });
-            for at in std::iter::once(start).chain(starts.flatten()) {
-                if at < start || at + rounded > end {
-                    continue;
-                }
-                let key = (unmapped(id, at), b.size, at);
-                if key < best {
-                    best = key;
-                    choice = ((b.size, b.addr, id), at);
-                }
-            }
-        }
-        choice
-    }
-
     /// Reserves a range for `pool` big enough for `rounded` bytes: the first
     /// one `FIRST_RANGE` (or the cap on ranges, if smaller), each later one
     /// twice the largest before, so that a pool needs few ranges however far
@@ -462,7 +371,7 @@ impl<E> Expandable<E> {
     /// Reserved-memory limits of the recycling rounds: (soft, hard, cap).
     fn limits(&self, core: &Core<E>) -> (u64, u64, u64) {
         let peak = core.stats.allocated_bytes.all().peak as f64;
-        let (soft, hard) = if core.config.release_before_grow {
+        let (soft, hard) = if core.config.expandable_recycle {
             let soft = (peak * (1.0 + core.config.idle_slack)) as u64;
             (
                 soft,
@@ -939,22 +848,13 @@ impl<E> Expandable<E> {
         if !wait {
             return Ok(());
         }
-        if core.config.expandable_early_reuse {
-            // The stream's own pages serve it in stream order: reused now,
-            // their old mappings dropped once the stream is past them.
-            let own = Some(core.segments.get(tail.0 .0).pool.stream_slot());
-            for sizes in [sizes, &[]] {
-                if got < need {
-                    got += self.take_idle_pages(
-                        core,
-                        dev,
-                        Some(tail),
-                        batch - got,
-                        false,
-                        own,
-                        sizes,
-                    )?;
-                }
+        // The stream's own pages serve it in stream order: reused now,
+        // their old mappings dropped once the stream is past them.
+        let own = Some(core.segments.get(tail.0 .0).pool.stream_slot());
+        for sizes in [sizes, &[]] {
+            if got < need {
+                got +=
+                    self.take_idle_pages(core, dev, Some(tail), batch - got, false, own, sizes)?;
             }
         }
         let requester = core.segments.get(tail.0 .0).pool.stream_slot();
@@ -1828,7 +1728,7 @@ impl<E> Expandable<E> {
         let slot = s.pool.stream_slot();
         let requester = core.segments.get(tail.0 .0).pool.stream_slot();
         let quiet = self.quiescent(dev, slot, since)?;
-        let early = core.config.expandable_early_reuse && slot == requester;
+        let early = slot == requester;
         if !(quiet || early) {
             return Ok(());
         }

@@ -28,16 +28,6 @@ impl<E> State<E> {
         req: Request,
     ) -> Result<BlockId, AllocError> {
         let Request { pool, rounded, .. } = req;
-        if let Some(seg) = self.core.oversize_refused.take() {
-            // The free segment this request was refused (oversize) makes room
-            // for the one it gets instead, whatever its idle age (not in an
-            // allocator that never gives segments back on its own).
-            if self.core.config.release_before_grow && self.core.segment_is_free(seg) {
-                let before = self.core.churn_clock(dev);
-                self.release_segment(dev, seg)?;
-                self.core.churn.charge(before, self.core.churn_clock(dev));
-            }
-        }
         if pool.kind() == PoolKind::Small && self.slabs.unslab_empty(&mut self.core, pool) {
             if let Some(id) = self.core.get_free_block(pool, rounded) {
                 return Ok(id);
@@ -45,20 +35,15 @@ impl<E> State<E> {
         }
         let seg_size = self.core.segment_size(rounded);
         let caching = self.core.config.caching;
-        let retry = |st: &mut Self, dev: &D| {
+        let retry = |st: &mut Self, _: &D| {
             if caching {
                 if let Some(id) = st.core.get_free_block(pool, rounded) {
-                    if st.core.mapped_for(dev, id, rounded)? {
-                        return Ok(Some(id));
-                    }
+                    return Ok(Some(id));
                 }
             }
             Ok(None)
         };
-        let grown = self.grow_with(dev, req, seg_size, retry);
-        // A refusal by the retries above concerns this request only.
-        self.core.oversize_refused = None;
-        grown
+        self.grow_with(dev, req, seg_size, retry)
     }
 
     /// [`State::grow`] for a segment of `seg_size`, where `retry` looks in
@@ -88,26 +73,6 @@ impl<E> State<E> {
         if self.core.config.garbage_collection_threshold.is_some() && self.core.cap.is_some() {
             self.garbage_collect(dev)?;
         }
-        if self.core.config.release_before_grow
-            && self.core.reserved() + seg_size > self.core.high_water
-            && !self.release_paused(dev)
-        {
-            let need = self.core.reserved() + seg_size - self.core.high_water;
-            // The idle age may keep young free segments only within the slack.
-            let bound = (1.0 + self.core.config.release_idle_slack)
-                * self
-                    .core
-                    .stats
-                    .allocated_bytes
-                    .all()
-                    .peak
-                    .max(self.core.stats.allocated_bytes.all().current + rounded)
-                    as f64;
-            let idle_rule = ((self.core.reserved() + seg_size) as f64) <= bound;
-            let before = self.core.churn_clock(dev);
-            self.release_free_segments(dev, need, idle_rule)?;
-            self.core.churn.charge(before, self.core.churn_clock(dev));
-        }
         // (A slab is made of a segment of its own, never of a borrowed hole.)
         let slab = self.slabs.serves(rounded);
         if self.core.config.borrow_holes && self.core.config.caching && !slab {
@@ -118,7 +83,7 @@ impl<E> State<E> {
         if let Some(id) = self.core.alloc_segment(dev, pool, stream, seg_size)? {
             return Ok(id);
         }
-        if self.release_available(dev, pool, rounded, seg_size)? {
+        if self.release_available(dev, pool, rounded)? {
             if let Some(id) = self.core.alloc_segment(dev, pool, stream, seg_size)? {
                 return Ok(id);
             }
@@ -134,11 +99,6 @@ impl<E> State<E> {
                 return Ok(id);
             }
         }
-        if self.core.config.caching && !slab {
-            if let Some(id) = self.mapped_fit(req) {
-                return Ok(id);
-            }
-        }
         if self.core.config.oom_other_kinds && self.core.config.caching && !slab {
             if let Some(id) = self.other_kind_fit(req) {
                 return Ok(id);
@@ -148,17 +108,6 @@ impl<E> State<E> {
         Err(AllocError::OutOfMemory(Box::new(
             self.oom_report(dev, size, seg_size),
         )))
-    }
-
-    /// With paged segments, the rung after the full flush: the best fit among
-    /// the requesting pool's free blocks whose pages are all mapped. The
-    /// retries took the best fit, which may lie over pages given back that
-    /// the device has no room to map again, while a larger free block of a
-    /// plain segment, mapped, would serve.
-    #[cold]
-    fn mapped_fit(&mut self, req: Request) -> Option<BlockId> {
-        self.core.paging.as_ref()?;
-        self.core.take_mapped_fit(req.pool, req.rounded, usize::MAX)
     }
 
     /// The ladder's last rung before out of memory: the best fit among the
@@ -178,18 +127,6 @@ impl<E> State<E> {
             })?;
         self.core.stats.num_other_kind_fits += 1;
         Some(id)
-    }
-
-    /// Whether the release rules pause for `release_time_budget`: the driver
-    /// time of releasing and growing again took more than its share of the
-    /// run time (counted in `num_releases_paused`).
-    #[cold]
-    fn release_paused<D: Device<Event = E>>(&mut self, dev: &D) -> bool {
-        let paused = self.core.churn.check(self.core.churn_clock(dev));
-        if paused {
-            self.core.stats.num_releases_paused += 1;
-        }
-        paused
     }
 
     /// `borrow_holes`: the smallest free block that fits `rounded` inside a
@@ -234,7 +171,6 @@ impl<E> State<E> {
                     break;
                 }
                 if self.core.blocks.get(e.2 .0).is_split()
-                    && self.core.block_mapped(e.2)
                     && !dev.stream_capturing(self.core.stream_list[slot])
                 {
                     best = Some((e, slot));
@@ -299,7 +235,6 @@ impl<E> State<E> {
                     let page = self.vmm.page_size(&self.core, PoolKind::Large) / g;
                     expandable::scaled_granules(&self.core, page as u32, size) > 1
                 }),
-            paged: self.core.paging.is_some(),
         }
     }
 
@@ -312,14 +247,7 @@ impl<E> State<E> {
         debug_assert!(self.core.segment_is_free(seg));
         let s = self.core.segments.get(seg.0);
         let (addr, size, pool, head, slab) = (s.addr, s.size, s.pool, s.head, s.is_slab());
-        // A paged segment's pages stop counting as they are released.
-        let paged = s.is_paged();
-        let (reserved, released) = if paged {
-            (0, self.core.free_paged(dev, seg)?)
-        } else {
-            dev.free(DevicePtr(addr), size)?;
-            (size, size)
-        };
+        dev.free(DevicePtr(addr), size)?;
         if slab {
             self.slabs.drop_slab(&mut self.core, seg);
         } else {
@@ -327,55 +255,9 @@ impl<E> State<E> {
             self.core.blocks.discard(head.0);
         }
         self.core.segment_by_addr.remove(&addr);
-        self.core.forget_segment(seg, reserved);
-        self.core.stats.num_device_free += u64::from(!paged);
-        Ok(released)
-    }
-
-    /// [`State::release_free_segments`] in `ReleaseOrder::Oldest`: walks the
-    /// candidates oldest first and stops once `need` bytes are released.
-    pub(super) fn release_oldest_segments<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        need: u64,
-    ) -> Result<u64, AllocError> {
-        use std::ops::Bound::{Excluded, Unbounded};
-        let mut total = 0;
-        // Per kind: the last entry looked at; the walk merges the kinds.
-        let mut cursor: [Option<(u64, u64, u32)>; 3] = [None; 3];
-        let mut stale = Vec::new();
-        let mut result = Ok(());
-        while total < need {
-            let mut next: Option<(usize, (u64, u64, u32))> = None;
-            for (k, set) in self.core.free_candidates.iter().enumerate() {
-                let from = cursor[k].map_or(Unbounded, Excluded);
-                if let Some(&e) = set.range((from, Unbounded)).next() {
-                    if next.map_or(true, |(_, n)| e < n) {
-                        next = Some((k, e));
-                    }
-                }
-            }
-            let Some((k, e)) = next else {
-                break;
-            };
-            cursor[k] = Some(e);
-            if !self.core.free_candidate_holds(e) {
-                stale.push((k, e));
-                continue;
-            }
-            match self.release_segment(dev, SegmentId(e.2)) {
-                Ok(size) => total += size,
-                Err(err) => {
-                    result = Err(err);
-                    break;
-                }
-            }
-            stale.push((k, e));
-        }
-        for (k, e) in stale {
-            self.core.free_candidates[k].remove(&e);
-        }
-        result.map(|()| total)
+        self.core.forget_segment(seg, size);
+        self.core.stats.num_device_free += 1;
+        Ok(size)
     }
 
     /// Waits for events and releases every entirely free segment.
@@ -393,7 +275,6 @@ impl<E> State<E> {
         for (_, seg) in self.core.free_segments() {
             self.release_segment(dev, seg)?;
         }
-        self.core.release_free_pages(dev)?;
         if self.core.granularity.is_some() {
             self.vmm.release_expandable(&mut self.core, dev)?;
         }
@@ -403,79 +284,20 @@ impl<E> State<E> {
         })
     }
 
-    /// Releases entirely free segments totalling at least `need` bytes, in
-    /// `release_order`; with `idle_rule`, only segments that stayed free
-    /// while `release_idle_frac` of the peak allocated bytes was allocated.
-    /// Returns the bytes released (possibly less than `need`).
-    pub(super) fn release_free_segments<D: Device<Event = E>>(
-        &mut self,
-        dev: &D,
-        need: u64,
-        idle_rule: bool,
-    ) -> Result<u64, AllocError> {
-        let frac = self.core.config.release_idle_frac;
-        if self.core.config.release_order == ReleaseOrder::Oldest && !(idle_rule && frac > 0.0) {
-            // The walk in idle order; with an idle age in bytes, the filter below.
-            return self.release_oldest_segments(dev, need);
-        }
-        let mut free = self.core.free_segments();
-        if idle_rule && frac > 0.0 {
-            let min_bytes = (frac * self.core.stats.allocated_bytes.all().peak as f64) as u64;
-            free.retain(|&(_, seg)| self.core.bytes_since(self.core.free_since(seg)) >= min_bytes);
-        }
-        if free.is_empty() {
-            return Ok(0);
-        }
-        match self.core.config.release_order {
-            ReleaseOrder::SmallestFit => {
-                free.sort_unstable();
-                if let Some(&(_, seg)) = free.iter().find(|(size, _)| *size >= need) {
-                    return self.release_segment(dev, seg);
-                }
-                free.reverse();
-            }
-            ReleaseOrder::Largest => {
-                free.sort_unstable();
-                free.reverse();
-            }
-            ReleaseOrder::Oldest => {
-                free.sort_by_key(|&(_, seg)| self.core.free_since(seg));
-            }
-        }
-        let mut total = 0;
-        for &(_, seg) in &free {
-            if total >= need {
-                break;
-            }
-            total += self.release_segment(dev, seg)?;
-        }
-        Ok(total)
-    }
-
     /// The ladder's middle step: release cached segments that make room.
     pub(super) fn release_available<D: Device<Event = E>>(
         &mut self,
         dev: &D,
         pool: PoolId,
         rounded: u64,
-        seg_size: u64,
     ) -> Result<bool, AllocError> {
         if !self.core.config.oom_flush {
             return Ok(false);
         }
-        let max_split = self.core.config.max_split_size;
-        if max_split != u64::MAX {
-            return self.release_oversize(dev, pool, rounded);
-        }
-        if !self.core.config.release_before_grow {
+        if self.core.config.max_split_size == u64::MAX {
             return Ok(false);
         }
-        let headroom = match self.core.cap {
-            Some(cap) => cap.saturating_sub(self.core.reserved()),
-            None => dev.mem_info()?.free,
-        };
-        let need = seg_size.saturating_sub(headroom).max(1);
-        Ok(self.release_free_segments(dev, need, false)? > 0)
+        self.release_oversize(dev, pool, rounded)
     }
 
     /// PyTorch's `release_available_cached_blocks` (only with `max_split_size`):
@@ -616,8 +438,7 @@ impl<E> State<E> {
 
 impl<E> Core<E> {
     /// Takes out of `pool`'s bins the best fit for `rounded` among its first
-    /// `looks` fits whose pages are all mapped (every block outside paged
-    /// segments), as `max_split_size` allows.
+    /// `looks` fits, as `max_split_size` allows.
     #[cold]
     fn take_mapped_fit(&mut self, pool: PoolId, rounded: u64, looks: usize) -> Option<BlockId> {
         let max_split = self.config.max_split_size;
@@ -625,8 +446,7 @@ impl<E> Core<E> {
             .as_ref()?
             .iter_from(rounded)
             .take(looks)
-            .take_while(|e| rounded >= max_split || e.0 < max_split)
-            .find(|e| self.block_mapped(e.2))?;
+            .find(|e| rounded >= max_split || e.0 < max_split)?;
         self.bins_mut(pool).remove(size, addr, id);
         Some(id)
     }
@@ -680,28 +500,16 @@ impl<E> Core<E> {
             .cap
             .is_some_and(|cap| self.reserved().saturating_add(size) > cap)
         {
-            self.note_device_full(size);
             return Ok(None);
         }
-        // Growing again below the peak is the second half of a release's cost.
-        let regrowth = self.reserved() + size <= self.high_water;
-        let before = if regrowth {
-            self.churn_clock(dev)
-        } else {
-            None
-        };
         let kind = pool.kind();
         let ptr = match dev.allocate(size) {
             Ok(p) => p,
             Err(DeviceError::OutOfMemory) => {
-                self.note_device_full(size);
                 return Ok(None);
             }
             Err(e) => return Err(e.into()),
         };
-        if regrowth {
-            self.churn.charge(before, self.churn_clock(dev));
-        }
         let seg = self.add_segment(ptr, size, stream, pool, None);
         let id = self.segments.get(seg.0).head;
         self.stats.reserved_bytes.increase(kind, size);
@@ -818,29 +626,5 @@ impl<E> Core<E> {
         }
         out.sort_unstable_by_key(|e| e.0);
         out.into_iter().map(|(_, size, seg)| (size, seg)).collect()
-    }
-
-    /// Advances the byte clock; marks it against the operation clock now and then.
-    #[inline]
-    pub(super) fn tick_bytes(&mut self, rounded: u64) {
-        self.bytes_clock += rounded;
-        if self
-            .byte_marks
-            .back()
-            .map_or(true, |&(op, _)| self.clock >= op + BYTE_MARK_EVERY)
-        {
-            if self.byte_marks.len() >= BYTE_MARKS {
-                self.byte_marks.pop_front();
-            }
-            self.byte_marks.push_back((self.clock, self.bytes_clock));
-        }
-    }
-
-    /// Bytes allocated since operation `op` (to within [`BYTE_MARK_EVERY`]
-    /// operations; before the oldest mark: everything since the start).
-    pub(super) fn bytes_since(&self, op: u64) -> u64 {
-        let i = self.byte_marks.partition_point(|&(o, _)| o <= op);
-        let then = if i == 0 { 0 } else { self.byte_marks[i - 1].1 };
-        self.bytes_clock - then
     }
 }

@@ -54,7 +54,7 @@ impl<E> State<E> {
                 if b.state == BlockState::Free {
                     largest_free =
                         largest_free.max(self.core.mapped_bytes_in(s, b.addr, b.addr + b.size));
-                    if s.is_expandable() || s.is_paged() {
+                    if s.is_expandable() {
                         releasable += self.core.idle_bytes_in(s, b.addr, b.addr + b.size);
                     }
                 } else {
@@ -63,7 +63,7 @@ impl<E> State<E> {
                 blocks += 1;
                 cur = b.next;
             }
-            if used == 0 && (blocks == 1 || s.is_slab()) && !s.is_expandable() && !s.is_paged() {
+            if used == 0 && (blocks == 1 || s.is_slab()) && !s.is_expandable() {
                 releasable += s.size;
             }
             segments.push(SegmentUse {
@@ -94,7 +94,7 @@ impl<E> Core<E> {
         let Some(pages) = seg.pages() else {
             return 0;
         };
-        let g = self.granule_of(seg);
+        let g = self.granularity.unwrap_or(0);
         let lo = (start - seg.addr).div_ceil(g) as u32;
         let hi = ((end - seg.addr) / g) as u32;
         if hi <= lo {
@@ -112,7 +112,7 @@ impl<E> Core<E> {
         let Some(pages) = seg.pages() else {
             return end - start;
         };
-        let g = self.granule_of(seg);
+        let g = self.granularity.unwrap_or(0);
         let first = ((start - seg.addr) / g) as u32;
         let last = (end - seg.addr).div_ceil(g) as u32;
         pages
@@ -132,7 +132,7 @@ impl<E> Core<E> {
         let mapped = self.mapped_bytes_in(seg, seg.addr, seg.addr + seg.size);
         match seg.pages() {
             Some(pages) => {
-                let g = self.granule_of(seg);
+                let g = self.granularity.unwrap_or(0);
                 mapped - u64::from(pages.aliases_in(0, (seg.size / g) as u32)) * g
             }
             None => mapped,

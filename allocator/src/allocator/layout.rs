@@ -172,7 +172,6 @@ mod tests {
         let dev = SimulatedDevice::new(1 << 34);
         let config = Config {
             oom_flush: false,
-            release_before_grow: false,
             ..Config::pytorch()
         };
         (dev.clone(), CachingAllocator::new(dev, config))

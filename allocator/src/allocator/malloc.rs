@@ -5,10 +5,6 @@ use super::*;
 use crate::bins::Entry;
 use crate::rounding::slab_class;
 
-/// While the release rules pause for their time budget, every this many
-/// allocations look again whether they may resume.
-const CHURN_RECHECK: u64 = 256;
-
 impl<E> State<E> {
     // Inlined into the locked wrapper: returned through memory, its result
     // was reloaded there with a store-forwarding stall (perf, random mix).
@@ -29,15 +25,10 @@ impl<E> State<E> {
             self.process_events(dev)?;
         }
         self.core.clock += 1;
-        self.core.tick_bytes(rounded);
-        if self.core.churn.paused() && self.core.clock % CHURN_RECHECK == 0 {
-            // Paused rules look again now and then whether run time has
-            // brought the churn back under its budget.
-            self.core.churn.check(dev.now_ns());
-        }
         let kind = if rounded <= SMALL_SIZE {
             PoolKind::Small
-        } else if rounded >= self.core.config.huge_size {
+        } else if rounded >= self.core.config.huge_size && self.core.granularity.is_none() {
+            // (A plain-segment rule: expandable segments have no huge pool.)
             PoolKind::Huge
         } else {
             PoolKind::Large
@@ -65,8 +56,8 @@ impl<E> State<E> {
                 None
             };
             match found {
-                Some(id) if self.core.mapped_for(dev, id, rounded)? => id,
-                _ => self.grow(dev, req)?,
+                Some(id) => id,
+                None => self.grow(dev, req)?,
             }
         };
         Ok(self.core.alloc_found_block(id, rounded, size))
@@ -190,7 +181,7 @@ impl<E> State<E> {
 
     /// The free block an expandable request is carved from, and whether it
     /// is another stream's (`Config::expandable_borrow`): the pool's own
-    /// near fit ([`Expandable::near_fit`], or `expandable_place`), unless
+    /// near fit ([`Expandable::near_fit`]), unless
     /// pages would have to be mapped under it and another stream's free
     /// block over mapped pages can serve; a new range when there is neither.
     fn expandable_fit<D: Device<Event = E>>(
@@ -206,16 +197,6 @@ impl<E> State<E> {
         // there are all mapped.) A placement inside the block is cut only
         // once the block is taken: a borrowed block instead leaves it whole.
         let own = match fit {
-            Some(fit) if self.core.config.expandable_place => {
-                let (entry, at) = self.vmm.place(&self.core, pool, rounded, fit);
-                let (size, start, id) = entry;
-                let there = (start + size - at, at, id);
-                Some((
-                    entry,
-                    at,
-                    expandable::carve_mapped(&self.core, there, rounded),
-                ))
-            }
             Some(fit) => {
                 let bins = self.core.bins[pool.index()]
                     .as_ref()
@@ -305,16 +286,6 @@ impl<E> Core<E> {
             return None;
         }
         if size >= max_split && bsize >= size.saturating_add(slack) {
-            return None;
-        }
-        let ratio = self.config.oversize_ratio;
-        if pool.kind() == PoolKind::Huge
-            && ratio > 0.0
-            && bsize as f64 > size as f64 * ratio
-            && !self.blocks.get(id.0).is_split()
-            && !self.churn.paused()
-        {
-            self.oversize_refused = Some(self.blocks.get(id.0).segment);
             return None;
         }
         self.bins[pool.index()].as_mut()?.take(found);
