@@ -61,7 +61,7 @@ fn pattern_two_streams_expandable_host_waits() {
 /// Every small request from slabs (chunks of one size class per segment).
 #[test]
 fn pattern_two_streams_slabs() {
-    pattern_two_streams_with(Config::parse("default,slab_max_kb:1024").unwrap());
+    pattern_two_streams_with(Config::parse("segments,slab_max_kb:1024").unwrap());
 }
 
 /// Expandable segments under a cap the workload keeps running into: every

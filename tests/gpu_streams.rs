@@ -125,7 +125,7 @@ fn cross_stream_slab_chunk_not_reused_before_work_completes() {
     let Some(dev) = gpu_device() else { return };
     dev.bind_thread().unwrap();
     let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
-    let alloc = CachingAllocator::new(dev, Config::parse("default,slab_max_kb:1024").unwrap());
+    let alloc = CachingAllocator::new(dev, Config::parse("segments,slab_max_kb:1024").unwrap());
     let (big_size, small) = (256 * MIB, 64 * 1024);
     let big = alloc.malloc(big_size, b.id()).unwrap();
     let x = alloc.malloc(small, a.id()).unwrap();

@@ -159,8 +159,9 @@ pub trait Device: Send + Sync {
     fn vmm_map(&self, _ptr: DevicePtr, _page: u64, _bytes: u64) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("map"))
     }
-    /// Unmaps the page of `bytes` mapped at `ptr`. The caller guarantees that
-    /// no queued work still uses it.
+    /// Unmaps the pages mapped in `[ptr, ptr + bytes)`: one page, or several
+    /// side by side whose mappings cover the range exactly (as `cuMemUnmap`).
+    /// The caller guarantees that no queued work still uses them.
     fn vmm_unmap(&self, _ptr: DevicePtr, _bytes: u64) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("unmap"))
     }

@@ -46,8 +46,10 @@ pub struct SimCounters {
     pub vmm_releases: u64,
     /// Page maps.
     pub vmm_maps: u64,
-    /// Page unmaps.
+    /// Unmap calls (one may unmap several pages side by side).
     pub vmm_unmaps: u64,
+    /// Mappings removed by unmap calls.
+    pub vmm_pages_unmapped: u64,
     /// Device-to-device copies ([`Device::copy`]).
     pub copies: u64,
     /// Bytes copied by [`Device::copy`].
@@ -801,14 +803,32 @@ impl Device for SimulatedDevice {
     fn vmm_unmap(&self, ptr: DevicePtr, bytes: u64) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
         s.fault(calls::VMM_UNMAP, "vmm_unmap")?;
-        match s.mapped.get(&ptr.0) {
-            Some(&(_, n)) if n == bytes => {
-                s.mapped.remove(&ptr.0);
-                s.counters.vmm_unmaps += 1;
-                Ok(())
+        // Whole mappings side by side that cover the range exactly (as
+        // `cuMemUnmap`), or nothing changes.
+        let end = ptr
+            .0
+            .checked_add(bytes)
+            .ok_or(DeviceError::InvalidAddress(ptr))?;
+        let mut at = ptr.0;
+        let mut starts = Vec::new();
+        while at < end {
+            match s.mapped.get(&at) {
+                Some(&(_, n)) if n > 0 && at + n <= end => {
+                    starts.push(at);
+                    at += n;
+                }
+                _ => return Err(DeviceError::InvalidAddress(ptr)),
             }
-            _ => Err(DeviceError::InvalidAddress(ptr)),
         }
+        if bytes == 0 {
+            return Err(DeviceError::InvalidAddress(ptr));
+        }
+        s.counters.vmm_pages_unmapped += starts.len() as u64;
+        for a in starts {
+            s.mapped.remove(&a);
+        }
+        s.counters.vmm_unmaps += 1;
+        Ok(())
     }
 }
 

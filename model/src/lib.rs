@@ -1679,10 +1679,13 @@ impl Model {
             ));
         }
         let c = self.dev.counters();
-        if c.vmm_creates != c.vmm_releases || c.vmm_maps != c.vmm_unmaps || c.allocs != c.frees {
+        if c.vmm_creates != c.vmm_releases
+            || c.vmm_maps != c.vmm_pages_unmapped
+            || c.allocs != c.frees
+        {
             return Err(format!(
                 "after freeing everything and empty_cache, the device counts {}/{} segments allocated/freed, {}/{} pages created/released, {}/{} mapped/unmapped",
-                c.allocs, c.frees, c.vmm_creates, c.vmm_releases, c.vmm_maps, c.vmm_unmaps
+                c.allocs, c.frees, c.vmm_creates, c.vmm_releases, c.vmm_maps, c.vmm_pages_unmapped
             ));
         }
         if !self.dev.pending_events().is_empty() {

@@ -246,6 +246,17 @@ struct Stale {
     since: u64,
 }
 
+/// A page taken out of its page map for `empty_cache`, to be unmapped
+/// with the pages beside it ([`Expandable::unmap_runs`]).
+struct Unmapping {
+    addr: u64,
+    size: u64,
+    seg: SegmentId,
+    at: u32,
+    len: u32,
+    handle: u64,
+}
+
 impl<E> Expandable<E> {
     /// The feature's state, ranges sized for a device of `range_size` bytes.
     pub(super) fn new(range_size: u64) -> Self {
@@ -1198,6 +1209,7 @@ impl<E> Expandable<E> {
         let mut bytes = 0;
         let mut emptied: Vec<(u64, u32)> = Vec::new();
         let mut failed = None;
+        let mut batch: Vec<Unmapping> = Vec::new();
         for (since, seg, at, block) in idle {
             if bytes >= max_bytes {
                 break;
@@ -1233,6 +1245,16 @@ impl<E> Expandable<E> {
                 };
                 self.stale.insert((seg.0, at), st);
                 core.stats.num_pages_reused_early += u64::from(reused);
+            } else if all {
+                // Unmapped below, with the pages beside it in one call.
+                batch.push(Unmapping {
+                    addr: seg_addr + u64::from(at) * g,
+                    size,
+                    seg,
+                    at,
+                    len: n,
+                    handle: h,
+                });
             } else if let Err(e) = dev.vmm_unmap(DevicePtr(seg_addr + u64::from(at) * g), size) {
                 pages.insert(at, n, h);
                 if core.config.expandable_shadows {
@@ -1252,6 +1274,9 @@ impl<E> Expandable<E> {
                 }
             }
         }
+        if let Err(e) = self.unmap_runs(core, dev, batch, &mut bytes) {
+            failed = failed.or(Some(e));
+        }
         // Blocks left with no whole page leave the index.
         for (since, id) in emptied {
             let (seg, start, end, _) = self.idle_block(core, since, id);
@@ -1263,6 +1288,63 @@ impl<E> Expandable<E> {
             Some(e) => Err(e),
             None => Ok(bytes),
         }
+    }
+
+    /// Unmaps the pages of `batch` (already out of their page maps and in
+    /// the pool), each run of pages side by side in one segment with one
+    /// call: `cuMemUnmap` takes a range of whole mappings, and one call per
+    /// run instead of per page is most of what `empty_cache` costs after a
+    /// large run. A run the device refuses is tried page by page; a page it
+    /// still refuses goes back to its page map, out of the pool, and its
+    /// bytes out of `bytes`.
+    #[cold]
+    fn unmap_runs<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        mut batch: Vec<Unmapping>,
+        bytes: &mut u64,
+    ) -> Result<(), AllocError> {
+        batch.sort_unstable_by_key(|u| u.addr);
+        let mut result = Ok(());
+        let mut i = 0;
+        while i < batch.len() {
+            let mut j = i + 1;
+            while j < batch.len()
+                && batch[j].seg == batch[i].seg
+                && batch[j].addr == batch[j - 1].addr + batch[j - 1].size
+            {
+                j += 1;
+            }
+            let run = &batch[i..j];
+            let len = run.iter().map(|u| u.size).sum();
+            if dev.vmm_unmap(DevicePtr(run[0].addr), len).is_ok() {
+                core.stats.num_unmap += 1;
+            } else {
+                for u in run {
+                    match dev.vmm_unmap(DevicePtr(u.addr), u.size) {
+                        Ok(()) => core.stats.num_unmap += 1,
+                        Err(e) => {
+                            // Still mapped: back where it was, not pooled.
+                            let s = core.segments.get_mut(u.seg.0);
+                            s.pages_mut()
+                                .expect("expandable")
+                                .insert(u.at, u.len, u.handle);
+                            if core.config.expandable_shadows {
+                                self.mapped_at.insert(u.handle, (u.seg, u.at));
+                            }
+                            self.page_pool.retain(|p| p.0 != u.handle);
+                            *bytes -= u.size;
+                            if result.is_ok() {
+                                result = Err(e.into());
+                            }
+                        }
+                    }
+                }
+            }
+            i = j;
+        }
+        result
     }
 
     /// `empty_cache` for expandable segments: once the device is idle, unmap

@@ -752,8 +752,10 @@ mod expandable {
                 st.num_unmap,
                 st.num_page_release
             ),
-            (2, 2, 2, 2)
+            // The two pages lie side by side: empty_cache unmaps them in one call.
+            (2, 2, 1, 2)
         );
+        assert_eq!(dev.counters().vmm_pages_unmapped, 2);
         ok(&a);
     }
 
@@ -2060,4 +2062,57 @@ fn expandable_early_reuses_its_own_streams_pages_without_waiting() {
     assert_eq!(a.usage().reserved, 0);
     assert!(dev.mappings().is_empty());
     a.check_invariants().unwrap();
+}
+
+/// `empty_cache` unmaps each run of pages side by side with one call (as
+/// `cuMemUnmap` allows), not page by page: after a large run its cost is
+/// the calls, and a run of 40 pages is one call.
+#[test]
+fn empty_cache_unmaps_each_run_of_pages_in_one_call() {
+    let (dev, a) = new(Config {
+        expandable_page: 2 * MIB,
+        expandable_page_divisor: 0,
+        ..Config::default()
+    });
+    let x = a.malloc(80 * MIB, S0).unwrap();
+    let keep = a.malloc(2 * MIB, S0).unwrap();
+    let y = a.malloc(40 * MIB, S0).unwrap();
+    a.free(x).unwrap();
+    a.free(y).unwrap();
+    let before = dev.counters();
+    a.empty_cache().unwrap();
+    let after = dev.counters();
+    // x's 40 pages and y's 20: two runs, keep's page in between stays.
+    assert_eq!(after.vmm_pages_unmapped - before.vmm_pages_unmapped, 60);
+    assert_eq!(after.vmm_unmaps - before.vmm_unmaps, 2);
+    assert_eq!(after.vmm_releases - before.vmm_releases, 60);
+    assert_eq!(a.usage().reserved, 2 * MIB);
+    ok(&a);
+    a.free(keep).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(dev.outstanding(), 0);
+}
+
+/// A run the device refuses to unmap whole is unmapped page by page, and a
+/// page it still refuses stays mapped and counted (nothing leaks).
+#[test]
+fn a_refused_run_is_unmapped_page_by_page() {
+    use crate::simulated::calls;
+    let (dev, a) = new(Config {
+        expandable_page: 2 * MIB,
+        expandable_page_divisor: 0,
+        ..Config::default()
+    });
+    let x = a.malloc(8 * MIB, S0).unwrap();
+    a.free(x).unwrap();
+    // The run's call fails, then the first page's call; the rest succeed.
+    dev.fail_calls_after(calls::VMM_UNMAP, 0, 2);
+    assert!(a.empty_cache().is_err());
+    // Three pages unmapped and pooled, one still mapped: all still counted.
+    assert_eq!(a.usage().reserved, 8 * MIB);
+    assert_eq!(dev.counters().vmm_pages_unmapped, 3);
+    a.check_invariants().unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.usage().reserved, 0);
+    assert_eq!(dev.outstanding(), 0);
 }
