@@ -306,8 +306,7 @@ pub use exports::*;
 /// expandable segments or holes borrowed from another stream's segments
 /// (nothing records stream events behind a capture, and a block the graph
 /// freed stays where its stream left it), nothing given back on its own (no
-/// garbage collection, no release on out-of-memory), and PyTorch's 20 MiB
-/// medium segments (a pool's peak starts at zero with its capture).
+/// garbage collection, no release on out-of-memory).
 pub fn pool_config(mut config: Config) -> Config {
     config.thread_cache = 0;
     config.slab_max = 0;
@@ -315,7 +314,6 @@ pub fn pool_config(mut config: Config) -> Config {
     config.borrow_holes = false;
     config.garbage_collection_threshold = None;
     config.oom_flush = false;
-    config.medium_segment_divisor = 0;
     config
 }
 

@@ -18,9 +18,7 @@ use crate::bins::Bins;
 use crate::block::{
     Block, BlockId, BlockState, Listed, PoolId, PoolKind, Segment, SegmentId, SegmentKind,
 };
-use crate::config::{
-    Config, MemoryCap, MEDIUM_SEGMENT, MEDIUM_SEGMENT_MIN, OVERSIZE_SLACK, SMALL_SIZE,
-};
+use crate::config::{Config, MemoryCap, MEDIUM_SEGMENT, OVERSIZE_SLACK, SMALL_SIZE};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::{AllocError, OomReport};
 use crate::fasthash::FastMap;
@@ -205,21 +203,6 @@ impl<E> Core<E> {
         self.stats.reserved_bytes.all().current
     }
 
-    /// The size of the segments large requests below the threshold share:
-    /// [`MEDIUM_SEGMENT`], or with `medium_segment_divisor` that share of the
-    /// peak reserved memory, in 2 MiB steps from 2 to 20 MiB.
-    fn medium_segment(&self) -> u64 {
-        match self.config.medium_segment_divisor {
-            0 => MEDIUM_SEGMENT,
-            d => {
-                (self.high_water / d)
-                    .div_ceil(MEDIUM_SEGMENT_MIN)
-                    .clamp(1, MEDIUM_SEGMENT / MEDIUM_SEGMENT_MIN)
-                    * MEDIUM_SEGMENT_MIN
-            }
-        }
-    }
-
     #[inline]
     fn bins_mut(&mut self, pool: PoolId) -> &mut Bins {
         self.bins[pool.index()].get_or_insert_with(Box::default)
@@ -227,14 +210,13 @@ impl<E> Core<E> {
 
     /// The segment size for a request of `rounded` bytes.
     fn segment_size(&self, rounded: u64) -> u64 {
-        let medium = self.medium_segment();
         let c = &self.config;
         if !c.caching {
             rounded
         } else if rounded <= SMALL_SIZE {
             c.small_segment
-        } else if rounded < c.large_threshold.min(medium / 2) {
-            medium
+        } else if rounded < c.large_threshold {
+            MEDIUM_SEGMENT
         } else {
             rounded.div_ceil(c.segment_round) * c.segment_round
         }

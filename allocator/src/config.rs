@@ -19,17 +19,10 @@ const MIB: u64 = 1 << 20;
 
 /// Requests up to this size (rounded) go to the small pool (PyTorch's `kSmallSize`).
 pub const SMALL_SIZE: u64 = MIB;
-/// `default`'s medium segment: 1/64 of the peak reserved memory (at most
-/// [`MEDIUM_SEGMENT`]), so that a workload of a few hundred MiB does not
-/// strand 20 MiB per partly used segment while one of 1.3 GiB and more gets
-/// PyTorch's size.
-const DEFAULT_MEDIUM_DIVISOR: u64 = 64;
 /// `expandable_page_divisor` of `default` and `expandable`: pages are at
 /// most 1/128 of the peak allocated bytes. Larger divisors leave the
 /// corpus's worst case where it is and only add map calls (docs/POLICY.md).
 const DEFAULT_PAGE_DIVISOR: u64 = 128;
-/// Smallest medium segment (`medium_segment_divisor`).
-pub const MEDIUM_SEGMENT_MIN: u64 = 2 * MIB;
 /// Segment size for large requests below `large_threshold` (PyTorch's `kLargeBuffer`).
 pub const MEDIUM_SEGMENT: u64 = 20 * MIB;
 /// A request ≥ `max_split_size` takes a cached block only if it is less than
@@ -141,12 +134,6 @@ pub struct Config {
     /// Large requests at or above this get a segment of their own size (rounded);
     /// below it, a segment of [`MEDIUM_SEGMENT`].
     pub large_threshold: u64,
-    /// Medium segments (for large requests below `large_threshold`) are the
-    /// peak reserved memory divided by this, 2 to 20 MiB, and requests of at
-    /// least half a medium segment get their own (0: always
-    /// [`MEDIUM_SEGMENT`], PyTorch's). Segments then scale with the
-    /// workload: a 400 MiB inference server does not hold 20 MiB per stream.
-    pub medium_segment_divisor: u64,
     /// Granule that own-size large segments are rounded up to.
     pub segment_round: u64,
     /// Plain segments: requests at or above this size go to the huge pool,
@@ -255,7 +242,6 @@ impl Config {
             caching: true,
             small_segment: 2 * MIB,
             large_threshold: 10 * MIB,
-            medium_segment_divisor: 0,
             segment_round: 2 * MIB,
             large_split_remainder: MIB,
             huge_size: u64::MAX,
@@ -294,9 +280,12 @@ impl Config {
     /// memory costs step time. This one gives them back only on
     /// `empty_cache()`, in the out-of-memory flush, under a memory cap or
     /// fraction, and past `garbage_collection_threshold` (PyTorch's
-    /// meaning); in between, every placement rule it keeps works without a
-    /// driver call: the huge pool, medium segments scaled to the workload,
-    /// thread caches, and other kinds' free blocks before out of memory.
+    /// meaning). Its placement is PyTorch's, so that it never holds more
+    /// than PyTorch's allocator; before out of memory it also takes free
+    /// blocks in segments of another kind (`oom_other_kinds`). The placement
+    /// rules that once went with it (a huge pool, medium segments scaled to
+    /// the workload, thread caches) held more than PyTorch's policy on some
+    /// traces without their release rules, so they are opt-in keys.
     ///
     /// Note [How default chooses]: `default` is this policy with
     /// `expandable_segments:True`. Where the device lacks the virtual
@@ -306,10 +295,6 @@ impl Config {
     pub fn segments() -> Self {
         Config {
             name: "segments".into(),
-            thread_cache: DEFAULT_THREAD_CACHE,
-            huge_size: 256 * MIB,
-            slab_max: DEFAULT_SLAB_MAX,
-            medium_segment_divisor: DEFAULT_MEDIUM_DIVISOR,
             // Free space stranded in segments of another kind, before out
             // of memory only.
             oom_other_kinds: true,
@@ -885,16 +870,6 @@ pub static KEYS: &[Key] = &[
         set: |c, v| c.large_threshold = u(v),
     },
     Key {
-        name: "medium_segment_divisor",
-        aliases: &[],
-        kind: DIVISOR,
-        stability: Stability::Experimental,
-        doc: "medium segments are the peak reserved memory divided by this (2 to 20 MiB), and large requests from half of one on get their own (0: always 20 MiB)",
-        group: None,
-        get: |c| Some(Value::U64(c.medium_segment_divisor)),
-        set: |c, v| c.medium_segment_divisor = u(v),
-    },
-    Key {
         name: "segment_round_mb",
         aliases: &[],
         kind: mib(1, 1024, false),
@@ -1195,13 +1170,10 @@ fn short(v: &str) -> String {
     }
 }
 
-/// Blocks each thread keeps in `default` (enough for a few tensors of a
-/// step's repeating shapes; each is flushed back before the allocator grows).
-pub const DEFAULT_THREAD_CACHE: u32 = 8;
-/// Requests that `default` serves from slabs: none, since a slab per size
-/// class and stream strands memory (`slab_max_kb:1024` for the speed; see
-/// `docs/POLICY.md`, "Slabs", for what it costs and buys).
-pub const DEFAULT_SLAB_MAX: u64 = 0;
+/// A `thread_cache` worth asking for (`segments,thread_cache:8`): enough
+/// for a few tensors of a step's repeating shapes. Off in every preset: the
+/// parked blocks hold memory (see `docs/POLICY.md`, "Thread caches").
+pub const SUGGESTED_THREAD_CACHE: u32 = 8;
 /// Upper bound of `thread_cache`.
 pub const MAX_THREAD_CACHE: u32 = 1024;
 

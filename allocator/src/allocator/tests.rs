@@ -87,38 +87,6 @@ fn segment_sizes_follow_pytorch() {
     ok(&a);
 }
 
-/// `medium_segment_divisor`: the segments that large requests below the
-/// threshold share are the peak reserved memory / N (2 to 20 MiB), and from
-/// half such a segment on a request gets its own.
-#[test]
-fn medium_segments_scale_with_the_peak() {
-    // The size of the segment the next malloc creates.
-    fn new_segment(dev: &SimulatedDevice, a: &CachingAllocator<SimulatedDevice>, size: u64) -> u64 {
-        let before: Vec<_> = dev.segments();
-        a.malloc(size, S0).unwrap();
-        let after = dev.segments();
-        let new: Vec<_> = after.iter().filter(|s| !before.contains(s)).collect();
-        assert_eq!(new.len(), 1, "malloc({size}) creates one segment");
-        new[0].1
-    }
-    let (dev, a) = new(Config::segments());
-    assert_eq!(Config::segments().medium_segment_divisor, 64);
-    // Nothing reserved yet: 2 MiB medium segments, so 3 MiB gets its own.
-    assert_eq!(new_segment(&dev, &a, 3 * MIB), 4 * MIB);
-    // 640 MiB reserved: 10 MiB medium segments, own ones from 5 MiB.
-    a.malloc(636 * MIB, S0).unwrap();
-    assert_eq!(new_segment(&dev, &a, 3 * MIB), 10 * MIB);
-    assert_eq!(new_segment(&dev, &a, 8 * MIB), 8 * MIB);
-    // 1.28 GiB and more: PyTorch's 20 MiB.
-    a.malloc(700 * MIB, S0).unwrap();
-    assert_eq!(new_segment(&dev, &a, 9 * MIB), 20 * MIB);
-    ok(&a);
-    // Divisor 0: always 20 MiB.
-    let (dev, a) = new(Config::parse("segments,medium_segment_divisor:0").unwrap());
-    assert_eq!(new_segment(&dev, &a, 3 * MIB), 20 * MIB);
-    ok(&a);
-}
-
 #[test]
 fn split_and_merge_in_a_segment() {
     let (_, a) = new(Config::pytorch());
@@ -519,7 +487,7 @@ fn allocator_is_send_and_sync() {
 
 #[test]
 fn huge_pool_is_kept_for_huge_requests() {
-    let (dev, a) = new(Config::segments());
+    let (dev, a) = new(default_plain());
     let h = a.malloc(300 * MIB, S0).unwrap();
     assert_eq!(dev.segments(), vec![(h, 300 * MIB)]);
     a.free(h).unwrap();
@@ -541,9 +509,9 @@ fn huge_pool_is_kept_for_huge_requests() {
     ok(&a);
 }
 
-/// The plain-segment policy.
+/// The plain-segment policy with a huge pool from 256 MiB.
 fn default_plain() -> Config {
-    Config::segments()
+    Config::parse("segments,huge_size_mb:256").unwrap()
 }
 
 /// A huge segment whose 300 MiB block went free and a 260 MiB block took
@@ -586,7 +554,7 @@ fn a_request_the_device_has_no_room_for_takes_a_free_tail_of_another_kind() {
 
 #[test]
 fn with_oom_other_kinds_off_a_free_tail_of_another_kind_stays_unused() {
-    let config = Config::parse("segments,oom_other_kinds:false").unwrap();
+    let config = Config::parse("segments,huge_size_mb:256,oom_other_kinds:false").unwrap();
     let (_, a) = with_capacity(config, 300 * MIB);
     huge_segment_with_a_free_tail(&a);
     let e = a.malloc(30 * MIB, S0).unwrap_err();

@@ -598,7 +598,7 @@ mod tests {
 
     #[test]
     fn a_repeated_size_is_served_without_the_allocator_lock() {
-        let (dev, a) = new("segments", 1 << 30);
+        let (dev, a) = new("segments,thread_cache:8", 1 << 30);
         let p = a.malloc(1000, S0).unwrap();
         a.free(p).unwrap();
         assert!(
@@ -638,7 +638,7 @@ mod tests {
 
     #[test]
     fn statistics_count_what_the_thread_cache_served() {
-        let (_, a) = new("segments", 1 << 30);
+        let (_, a) = new("segments,thread_cache:8", 1 << 30);
         for i in 0..100u64 {
             let p = a.malloc(1000 + i % 3, S0).unwrap();
             a.free(p).unwrap();
@@ -681,7 +681,7 @@ mod tests {
 
     #[test]
     fn misuse_of_a_cached_block_is_an_error() {
-        let (_, a) = new("segments", 1 << 30);
+        let (_, a) = new("segments,thread_cache:8", 1 << 30);
         let p = a.malloc(4096, S0).unwrap();
         a.free(p).unwrap(); // parked
         assert!(matches!(a.free(p), Err(AllocError::DoubleFree(q)) if q == p));
@@ -703,7 +703,7 @@ mod tests {
 
     #[test]
     fn another_thread_frees_a_block_the_cache_handed_out() {
-        let (dev, a) = new("segments", 1 << 30);
+        let (dev, a) = new("segments,thread_cache:8", 1 << 30);
         let p = a.malloc(4096, S0).unwrap();
         a.free(p).unwrap();
         let p = a.malloc(4096, S0).unwrap(); // handed out by this thread's cache
@@ -720,7 +720,7 @@ mod tests {
 
     #[test]
     fn a_block_used_on_another_stream_is_not_cached() {
-        let (dev, a) = new("segments", 1 << 30);
+        let (dev, a) = new("segments,thread_cache:8", 1 << 30);
         let p = a.malloc(4096, S0).unwrap();
         a.free(p).unwrap();
         let p = a.malloc(4096, S0).unwrap(); // from the cache
@@ -737,7 +737,7 @@ mod tests {
     #[test]
     fn parked_blocks_go_back_before_the_device_is_asked() {
         // One small segment fits the device.
-        let (dev, a) = new("segments", 2 * MIB);
+        let (dev, a) = new("segments,thread_cache:8", 2 * MIB);
         let p = a.malloc(MIB, S0).unwrap();
         let q = a.malloc(MIB, S0).unwrap();
         a.free(p).unwrap();
@@ -757,7 +757,7 @@ mod tests {
 
     #[test]
     fn empty_cache_releases_segments_of_parked_blocks() {
-        let (dev, a) = new("segments", 1 << 30);
+        let (dev, a) = new("segments,thread_cache:8", 1 << 30);
         for size in [512, 64 << 10, 16 * MIB] {
             let p = a.malloc(size, S0).unwrap();
             a.free(p).unwrap();
@@ -772,7 +772,7 @@ mod tests {
 
     #[test]
     fn a_large_block_is_parked_only_for_an_immediate_repeat() {
-        let (_, a) = new("segments", 1 << 30);
+        let (_, a) = new("segments,thread_cache:8", 1 << 30);
         let x = a.malloc(40 * MIB, S0).unwrap();
         let y = a.malloc(30 * MIB, S0).unwrap();
         a.free(x).unwrap(); // the last request was 30 MiB: x goes to the bins
@@ -803,7 +803,7 @@ mod tests {
 
     #[test]
     fn parks_that_are_never_taken_back_use_up_the_credit() {
-        let (_, a) = new("segments", 1 << 30);
+        let (_, a) = new("segments,thread_cache:8", 1 << 30);
         // Each round asks for 8 new sizes, then frees them: every free is of a
         // wanted size, but no size comes back, so no park ever hits.
         // Asks for 8 new sizes, frees them; returns how many of them were parked.
@@ -851,7 +851,7 @@ mod tests {
 
     #[test]
     fn caches_that_do_not_pay_are_turned_off_until_sizes_repeat() {
-        let (_, a) = new("segments", 1 << 30);
+        let (_, a) = new("segments,thread_cache:8", 1 << 30);
         let on = |a: &CachingAllocator<SimulatedDevice>| {
             a.thread_cache_on.load(std::sync::atomic::Ordering::Relaxed)
         };
@@ -896,7 +896,7 @@ mod tests {
 
     #[test]
     fn a_slot_hands_out_at_most_max_live_blocks() {
-        let (_, a) = new("segments", 1 << 30);
+        let (_, a) = new("segments,thread_cache:8", 1 << 30);
         let live = |a: &CachingAllocator<SimulatedDevice>| {
             let st = a.state.lock();
             st.caches
@@ -949,7 +949,7 @@ mod tests {
 
     #[test]
     fn recording_sees_every_call() {
-        let (_, a) = new("segments", 1 << 30);
+        let (_, a) = new("segments,thread_cache:8", 1 << 30);
         let p = a.malloc(4096, S0).unwrap();
         a.free(p).unwrap();
         let events = Arc::new(Mutex::new(Vec::new()));
@@ -977,7 +977,7 @@ mod tests {
     fn threads_each_keep_their_own_blocks() {
         // Without slabs, so that one small segment serves all eight sizes
         // (slabs would take one segment per size class).
-        let (dev, a) = new("segments,slab_max_kb:0", 1 << 30);
+        let (dev, a) = new("segments,thread_cache:8,slab_max_kb:0", 1 << 30);
         let handles: Vec<_> = (0..8u64)
             .map(|t| {
                 let a = a.clone();
