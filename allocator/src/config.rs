@@ -1094,6 +1094,37 @@ pub static KEYS: &[Key] = &[
     },
 ];
 
+/// PyTorch's `expandable_segments` in a `PYTORCH_ALLOC_CONF` /
+/// `PYTORCH_CUDA_ALLOC_CONF` string, if the string sets it (the last
+/// setting wins, as in PyTorch; a value that is not a boolean is ignored
+/// here and left for PyTorch to refuse).
+pub fn pytorch_expandable_segments(conf: &str) -> Option<bool> {
+    conf.split(',')
+        .rev()
+        .filter_map(|item| item.split_once(':'))
+        .filter(|(k, _)| k.trim() == "expandable_segments")
+        .find_map(|(_, v)| parse_bool(v.trim()))
+}
+
+/// `config` (read from `CACHEALLOC_CONF`, whose text is `own`) with
+/// PyTorch's `expandable_segments` from `pytorch` applied, unless
+/// `CACHEALLOC_CONF` sets that key itself: `CACHEALLOC_CONF` wins, and a
+/// user who turned PyTorch's expandable segments off
+/// (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`) gets the
+/// `segments` policy from `default`.
+pub fn with_pytorch_conf(mut config: Config, own: Option<&str>, pytorch: Option<&str>) -> Config {
+    let own_sets_it = own.is_some_and(|o| {
+        o.split(',')
+            .any(|i| i.split(':').next().map(str::trim) == Some("expandable_segments"))
+    });
+    if let Some(v) = pytorch.and_then(pytorch_expandable_segments) {
+        if !own_sets_it {
+            config.expandable_segments = v;
+        }
+    }
+    config
+}
+
 /// The table entry of `name` (or of a key it is an alias of).
 pub fn find_key(name: &str) -> Option<&'static Key> {
     KEYS.iter()
@@ -1613,6 +1644,46 @@ mod tests {
             &doc[a..b],
             table,
             "docs/POLICY.md's key table is stale: run with CACHEALLOC_UPDATE_DOCS=1"
+        );
+    }
+
+    #[test]
+    fn pytorchs_expandable_segments_apply_unless_cachealloc_conf_sets_them() {
+        assert_eq!(
+            pytorch_expandable_segments("expandable_segments:False"),
+            Some(false)
+        );
+        assert_eq!(
+            pytorch_expandable_segments("max_split_size_mb:64, expandable_segments:True"),
+            Some(true)
+        );
+        assert_eq!(pytorch_expandable_segments("backend:native"), None);
+        assert_eq!(
+            pytorch_expandable_segments("expandable_segments:maybe"),
+            None
+        );
+        let off = Some("expandable_segments:False");
+        let c = with_pytorch_conf(Config::default(), None, off);
+        assert!(!c.expandable_segments);
+        assert_eq!(
+            Config {
+                name: "segments".into(),
+                ..c
+            },
+            Config::segments()
+        );
+        let own = "default,expandable_segments:True";
+        let c = with_pytorch_conf(Config::parse(own).unwrap(), Some(own), off);
+        assert!(c.expandable_segments, "CACHEALLOC_CONF wins");
+        let c = with_pytorch_conf(
+            Config::segments(),
+            Some("segments"),
+            Some("expandable_segments:True"),
+        );
+        assert!(c.expandable_segments);
+        assert_eq!(
+            with_pytorch_conf(Config::default(), None, None),
+            Config::default()
         );
     }
 

@@ -136,15 +136,28 @@ impl From<AllocError> for CudaError {
     }
 }
 
-/// The configuration from `CACHEALLOC_CONF` (the default policy when unset or empty).
+/// The configuration from `CACHEALLOC_CONF` (the default policy when unset
+/// or empty), with PyTorch's `expandable_segments` from `PYTORCH_ALLOC_CONF`
+/// (or its older name `PYTORCH_CUDA_ALLOC_CONF`) where `CACHEALLOC_CONF`
+/// does not set it ([`cachealloc_core::config::with_pytorch_conf`]).
 pub fn config_from_env() -> Result<Config, CudaError> {
-    match std::env::var_os(CONF_ENV) {
-        None => Ok(Config::default()),
-        Some(v) => {
-            let value = v.to_string_lossy().into_owned();
-            Config::parse(&value).map_err(|error| CudaError::Config { value, error })
-        }
-    }
+    let own = std::env::var_os(CONF_ENV).map(|v| v.to_string_lossy().into_owned());
+    let config = match &own {
+        None => Config::default(),
+        Some(value) => Config::parse(value).map_err(|error| CudaError::Config {
+            value: value.clone(),
+            error,
+        })?,
+    };
+    let pytorch = ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"]
+        .iter()
+        .find_map(|k| std::env::var_os(k))
+        .map(|v| v.to_string_lossy().into_owned());
+    Ok(cachealloc_core::config::with_pytorch_conf(
+        config,
+        own.as_deref(),
+        pytorch.as_deref(),
+    ))
 }
 
 static ALLOCATORS: [OnceLock<CachingAllocator<CudaDevice>>; DEVICES] =
