@@ -30,10 +30,26 @@ def build_library():
         subprocess.check_call([os.path.join(ROOT, "scripts", "make-cuda-stub.sh"), stub])
         env["CUDA_LIBRARY_PATH"] = stub
     cargo = env.get("CARGO", "cargo")
-    subprocess.check_call([cargo, "build", "--release", "--features", "cuda", "--lib"],
-                          cwd=ROOT, env=env)
+    # pip keeps a build's output to itself unless asked for -v: cargo's
+    # progress goes to the terminal when there is one, so a build of a few
+    # minutes does not look like a hang.
+    progress = _terminal()
+    try:
+        subprocess.check_call([cargo, "build", "--profile", "wheel", "--features", "cuda", "--lib"],
+                              cwd=ROOT, env=env, stderr=progress)
+    finally:
+        if progress is not None:
+            progress.close()
     target = env.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
-    return os.path.join(target, "release", "libcachealloc.so")
+    return os.path.join(target, "wheel", "libcachealloc.so")
+
+
+def _terminal():
+    """The controlling terminal to write to, or None (no terminal: CI, a pipe)."""
+    try:
+        return open("/dev/tty", "w")
+    except OSError:
+        return None
 
 
 class BuildPy(build_py):
