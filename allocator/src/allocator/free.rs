@@ -404,11 +404,15 @@ impl<E> Core<E> {
         while let Some(id) = cur {
             let b = self.blocks.get(id.0);
             if ptr.0 >= b.addr && ptr.0 < b.addr + b.size {
+                // (A parked block may be live again: a thread cache hands
+                // its blocks out without the allocator's lock.)
                 return match (b.state, ptr.0 == b.addr) {
-                    (BlockState::Allocated, false) => AllocError::InteriorPointer {
-                        ptr,
-                        block: DevicePtr(b.addr),
-                    },
+                    (BlockState::Allocated | BlockState::Parked, false) => {
+                        AllocError::InteriorPointer {
+                            ptr,
+                            block: DevicePtr(b.addr),
+                        }
+                    }
                     (_, true) => AllocError::DoubleFree(ptr),
                     _ => AllocError::UnknownPointer(ptr),
                 };

@@ -596,6 +596,27 @@ mod tests {
             .collect()
     }
 
+    /// An interior pointer into a block a thread cache handed out again is
+    /// reported as one, as without thread caches.
+    #[test]
+    fn an_interior_pointer_into_a_block_served_from_a_cache_is_named() {
+        let (_dev, a) = new("segments,thread_cache:8", 1 << 30);
+        let p = a.malloc(4096, S0).unwrap();
+        a.free(p).unwrap();
+        let q = a.malloc(4096, S0).unwrap();
+        assert_eq!(q, p, "served by the thread's cache");
+        let e = a.free(DevicePtr(q.0 + 512)).unwrap_err();
+        assert_eq!(
+            e,
+            AllocError::InteriorPointer {
+                ptr: DevicePtr(q.0 + 512),
+                block: q
+            }
+        );
+        a.free(q).unwrap();
+        a.check_invariants().unwrap();
+    }
+
     #[test]
     fn a_repeated_size_is_served_without_the_allocator_lock() {
         let (dev, a) = new("segments,thread_cache:8", 1 << 30);
