@@ -2084,3 +2084,42 @@ fn a_refused_run_is_unmapped_page_by_page() {
     assert_eq!(a.usage().reserved, 0);
     assert_eq!(dev.outstanding(), 0);
 }
+
+/// Driver calls a step after warm-up under `default`: a training loop with
+/// fixed shapes maps, unmaps and releases nothing once its first steps have
+/// mapped what it needs, and never synchronizes the device.
+#[test]
+fn default_makes_no_driver_call_per_step_for_fixed_shapes() {
+    let (dev, a) = new(Config::default());
+    assert!(a.is_expandable());
+    let sizes: Vec<u64> = (1..=24u64)
+        .map(|i| (i * 37 % 11 + 1) * 3 * MIB + i * 4096)
+        .chain([300, 4096, 70_000, 900 * 1024])
+        .collect();
+    let step = |a: &CachingAllocator<SimulatedDevice>| {
+        let mut live: Vec<DevicePtr> = Vec::new();
+        for (i, &s) in sizes.iter().enumerate() {
+            live.push(a.malloc(s, S0).unwrap());
+            if i % 3 == 2 {
+                a.free(live.remove(0)).unwrap();
+            }
+        }
+        for p in live.into_iter().rev() {
+            a.free(p).unwrap();
+        }
+    };
+    for _ in 0..3 {
+        step(&a);
+    }
+    let before = (a.stats(), dev.counters());
+    for _ in 0..50 {
+        step(&a);
+    }
+    let (st, c) = (a.stats(), dev.counters());
+    assert_eq!(st.num_map, before.0.num_map, "maps after warm-up");
+    assert_eq!(st.num_unmap, before.0.num_unmap, "unmaps after warm-up");
+    assert_eq!(st.num_page_release, before.0.num_page_release);
+    assert_eq!(c.synchronizes, 0);
+    assert_eq!((c.allocs, c.frees), (0, 0));
+    ok(&a);
+}
