@@ -283,3 +283,30 @@ fn failed_event_query_recycles_what_completed() {
     a.check_invariants().unwrap();
     assert_eq!(dev.used(), 0);
 }
+
+/// `empty_cache` (and the out-of-memory flush, which shares its path)
+/// gives back a block another stream used only after waiting for that
+/// stream's work: the events guarding it are waited for on the device, not
+/// merely polled. (A wait replaced by a poll would release the segment
+/// while the other stream's work is still queued.)
+#[test]
+fn empty_cache_waits_for_the_events_guarding_a_block() {
+    for conf in ["segments", "default", "pytorch"] {
+        let dev = SimulatedDevice::new(1 << 30);
+        let a = CachingAllocator::new(dev.clone(), Config::parse(conf).unwrap());
+        let p = a.malloc(30 << 20, StreamId(0)).unwrap();
+        a.record_stream(p, StreamId(7)).unwrap();
+        a.free(p).unwrap();
+        assert!(
+            !dev.pending_events().is_empty(),
+            "{conf}: the free is guarded"
+        );
+        a.empty_cache().unwrap();
+        assert!(
+            dev.pending_events().is_empty(),
+            "{conf}: memory given back while the other stream's work was queued"
+        );
+        assert_eq!(dev.outstanding(), 0, "{conf}");
+        a.check_invariants().unwrap();
+    }
+}
