@@ -413,7 +413,8 @@ pub fn open(path: impl AsRef<Path>) -> Result<TraceFileReader, FileError> {
         }
     };
     let input = if pickle {
-        // A PyTorch memory snapshot: converted whole (snapshots are small).
+        // A PyTorch memory snapshot: read as a stream, its trace converted to
+        // text in memory.
         let (text, _) = crate::pickle_trace::snapshot_to_text(raw, None).map_err(|e| {
             fail(FileErrorKind::Open(io::Error::new(
                 io::ErrorKind::InvalidData,

@@ -203,6 +203,36 @@ fn an_allocation_above_one_pib_is_an_error_naming_the_size() {
     }
 }
 
+/// A pickle of 200,000 nested lists (400 KB).
+fn deep_pickle() -> Vec<u8> {
+    let n = 200_000;
+    let mut b = vec![0x80, 4];
+    b.resize(2 + n, b']');
+    b.resize(2 + 2 * n - 1, b'a');
+    b.push(b'.');
+    b
+}
+
+/// A deeply nested pickle: one line naming the file and the nesting, exit
+/// 1, in every command that reads a trace.
+#[test]
+fn a_deeply_nested_pickle_is_a_one_line_error() {
+    let dir = TempDir::new("deep");
+    let p = dir.file("deep.pickle", &deep_pickle());
+    for cmd in ["replay", "compare", "min-capacity"] {
+        let o = run(&[cmd, s(&p)]);
+        assert_fails(
+            &o,
+            1,
+            &[&format!(
+                "error: {}: cannot open: pickle nested deeper than 10000 levels",
+                s(&p)
+            )],
+        );
+        assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
+    }
+}
+
 /// An empty trace, or one of comments only, is a valid trace of no events.
 #[test]
 fn an_empty_trace_is_zero_events_not_an_error() {
@@ -385,6 +415,7 @@ fn bad_input_table_in_testing_md_matches() {
     ] {
         dir.file(name, text);
     }
+    dir.file("deep.pickle", &deep_pickle());
     let cases: &[&[&str]] = &[
         &["replay", "missing.trace"],
         &["replay", "op.trace"],
@@ -392,6 +423,7 @@ fn bad_input_table_in_testing_md_matches() {
         &["replay", "huge.trace"],
         &["replay", "pib.trace", "--json"],
         &["replay", "long.trace"],
+        &["replay", "deep.pickle"],
         &["replay", "ok.trace", "--capacity", "-5"],
         &["replay", "ok.trace", "--capacity", "0"],
         &["replay", "ok.trace", "-c", ""],
