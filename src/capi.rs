@@ -56,7 +56,13 @@
 //! - `cachealloc_free`: a NULL pointer with size 0 is a no-op (the free of
 //!   a size-0 allocation); NULL with a size, a pointer this library did not
 //!   hand out, a pointer inside a block, a double free or an unknown device
-//!   are ignored with the last error set. Never undefined behaviour. The
+//!   are ignored with the last error set, and never corrupt the allocator's
+//!   records or memory it did not hand out. What cannot be caught: the
+//!   allocator tracks blocks by address, as every allocator that frees by
+//!   pointer does, so a stale free of an address that was handed out again
+//!   in the meantime frees the new owner's block (it is a live block at
+//!   that address). Only a free of an address that is not live now is
+//!   detected as a double free. The
 //!   size must be the one requested at allocation (PyTorch passes it): a
 //!   different size is a caller bug, reported with the last error set, and
 //!   the block is still freed (the pointer alone identifies it).

@@ -347,7 +347,7 @@ fn compare_prints_one_table_with_a_row_per_trace_and_config() {
     assert_eq!(rows.len(), 8, "{out}");
     let mut i = 0;
     for trace in ["tests/data/small.trace", "tests/data/min_capacity.trace"] {
-        for config in ["pytorch", "default", "expandable", "no-caching"] {
+        for config in ["pytorch", "default", "segments", "no-caching"] {
             let cells: Vec<&str> = rows[i].split_whitespace().collect();
             assert_eq!(
                 (cells[0], cells[1]),

@@ -11,7 +11,7 @@ use std::collections::HashSet;
 use std::io::{self, Write};
 use std::path::PathBuf;
 
-const DEFAULT_CONFIGS: &[&str] = &["pytorch", "default", "expandable", "no-caching"];
+const DEFAULT_CONFIGS: &[&str] = &["pytorch", "default", "segments", "no-caching"];
 
 pub fn run(args: CompareArgs) -> Result<(), CliError> {
     let configs = configs_or(args.configs, DEFAULT_CONFIGS);

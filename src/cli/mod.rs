@@ -129,7 +129,7 @@ struct CompareArgs {
     #[arg(value_name = "TRACE", required = true)]
     traces: Vec<PathBuf>,
     /// Configuration to compare (repeat the option for several; default:
-    /// pytorch, default, expandable and no-caching).
+    /// pytorch, default, segments and no-caching).
     #[arg(long = "config", short = 'c', value_name = "NAME|CONF", value_parser = parse_config)]
     configs: Vec<ConfigArg>,
     /// Capacity of the simulated device (default: unlimited), e.g. 16GiB.
@@ -178,7 +178,7 @@ struct ScoreboardArgs {
           value_parser = clap::value_parser!(u64).range(1..))]
     scale_down: u64,
     /// Configuration (repeat for several; default: pytorch,
-    /// pytorch,expandable_segments:True, default, expandable).
+    /// pytorch,expandable_segments:True, default, segments).
     #[arg(long = "config", short = 'c', value_name = "NAME|CONF", value_parser = parse_config)]
     configs: Vec<ConfigArg>,
     /// Skip the smallest-capacity search (one replay per cell).

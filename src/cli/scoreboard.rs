@@ -40,7 +40,7 @@ pub const DEFAULT_CONFIGS: &[&str] = &[
     "pytorch",
     "pytorch,expandable_segments:True",
     "default",
-    "expandable",
+    "segments",
 ];
 /// How far (in events) the jitter moves an event within its step.
 pub const SHUFFLE_WINDOW: f64 = 64.0;
