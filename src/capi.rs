@@ -936,9 +936,6 @@ mod tests {
         fn release_event(&self, event: Self::Event) {
             self.inner.release_event(event)
         }
-        fn now_ns(&self) -> Option<u64> {
-            self.inner.now_ns()
-        }
         fn synchronize(&self) -> Result<(), DeviceError> {
             self.inner.synchronize()
         }

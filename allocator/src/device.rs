@@ -120,12 +120,6 @@ pub trait Device: Send + Sync {
     }
     /// Gives an event back (a real device pools them).
     fn release_event(&self, event: Self::Event);
-    /// A monotonic clock in nanoseconds, to measure what driver calls cost
-    /// (`release_time_budget`); `None` (the default): no clock, nothing is
-    /// measured.
-    fn now_ns(&self) -> Option<u64> {
-        None
-    }
     /// Blocks until all work on the device has completed.
     fn synchronize(&self) -> Result<(), DeviceError>;
 

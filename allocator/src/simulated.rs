@@ -156,18 +156,9 @@ struct SimState {
     faults: Option<(FaultPlan, u64)>,
     /// Calls (bits of [`calls`]) that fail `n` times after `skip` more succeed: (calls, skip, n).
     fail_calls: Vec<(u32, u64, u64)>,
-    /// `with_clock`: the simulated time and what one segment allocation or free costs (ns).
-    time: Option<(u64, u64)>,
 }
 
 impl SimState {
-    /// A segment allocation or free takes its time on the simulated clock.
-    fn charge_call(&mut self) {
-        if let Some((now, call)) = self.time.as_mut() {
-            *now += *call;
-        }
-    }
-
     /// Whether this `call` fails now (injected); counts it.
     fn fault(&mut self, call: u32, name: &'static str) -> Result<(), DeviceError> {
         let mut fail = false;
@@ -237,7 +228,6 @@ impl SimulatedDevice {
                 mapped: BTreeMap::new(),
                 faults: None,
                 fail_calls: Vec::new(),
-                time: None,
             })),
         }
     }
@@ -276,22 +266,6 @@ impl SimulatedDevice {
             }
             s.born.pop_front();
             s.pending_events.remove(&id);
-        }
-    }
-
-    /// Gives the device a simulated clock ([`Device::now_ns`]) that starts at
-    /// 0, moves only with [`SimulatedDevice::advance`], and by `call_ns` in
-    /// every segment allocation and free (what a driver call costs).
-    pub fn with_clock(self, call_ns: u64) -> Self {
-        self.state.lock().time = Some((0, call_ns));
-        self
-    }
-
-    /// Moves the simulated clock on by `ns` (the program's own work between
-    /// allocator calls); nothing without [`SimulatedDevice::with_clock`].
-    pub fn advance(&self, ns: u64) {
-        if let Some((now, _)) = self.state.lock().time.as_mut() {
-            *now += ns;
         }
     }
 
@@ -597,7 +571,6 @@ impl Device for SimulatedDevice {
         };
         s.segments.insert(addr, bytes);
         s.counters.allocs += 1;
-        s.charge_call();
         Ok(DevicePtr(addr))
     }
 
@@ -610,7 +583,6 @@ impl Device for SimulatedDevice {
                 Self::uncarve(&mut s, ptr.0, size);
                 s.used -= size;
                 s.counters.frees += 1;
-                s.charge_call();
                 Ok(())
             }
             _ => Err(DeviceError::InvalidAddress(ptr)),
@@ -687,10 +659,6 @@ impl Device for SimulatedDevice {
     }
 
     fn release_event(&self, _event: SimEvent) {}
-
-    fn now_ns(&self) -> Option<u64> {
-        self.state.lock().time.map(|(now, _)| now)
-    }
 
     fn synchronize(&self) -> Result<(), DeviceError> {
         let mut s = self.state.lock();

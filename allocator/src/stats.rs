@@ -234,8 +234,8 @@ pub struct MemoryStats {
     /// used segment with `borrow_holes`; their free guarded by an event on
     /// the requesting stream.
     pub num_blocks_borrowed: u64,
-    /// Growths past the peak that released nothing because the release
-    /// rules' driver time was over `release_time_budget`.
+    /// Always 0: kept so that the statistics' layout, which the C++
+    /// allocator reads by position, does not move (no rule pauses now).
     pub num_releases_paused: u64,
     /// Expandable segments: idle pages reused early by a block of their own stream
     /// before the stream was past them (mapped again at once, their old
@@ -251,8 +251,8 @@ pub struct MemoryStats {
     /// out of memory by a free block in segments of another kind (a large
     /// request in a huge segment's free tail).
     pub num_other_kind_fits: u64,
-    /// Plain segments made again page-backed near the limit as a smaller
-    /// request split them (`paged_margin`).
+    /// Always 0: kept so that the statistics' layout, which the C++
+    /// allocator reads by position, does not move (no segment is paged now).
     pub num_segments_paged: u64,
     /// Blocking waits for one event (a stream's marker, or an event guarding
     /// a block another stream used), outside `empty_cache` and out-of-memory

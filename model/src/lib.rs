@@ -267,8 +267,6 @@ struct Before {
     counters: SimCounters,
     pending: Vec<u64>,
     snapshot: Snapshot,
-    /// The device's plain allocations, (address, bytes).
-    plain: Vec<(DevicePtr, u64)>,
 }
 
 /// An allocator on a simulated device, with what the test knows about it.
@@ -280,9 +278,6 @@ pub struct Model {
     config: Config,
     /// Whether the allocator uses expandable (page-backed) segments.
     expandable: bool,
-    /// Plain segments, some of them paged (`paged_margin`): a virtual range
-    /// of the device with pages mapped in it.
-    paged: bool,
     internal_checks: bool,
     streams: Vec<StreamId>,
     live: Vec<Live>,
@@ -515,7 +510,6 @@ impl Model {
             dev,
             alloc,
             expandable,
-            paged: false,
             config: setup.config.clone(),
             internal_checks: options.internal_checks,
             streams: STREAMS[..n].to_vec(),
@@ -550,7 +544,6 @@ impl Model {
             counters: self.dev.counters(),
             pending: self.dev.pending_events(),
             snapshot: self.last_snapshot.clone(),
-            plain: self.dev.segments(),
         }
     }
 
@@ -605,74 +598,6 @@ impl Model {
             ));
         }
         self.saw("malloc served from a segment of another kind");
-        Ok(())
-    }
-
-    /// A malloc that made a plain segment again paged (`paged_margin`): only
-    /// with paging on; an entirely free plain segment cached before is gone,
-    /// or is a virtual range now at its own address, and a segment of its
-    /// size and stream is new since `before` or is that range (unless
-    /// released again in the same step), with the block at its start if it
-    /// lies in it, larger than the request; reserved memory at or under the cap.
-    fn check_repaged(&mut self, before: &Before, p: u64, rounded: u64) -> Result<(), String> {
-        if !self.paged {
-            return Err(format!(
-                "malloc({rounded}) made a segment paged with paging off"
-            ));
-        }
-        let snap = self.alloc.snapshot();
-        // (Its blocks may have been parked in a thread cache or awaiting
-        // events that completed since: free to the program.)
-        let (plain_now, ranges_now) = (self.dev.segments(), self.dev.ranges());
-        // Made again where it was: a plain allocation before, a range now.
-        let in_place = |s: &cachealloc_core::SegmentSnapshot| {
-            let seg = (s.address, s.total_size);
-            before.plain.contains(&seg) && !plain_now.contains(&seg) && ranges_now.contains(&seg)
-        };
-        let was_free = |s: &&cachealloc_core::SegmentSnapshot| {
-            s.blocks.iter().all(|b| b.state != BlockState::Allocated)
-                && (!snap.segments.iter().any(|n| n.address == s.address) || in_place(s))
-        };
-        let gone: Vec<_> = before.snapshot.segments.iter().filter(was_free).collect();
-        let remade = snap.segments.iter().find(|s| {
-            let new = !before
-                .snapshot
-                .segments
-                .iter()
-                .any(|o| o.address == s.address);
-            (new || gone.iter().any(|g| g.address == s.address))
-                && gone
-                    .iter()
-                    .any(|g| g.total_size == s.total_size && g.stream == s.stream)
-        });
-        let Some(seg) = remade else {
-            // Made again but released in the same step (the device had no
-            // room for its pages, and the flush gave the free segment back):
-            // a free segment is gone and an address range was reserved.
-            let reserved_range = self.dev.counters().vmm_reserves > before.counters.vmm_reserves;
-            if gone.is_empty() || !reserved_range {
-                return Err(format!(
-                    "malloc({rounded}) made a segment paged, but no free segment was made again"
-                ));
-            }
-            self.saw("malloc made a segment paged that went back at once");
-            return Ok(());
-        };
-        let (lo, size) = (seg.address.0, seg.total_size);
-        // The request is at its start, or went elsewhere when the device had
-        // no room for the pages it needed there.
-        if (lo..lo + size).contains(&p) && (p != lo || size <= rounded) {
-            return Err(format!(
-                "malloc({rounded}) at {p:#x} inside segment {lo:#x}+{size} made paged for it, not at its start or not smaller"
-            ));
-        }
-        let reserved = self.alloc.stats().reserved_bytes.all().current;
-        if self.cap.is_some_and(|cap| reserved > cap) {
-            return Err(format!(
-                "a segment made paged left reserved {reserved} above the cap"
-            ));
-        }
-        self.saw("malloc made a free segment paged as it split it");
         Ok(())
     }
 
@@ -1122,7 +1047,7 @@ impl Model {
                 s.address, s.total_size
             ));
         }
-        if (self.expandable || self.paged) && release {
+        if self.expandable && release {
             let (idle, pooled) = (self.idle_page_bytes(&snap), self.pooled_bytes());
             if idle != 0 || pooled != 0 {
                 return Err(format!(
@@ -1220,9 +1145,6 @@ impl Model {
                 } else if st.num_device_alloc == before.stats.num_device_alloc {
                     self.saw("malloc from the cache");
                 }
-                if st.num_releases_paused != before.stats.num_releases_paused {
-                    self.saw("malloc grew past the peak, release rules paused");
-                }
                 if st.num_alloc_retries != before.stats.num_alloc_retries {
                     self.saw("malloc served after the flush");
                 }
@@ -1255,9 +1177,6 @@ impl Model {
                 }
                 if st.num_pages_shared > before.stats.num_pages_shared {
                     self.saw("malloc shared pages between granules");
-                }
-                if st.num_segments_paged > before.stats.num_segments_paged {
-                    self.check_repaged(before, p.0, rounded)?;
                 }
                 let other_kind = st.num_other_kind_fits > before.stats.num_other_kind_fits;
                 if other_kind {
@@ -1408,11 +1327,6 @@ impl Model {
         // reserved virtual ranges, with expandable segments).
         let (dev_segs, other) = if self.expandable {
             (self.dev.ranges(), self.dev.segments())
-        } else if self.paged {
-            let mut all = self.dev.segments();
-            all.extend(self.dev.ranges());
-            all.sort_unstable();
-            (all, Vec::new())
         } else {
             (self.dev.segments(), self.dev.ranges())
         };
@@ -1441,9 +1355,7 @@ impl Model {
                 pooled,
             )?;
         } else {
-            if self.paged {
-                self.check_pages(&snap)?;
-            } else if !self.dev.mappings().is_empty() || self.dev.unmapped_page_bytes() != 0 {
+            if !self.dev.mappings().is_empty() || self.dev.unmapped_page_bytes() != 0 {
                 return Err("plain segments, yet the device holds physical pages".into());
             }
             let unmapped = self.dev.unmapped_page_bytes();
@@ -1581,7 +1493,6 @@ impl Model {
                     && l.addr + b.size <= s.address.0 + s.total_size
             } else {
                 self.dev.contains(DevicePtr(l.addr), b.size)
-                    || (self.paged && self.dev.mapped_bytes_in(DevicePtr(l.addr), b.size) == b.size)
             };
             if l.addr % MIN_BLOCK != 0 || !inside {
                 return Err(format!(

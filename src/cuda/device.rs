@@ -295,18 +295,6 @@ impl Device for CudaDevice {
         self.events.lock().push(event);
     }
 
-    fn now_ns(&self) -> Option<u64> {
-        // Host time since the first reading: what a driver call costs the
-        // program is the time its thread spends in it.
-        static EPOCH: OnceLock<std::time::Instant> = OnceLock::new();
-        Some(
-            EPOCH
-                .get_or_init(std::time::Instant::now)
-                .elapsed()
-                .as_nanos() as u64,
-        )
-    }
-
     fn synchronize(&self) -> Result<(), DeviceError> {
         let _ctx = self.enter()?;
         driver::ctx_synchronize()

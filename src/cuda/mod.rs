@@ -151,7 +151,7 @@ pub fn config_from_env() -> Result<Config, CudaError> {
     };
     let pytorch = ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"]
         .iter()
-        .find_map(|k| std::env::var_os(k))
+        .find_map(std::env::var_os)
         .map(|v| v.to_string_lossy().into_owned());
     Ok(cachealloc_core::config::with_pytorch_conf(
         config,
