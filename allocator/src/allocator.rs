@@ -139,8 +139,6 @@ pub(super) struct Core<E> {
     /// looks at `BORROW_STREAMS` other streams, in turn).
     pub(super) borrow_from: usize,
     pub(super) stats: MemoryStats,
-    /// Highest reserved bytes ever (not reset by `reset_peak_stats`).
-    pub(super) high_water: u64,
     /// Mallocs and frees so far: the clock of idle ages.
     pub(super) clock: u64,
     pub(super) recorder: Option<Recorder>,

@@ -1113,12 +1113,9 @@ pub fn pytorch_expandable_segments(conf: &str) -> Option<bool> {
 /// (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`) gets the
 /// `segments` policy from `default`.
 pub fn with_pytorch_conf(mut config: Config, own: Option<&str>, pytorch: Option<&str>) -> Config {
-    let own_sets_it = own.is_some_and(|o| {
-        o.split(',')
-            .any(|i| i.split(':').next().map(str::trim) == Some("expandable_segments"))
-    });
-    if let Some(v) = pytorch.and_then(pytorch_expandable_segments) {
-        if !own_sets_it {
+    // (`own` parsed already, so any `expandable_segments` in it is a boolean.)
+    if own.and_then(pytorch_expandable_segments).is_none() {
+        if let Some(v) = pytorch.and_then(pytorch_expandable_segments) {
             config.expandable_segments = v;
         }
     }
@@ -1201,10 +1198,6 @@ fn short(v: &str) -> String {
     }
 }
 
-/// A `thread_cache` worth asking for (`segments,thread_cache:8`): enough
-/// for a few tensors of a step's repeating shapes. Off in every preset: the
-/// parked blocks hold memory (see `docs/POLICY.md`, "Thread caches").
-pub const SUGGESTED_THREAD_CACHE: u32 = 8;
 /// Upper bound of `thread_cache`.
 pub const MAX_THREAD_CACHE: u32 = 1024;
 

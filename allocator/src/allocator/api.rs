@@ -70,7 +70,6 @@ impl<D: Device> CachingAllocator<D> {
                     stream_waits: Vec::new(),
                     borrow_from: 0,
                     stats,
-                    high_water: 0,
                     clock: 0,
                     recorder: None,
                     notices,

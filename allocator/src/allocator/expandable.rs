@@ -653,7 +653,6 @@ impl<E> Expandable<E> {
                 Some(old) => core.stats.reserved_bytes.move_group(old, kind, size),
             }
         }
-        core.high_water = core.high_water.max(core.reserved());
         Ok(())
     }
 

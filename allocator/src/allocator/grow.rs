@@ -517,7 +517,6 @@ impl<E> Core<E> {
         if size >= self.config.max_split_size {
             self.stats.oversize_segments.increase(1);
         }
-        self.high_water = self.high_water.max(self.reserved());
         Ok(Some(id))
     }
 

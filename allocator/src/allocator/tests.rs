@@ -2032,16 +2032,21 @@ fn expandable_early_reuses_its_own_streams_pages_without_waiting() {
     a.check_invariants().unwrap();
 }
 
+/// `default` with every large-pool page one 2 MiB granule.
+fn granule_pages() -> Config {
+    Config {
+        expandable_page: 2 * MIB,
+        expandable_page_divisor: 0,
+        ..Config::default()
+    }
+}
+
 /// `empty_cache` unmaps each run of pages side by side with one call (as
 /// `cuMemUnmap` allows), not page by page: after a large run its cost is
 /// the calls, and a run of 40 pages is one call.
 #[test]
 fn empty_cache_unmaps_each_run_of_pages_in_one_call() {
-    let (dev, a) = new(Config {
-        expandable_page: 2 * MIB,
-        expandable_page_divisor: 0,
-        ..Config::default()
-    });
+    let (dev, a) = new(granule_pages());
     let x = a.malloc(80 * MIB, S0).unwrap();
     let keep = a.malloc(2 * MIB, S0).unwrap();
     let y = a.malloc(40 * MIB, S0).unwrap();
@@ -2066,11 +2071,7 @@ fn empty_cache_unmaps_each_run_of_pages_in_one_call() {
 #[test]
 fn a_refused_run_is_unmapped_page_by_page() {
     use crate::simulated::calls;
-    let (dev, a) = new(Config {
-        expandable_page: 2 * MIB,
-        expandable_page_divisor: 0,
-        ..Config::default()
-    });
+    let (dev, a) = new(granule_pages());
     let x = a.malloc(8 * MIB, S0).unwrap();
     a.free(x).unwrap();
     // The run's call fails, then the first page's call; the rest succeed.
