@@ -13,6 +13,9 @@ step-time ratios with bootstrap confidence intervals and driver calls a step.
     python3 python/harness.py --variants native,cachealloc --steps nmt=60,cnn_multiscale=60
     python3 python/harness.py --workloads gpt2_finetune,gpt2_finetune+ec --steps 30
     python3 python/harness.py --stats --gpus 4 --workloads gpt2_finetune,moe_train --steps 25
+    python3 python/harness.py --stats --share-process --gpus 2 --results R.jsonl ...   # one process
+                                                        # per variant and round, results kept as they come
+    python3 python/harness.py --analyze R1.jsonl R2.jsonl --stats   # the tables of earlier calls
     python3 python/harness.py --cap-bytes 13780000000            # + capped nmt runs
     python3 python/harness.py --smoke                            # a few steps, to catch errors
     python3 python/harness.py --dry-run --stats --gpus 4 ...     # the plan and its time estimate only
@@ -97,6 +100,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULT_TAG = "HARNESS_RESULT "
+# figures() entries that count events from the process's start: a batch's later workloads
+# report them counted from their own start.
+COUNT_FIGURES = ("retries", "ooms", "device_allocs", "device_frees", "maps", "unmaps",
+                 "page_releases", "syncs", "marker_waits", "event_waits", "stream_waits",
+                 "borrowed", "revived", "releases_paused", "other_kind_fits", "segments_paged",
+                 "pages_rebacked", "pages_shared")
 DEFAULT_VARIANTS = "native,native-expandable,cachealloc,cachealloc-segments"
 DEFAULT_STEPS = {"nmt": 120, "cnn_multiscale": 80}  # the lengths of the shared traces
 SMOKE_STEPS = 8
@@ -283,22 +292,33 @@ def duration(s):
 
 # ---------------------------------------------------------------- worker
 
+_ENABLED_LIB = []  # the library cachealloc was enabled from in this worker process
+
+
 def worker(spec):
-    """Runs one workload under one allocator variant in this process; prints RESULT_TAG + JSON."""
+    """Runs one workload under one allocator variant in this process -> its result. A process
+    may run several (worker_batch): a later one starts after the earlier one's model and
+    cache are gone, with the peak statistics reset, and its counters count from its start."""
     kind, conf = parse_variant(spec["variant"])
     base, ec = parse_workload(spec["workload"])
     res = dict(spec, kind=kind, conf=conf, empty_cache_every_step=ec, status="not started")
     t_import = time.perf_counter()
-    sys.path.insert(0, HERE)
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
     import torch
     ca = None
     if kind == "cachealloc":
         import cachealloc_torch as ca
         mode = "pluggable" if spec["variant"].startswith("cachealloc-pluggable") else "cpp"
-        res["lib"] = ca.enable(spec.get("lib"), mode=mode)
+        if not _ENABLED_LIB:
+            _ENABLED_LIB.append(ca.enable(spec.get("lib"), mode=mode))
+        res["lib"] = _ENABLED_LIB[0]
         res["mode"] = ca.mode()
     import workloads
     torch.cuda.init()
+    later = spec.get("batch_index", 0) > 0
+    if later:
+        torch.cuda.reset_peak_memory_stats()
     free0, total = torch.cuda.mem_get_info()
     res.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
                device_total=total, device_free_at_start=free0)
@@ -333,6 +353,55 @@ def worker(spec):
             if v is not None:
                 out[k] = v
         return out
+
+    def figures():
+        # PyTorch's own functions, unless cachealloc is installed through the
+        # pluggable interface, where they raise (then the module's mirrors).
+        if ca is None or ca.mode() == "cpp":
+            st = torch.cuda.memory_stats()
+            extra = ca.cachealloc_stats() if ca is not None else {}
+            return dict(reserved=torch.cuda.memory_reserved(),
+                        allocated=torch.cuda.memory_allocated(),
+                        peak_reserved=torch.cuda.max_memory_reserved(),
+                        peak_allocated=torch.cuda.max_memory_allocated(),
+                        retries=st.get("num_alloc_retries", 0), ooms=st.get("num_ooms", 0),
+                        device_allocs=st.get("num_device_alloc"),
+                        device_frees=st.get("num_device_free"),
+                        maps=extra.get("num_map"), unmaps=extra.get("num_unmap"),
+                        page_releases=extra.get("num_page_release"),
+                        syncs=st.get("num_sync_all_streams"),
+                        marker_waits=extra.get("num_marker_waits"),
+                        event_waits=extra.get("num_event_waits"),
+                        stream_waits=extra.get("num_stream_waits"),
+                        borrowed=extra.get("num_blocks_borrowed"),
+                        revived=extra.get("num_pages_revived"),
+                        releases_paused=extra.get("num_releases_paused"),
+                        other_kind_fits=extra.get("num_other_kind_fits"),
+                        segments_paged=extra.get("num_segments_paged"),
+                        pages_rebacked=extra.get("num_pages_rebacked"),
+                        pages_shared=extra.get("num_pages_shared"))
+        st = ca.memory_stats()
+        return dict(reserved=st["reserved_bytes.all.current"],
+                    allocated=st["allocated_bytes.all.current"],
+                    peak_reserved=st["reserved_bytes.all.peak"],
+                    peak_allocated=st["allocated_bytes.all.peak"],
+                    retries=st["num_alloc_retries"], ooms=st["num_ooms"],
+                    device_allocs=st["num_device_alloc"], device_frees=st["num_device_free"],
+                    maps=st.get("num_map"), unmaps=st.get("num_unmap"),
+                    page_releases=st.get("num_page_release"),
+                    syncs=st.get("num_sync_all_streams"),
+                    marker_waits=st.get("num_marker_waits"),
+                    event_waits=st.get("num_event_waits"),
+                    stream_waits=st.get("num_stream_waits"),
+                    borrowed=st.get("num_blocks_borrowed"),
+                    revived=st.get("num_pages_revived"),
+                    releases_paused=st.get("num_releases_paused"),
+                    other_kind_fits=st.get("num_other_kind_fits"),
+                    segments_paged=st.get("num_segments_paged"),
+                    pages_rebacked=st.get("num_pages_rebacked"),
+                    pages_shared=st.get("num_pages_shared"))
+
+    start = figures()  # the counters before this workload (a batch's later ones)
 
     torch.manual_seed(spec["seed"])
     gen = workloads.WORKLOADS[base](spec["steps"], spec["seed"])
@@ -389,52 +458,11 @@ def worker(spec):
         res["after_error"] = str(e)[:500]
         return res
 
-    def figures():
-        # PyTorch's own functions, unless cachealloc is installed through the
-        # pluggable interface, where they raise (then the module's mirrors).
-        if ca is None or ca.mode() == "cpp":
-            st = torch.cuda.memory_stats()
-            extra = ca.cachealloc_stats() if ca is not None else {}
-            return dict(reserved=torch.cuda.memory_reserved(),
-                        allocated=torch.cuda.memory_allocated(),
-                        peak_reserved=torch.cuda.max_memory_reserved(),
-                        peak_allocated=torch.cuda.max_memory_allocated(),
-                        retries=st.get("num_alloc_retries", 0), ooms=st.get("num_ooms", 0),
-                        device_allocs=st.get("num_device_alloc"),
-                        device_frees=st.get("num_device_free"),
-                        maps=extra.get("num_map"), unmaps=extra.get("num_unmap"),
-                        syncs=st.get("num_sync_all_streams"),
-                        marker_waits=extra.get("num_marker_waits"),
-                        event_waits=extra.get("num_event_waits"),
-                        stream_waits=extra.get("num_stream_waits"),
-                        borrowed=extra.get("num_blocks_borrowed"),
-                        revived=extra.get("num_pages_revived"),
-                        releases_paused=extra.get("num_releases_paused"),
-                        other_kind_fits=extra.get("num_other_kind_fits"),
-                        segments_paged=extra.get("num_segments_paged"),
-                        pages_rebacked=extra.get("num_pages_rebacked"),
-                        pages_shared=extra.get("num_pages_shared"))
-        st = ca.memory_stats()
-        return dict(reserved=st["reserved_bytes.all.current"],
-                    allocated=st["allocated_bytes.all.current"],
-                    peak_reserved=st["reserved_bytes.all.peak"],
-                    peak_allocated=st["allocated_bytes.all.peak"],
-                    retries=st["num_alloc_retries"], ooms=st["num_ooms"],
-                    device_allocs=st["num_device_alloc"], device_frees=st["num_device_free"],
-                    maps=st.get("num_map"), unmaps=st.get("num_unmap"),
-                    syncs=st.get("num_sync_all_streams"),
-                    marker_waits=st.get("num_marker_waits"),
-                    event_waits=st.get("num_event_waits"),
-                    stream_waits=st.get("num_stream_waits"),
-                    borrowed=st.get("num_blocks_borrowed"),
-                    revived=st.get("num_pages_revived"),
-                    releases_paused=st.get("num_releases_paused"),
-                    other_kind_fits=st.get("num_other_kind_fits"),
-                    segments_paged=st.get("num_segments_paged"),
-                    pages_rebacked=st.get("num_pages_rebacked"),
-                    pages_shared=st.get("num_pages_shared"))
-
     before = figures()
+    before_raw = dict(before)
+    for k in COUNT_FIGURES:
+        if before.get(k) is not None and start.get(k) is not None:
+            before[k] -= start[k]
     res.update({k: v for k, v in before.items() if k not in ("reserved", "allocated")})
     res["ratio"] = (before["peak_reserved"] / before["peak_allocated"]
                     if before["peak_allocated"] else None)
@@ -451,6 +479,10 @@ def worker(spec):
                               driver_free_before=free_before, driver_free_after=free_after,
                               driver_free_gain=free_after - free_before)
     res["empty_cache"]["ms_per_gib_returned"] = empty_cache_ms_per_gib(res)
+    # The driver calls empty_cache made (where the allocator counts them).
+    res["empty_cache"]["calls"] = {k: after[k] - before_raw[k]
+                                   for k in ("unmaps", "page_releases", "device_frees", "syncs")
+                                   if after.get(k) is not None and before_raw.get(k) is not None}
     if ca is not None:
         res["abi_errors"] = ca.error_count()
         res["fragmentation_after"] = ca.fragmentation_stats()
@@ -463,8 +495,9 @@ class Runner:
     """Runs specs in worker processes, one lane of specs per GPU at a time; keeps the
     output of concurrent lanes in whole, tagged lines and reports progress."""
 
-    def __init__(self, timeout, log, total, est):
+    def __init__(self, timeout, log, total, est, results_file=None):
         self.timeout, self.log, self.total = timeout, log, total
+        self.results_file = results_file  # each finished run's result, a JSON line each
         self.lock = threading.Lock()
         self.t0 = time.perf_counter()
         self.done, self.actual, self.estimated = 0, 0.0, 0.0
@@ -492,24 +525,29 @@ class Runner:
             return (f"{self.done}/{self.total} runs done, {duration(time.perf_counter() - self.t0)} "
                     f"elapsed, about {duration(left)} left")
 
-    def run_one(self, idx, spec, lane):
+    def run_job(self, idxs, specs, lane):
+        """Runs specs[idxs] (one variant; several workloads with --share-process) one after
+        the other in one worker process -> their results."""
+        job = [dict(specs[i], batch_index=k) for k, i in enumerate(idxs)]
+        spec = job[0]
         env = variant_env(spec["variant"], spec.get("cuda_visible_devices"))
+        names = "+".join(s["workload"] for s in job) if len(job) > 1 else spec["workload"]
         tag = (f"[{'gpu' + str(spec['gpu']) + ' ' if spec.get('gpu') is not None else ''}"
-               f"{spec['workload']}/{spec['variant']}"
+               f"{names}/{spec['variant']}"
                f"{'/capped' if spec.get('cap_bytes') else ''} r{spec.get('round', 1)}]")
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
-        self.say(f"==> {tag} {spec['steps']} steps, seed {spec['seed']}"
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker",
+               json.dumps(job if len(job) > 1 else specs[idxs[0]])]
+        self.say(f"==> {tag} {', '.join(str(s['steps']) for s in job)} steps, seed {spec['seed']}"
                  + (f", CACHEALLOC_CONF={env['CACHEALLOC_CONF']}" if "CACHEALLOC_CONF" in env else "")
                  + (f", PYTORCH_CUDA_ALLOC_CONF={env['PYTORCH_CUDA_ALLOC_CONF']}"
                     if "PYTORCH_CUDA_ALLOC_CONF" in env else ""), to_log=True)
         t0 = time.perf_counter()
-        result, killed = None, []
+        results, killed, status = {}, [], None
         try:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True, bufsize=1)
         except OSError as e:
-            proc = None
-            result = dict(spec, status=f"process not started: {e}")
+            proc, status = None, f"process not started: {e}"
         if proc is not None:
             with self.lock:
                 self.procs.add(proc)
@@ -517,15 +555,23 @@ class Runner:
             def kill():
                 killed.append(True)
                 proc.kill()
-            timer = threading.Timer(self.timeout, kill)
+            timer = threading.Timer(self.timeout * len(job), kill)
             timer.start()
+            t_last = t0
             try:
                 for line in proc.stdout:
                     if line.startswith(RESULT_TAG):
                         try:
-                            result = json.loads(line[len(RESULT_TAG):])
+                            r = json.loads(line[len(RESULT_TAG):])
                         except ValueError:
                             self.say(f"  {tag} unreadable result line", to_log=True)
+                            continue
+                        k = r.get("batch_index", 0)
+                        now = time.perf_counter()
+                        r["process_seconds"] = now - t_last  # this workload's share
+                        t_last = now
+                        results[k] = r
+                        self.report(idxs[k], lane, tag, r)
                     else:
                         self.say(f"  {tag} {line.rstrip()}", to_log=True)
                 proc.wait()
@@ -533,31 +579,45 @@ class Runner:
                 timer.cancel()
                 with self.lock:
                     self.procs.discard(proc)
-            if result is None:
-                result = dict(spec, status=(f"timed out after {self.timeout:.0f} s" if killed
-                                            else f"process failed (exit {proc.returncode})"))
-            result["exit_code"] = proc.returncode
-        wall = time.perf_counter() - t0
-        result["process_seconds"] = wall
-        progress = self.finished(idx, lane, wall)
-        self.say(f"<== {tag} {result['status']} in {wall:.1f} s"
+            status = (f"timed out after {self.timeout * len(job):.0f} s" if killed
+                      else f"process failed (exit {proc.returncode})")
+        out = []
+        for k, i in enumerate(idxs):
+            r = results.get(k)
+            if r is None:
+                r = dict(specs[i], status=status, process_seconds=0.0)
+                self.report(i, lane, tag, r)
+            r["exit_code"] = proc.returncode if proc is not None else None
+            out.append(r)
+        return out
+
+    def report(self, idx, lane, tag, result):
+        progress = self.finished(idx, lane, result.get("process_seconds", 0.0))
+        if self.results_file:
+            with self.lock:
+                self.results_file.write(json.dumps(result) + "\n")
+                self.results_file.flush()
+        self.say(f"<== {tag} {result['workload']}: {result['status']} in "
+                 f"{result.get('process_seconds', 0.0):.1f} s"
                  + (f", median step {result['median_step']:.4f} s" if result.get("median_step") else "")
                  + f"  ({progress})", to_log=True)
-        return result
 
     def run(self, specs, lanes):
-        """lanes: lists of spec indices, each run in order by its own thread."""
+        """lanes: lists of jobs, each a list of spec indices run in one process; a lane's
+        jobs run in order by its own thread."""
         results = [None] * len(specs)
-        for j, idxs in enumerate(lanes):
-            self.lane_left[j] = sum(self.est[i] for i in idxs)
+        for j, jobs in enumerate(lanes):
+            self.lane_left[j] = sum(self.est[i] for job in jobs for i in job)
 
-        def lane(j, idxs):
-            for i in idxs:
+        def lane(j, jobs):
+            for job in jobs:
                 try:
-                    results[i] = self.run_one(i, specs[i], j)
+                    for i, r in zip(job, self.run_job(job, specs, j)):
+                        results[i] = r
                 except Exception as e:  # keep the other runs of the lane going
-                    results[i] = dict(specs[i], status=f"harness error: {type(e).__name__}: {e}")
-                    self.say(f"<== {specs[i]['workload']}/{specs[i]['variant']}: {results[i]['status']}")
+                    for i in job:
+                        results[i] = dict(specs[i], status=f"harness error: {type(e).__name__}: {e}")
+                    self.say(f"<== {specs[job[0]]['variant']}: {results[job[0]]['status']}")
         threads = [threading.Thread(target=lane, args=(j, idxs), daemon=True)
                    for j, idxs in enumerate(lanes) if idxs]
         for t in threads:
@@ -582,9 +642,36 @@ def gpu_group(spec, spread_rounds=False):
     return spec["workload"]
 
 
-def plan(specs, n_gpus, visible, spread_rounds=False):
+def jobs_of(specs, idxs, share_process, order):
+    """A lane's spec indices -> its jobs (lists of indices, each run by one process). With
+    share_process, one job per (cap, round, variant): the lane's workloads in `order`,
+    the rounds in turn, and within a round the variants in the order they were planned."""
+    if not share_process:
+        return [[i] for i in idxs]
+
+    def group(i):
+        s = specs[i]
+        return (bool(s.get("cap_bytes")), s.get("round", 1), s["variant"])
+    first = {}
+    for k, i in enumerate(idxs):  # a group's place: where its first run was planned
+        first.setdefault(group(i), k)
+    rank = {w: k for k, w in enumerate(order)}
+
+    def key(i):
+        g = group(i)
+        return (g[0], g[1], first[g], rank.get(specs[i]["workload"], len(rank)))
+    jobs = []
+    for i in sorted(idxs, key=key):
+        if jobs and group(jobs[-1][0]) == group(i):
+            jobs[-1].append(i)
+        else:
+            jobs.append([i])
+    return jobs
+
+
+def plan(specs, n_gpus, visible, spread_rounds=False, share_process=False, order=()):
     """Assigns every spec a GPU (all runs of one workload, or with spread_rounds of one
-    round of it, on one) -> (lanes, est, text)."""
+    round of it, on one) and a process -> (lanes: per GPU its jobs, est, text)."""
     est = [est_run_seconds(s) for s in specs]
     costs = {}
     for s, e in zip(specs, est):
@@ -598,12 +685,19 @@ def plan(specs, n_gpus, visible, spread_rounds=False):
         s["gpu"] = visible[j]
         if n_gpus > 1:
             s["cuda_visible_devices"] = visible[j]
+    lanes = [jobs_of(specs, idxs, share_process, list(order)) for idxs in lanes]
+    for jobs in lanes:
+        for job in jobs:
+            for i in job[1:]:  # started in a process already running
+                est[i] = max(1.0, est[i] - EST_PROCESS_SECONDS)
     lines = []
-    for j, idxs in enumerate(lanes):
+    for j, jobs in enumerate(lanes):
+        idxs = [i for job in jobs for i in job]
         ws = list(dict.fromkeys(specs[i]["workload"] for i in idxs))
-        lines.append(f"  gpu {visible[j]}: {len(idxs)} runs, about {duration(sum(est[i] for i in idxs))}"
-                     f" (estimated): " + (", ".join(ws) if ws else "nothing"))
-    longest = max((sum(est[i] for i in idxs) for idxs in lanes), default=0.0)
+        lines.append(f"  gpu {visible[j]}: {len(idxs)} runs in {len(jobs)} processes, about "
+                     f"{duration(sum(est[i] for i in idxs))} (estimated): "
+                     + (", ".join(ws) if ws else "nothing"))
+    longest = max((sum(est[i] for job in jobs for i in job) for jobs in lanes), default=0.0)
     text = (f"plan: {len(specs)} runs on {n_gpus} GPU{'s' if n_gpus > 1 else ''}, "
             f"about {duration(longest)} by a rough estimate\n" + "\n".join(lines))
     return lanes, est, text
@@ -921,6 +1015,8 @@ def selftest():
     specs = [dict(workload=w, variant=v, round=r, steps=25, seed=0, warmup=5)
              for w in ws for r in range(1, 6) for v in ("native", "cachealloc")]
     lanes, est, _ = plan(specs, 4, ["0", "1", "2", "3"])
+    assert all(len(job) == 1 for jobs in lanes for job in jobs)  # a process per run
+    lanes = [[job[0] for job in jobs] for jobs in lanes]
     assert sorted(i for l in lanes for i in l) == list(range(len(specs)))
     gpu_of = {}
     for j, l in enumerate(lanes):
@@ -933,9 +1029,23 @@ def selftest():
     assert max(loads) - min(loads) <= max(est) * 10 + 1e-9, loads  # within one workload's runs
     assert assign_gpus({"a": 5, "b": 4, "c": 3, "d": 3}, 2) == {"a": 0, "b": 1, "c": 1, "d": 0}
     lanes1, _, _ = plan([dict(s) for s in specs], 1, ["0"])
-    assert lanes1 == [list(range(len(specs)))]
+    assert lanes1 == [[[i] for i in range(len(specs))]]
+    # One process per variant and round with --share-process: all of a GPU's workloads
+    # in it, in the order given, rounds in turn, variants in each round's planned order.
+    sp = [dict(s) for s in specs]
+    lanes_p, est_p, _ = plan(sp, 2, ["0", "1"], share_process=True, order=ws)
+    assert sorted(i for jobs in lanes_p for job in jobs for i in job) == list(range(len(sp)))
+    for jobs in lanes_p:
+        ws_lane = list(dict.fromkeys(sp[i]["workload"] for job in jobs for i in job))
+        assert len(jobs) == 5 * 2  # rounds x variants
+        for k, job in enumerate(jobs):
+            assert [sp[i]["workload"] for i in job] == sorted(ws_lane, key=ws.index)
+            assert len({(sp[i]["variant"], sp[i]["round"]) for i in job}) == 1
+            assert sp[job[0]]["round"] == k // 2 + 1
+            assert all(est_p[i] < est[i] for i in job[1:]) and est_p[job[0]] == est[job[0]]
     sp = [dict(s) for s in specs]
     lanes_s, _, _ = plan(sp, 4, ["0", "1", "2", "3"], spread_rounds=True)
+    lanes_s = [[job[0] for job in jobs] for jobs in lanes_s]
     where, gpus_of = {}, {}
     for j, l in enumerate(lanes_s):
         assert l == sorted(l)
@@ -943,6 +1053,18 @@ def selftest():
             assert where.setdefault((sp[i]["workload"], sp[i]["round"]), j) == j
             gpus_of.setdefault(sp[i]["workload"], set()).add(j)
     assert all(len(g) > 1 for g in gpus_of.values()), gpus_of
+    # Results kept as JSON lines (--results) and as --json read back the same.
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        lines, whole = os.path.join(d, "r.jsonl"), os.path.join(d, "r.json")
+        with open(lines, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in results)
+        with open(whole, "w") as f:
+            json.dump(dict(results=results[:3], stats=[]), f)
+        back = read_results([lines, whole])
+        assert back == results + results[:3], (len(back), len(results))
+        assert stats(back[:len(results)], warmup, 200, 0)[2]["vs_native"] == \
+            stats(results, warmup, 200, 0)[2]["vs_native"]
     # The tables render.
     for text in (table(results), paired(results, warmup), empty_cache_table(results),
                  stats_table(rows)):
@@ -977,6 +1099,9 @@ def main():
     ap.add_argument("--spread-rounds", action="store_true",
                     help="with --gpus: one round's runs of a workload on one GPU, its rounds spread "
                          "over the GPUs")
+    ap.add_argument("--share-process", action="store_true",
+                    help="one process per variant and round runs all of a GPU's workloads, one "
+                         "after the other (saves each later workload's start-up)")
     ap.add_argument("--cap-bytes", type=int, help="also run capped: this many bytes of device memory")
     ap.add_argument("--cap-workload", default="nmt")
     ap.add_argument("--cap-variants", default="native,cachealloc")
@@ -989,11 +1114,28 @@ def main():
     ap.add_argument("--json", help="write all results here (with --stats, the statistics too)")
     ap.add_argument("--markdown", help="write the tables here")
     ap.add_argument("--log", help="append the workers' output here")
+    ap.add_argument("--results", help="append each run's result here as it finishes (JSON lines), "
+                    "so that a cut run keeps what it finished")
+    ap.add_argument("--analyze", nargs="+", metavar="FILE",
+                    help="no runs: the tables (with --stats, the statistics) of results read from "
+                         "--results files or --json files, several calls' results together")
     a = ap.parse_args()
 
+    if a.analyze:
+        results = read_results(a.analyze)
+        if not results:
+            ap.error("no results in " + ", ".join(a.analyze))
+        warmups = {r.get("warmup") for r in results if r.get("warmup") is not None}
+        if len(warmups) > 1:
+            ap.error(f"the results have different warm-ups: {sorted(warmups)}")
+        a.rounds = len({r.get("round", 1) for r in results})
+        report(a, results, warmups.pop() if warmups else a.warmup, time.perf_counter())
+        return
     if a.worker:
-        res = worker(json.loads(a.worker))
-        print(RESULT_TAG + json.dumps(res), flush=True)
+        job = json.loads(a.worker)
+        for spec in (job if isinstance(job, list) else [job]):
+            res = worker(spec)
+            print(RESULT_TAG + json.dumps(res), flush=True)
         return
     if a.selftest:
         selftest()
@@ -1046,23 +1188,51 @@ def main():
         for v in cap_variants:
             specs.append(dict(workload=a.cap_workload, variant=v, steps=int(n), seed=a.seed,
                               warmup=warmup, lib=a.lib, cap_bytes=a.cap_bytes))
-    lanes, est, plan_text = plan(specs, a.gpus, visible, a.spread_rounds)
+    if a.share_process and a.spread_rounds:
+        ap.error("--share-process and --spread-rounds do not go together")
+    lanes, est, plan_text = plan(specs, a.gpus, visible, a.spread_rounds,
+                                 share_process=a.share_process,
+                                 order=[w for w in workloads])
     print(plan_text, flush=True)
     if a.dry_run:
-        for j, idxs in enumerate(lanes):
-            for i in idxs:
-                s = specs[i]
-                print(f"  gpu {visible[j]}: {s['workload']}/{s['variant']}"
-                      f"{'/capped' if s.get('cap_bytes') else ''} r{s.get('round', 1)}, "
-                      f"{s['steps']} steps, ~{est[i]:.0f} s")
+        for j, jobs in enumerate(lanes):
+            for job in jobs:
+                for i in job:
+                    s = specs[i]
+                    print(f"  gpu {visible[j]}: {s['workload']}/{s['variant']}"
+                          f"{'/capped' if s.get('cap_bytes') else ''} r{s.get('round', 1)}, "
+                          f"{s['steps']} steps, ~{est[i]:.0f} s"
+                          + (" (same process as the line above)" if i != job[0] else ""))
         return
     log = open(a.log, "a") if a.log else None
+    rfile = open(a.results, "a") if a.results else None
     t0 = time.perf_counter()
     try:
-        results = Runner(a.timeout, log, len(specs), est).run(specs, lanes)
+        results = Runner(a.timeout, log, len(specs), est, rfile).run(specs, lanes)
     finally:
-        if log:
-            log.close()
+        for f in (log, rfile):
+            if f:
+                f.close()
+    report(a, results, warmup, t0)
+
+
+def read_results(paths):
+    """Results from --results (JSON lines) and --json files (a list, or a dict with results)."""
+    out = []
+    for path in paths:
+        with open(path) as f:
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except ValueError:
+            out += [json.loads(line) for line in text.splitlines() if line.strip()]
+            continue
+        out += data["results"] if isinstance(data, dict) else data
+    return out
+
+
+def report(a, results, warmup, t0):
+    """Prints (and writes with --markdown / --json) the tables of results."""
     for r in results:
         if r.get("empty_cache"):
             r["empty_cache"]["ms_per_gib_returned"] = empty_cache_ms_per_gib(r)

@@ -170,6 +170,11 @@ pub struct Config {
     /// Expandable segments: [`RECYCLE_BATCH`] (a field, with no key, so that
     /// tests can vary it).
     pub recycle_batch: f64,
+    /// Expandable segments: while reserved memory grows back after an
+    /// `empty_cache` that gave pages back, map pages of up to four times
+    /// `expandable_page` (a field with no key; off in the `pytorch` preset,
+    /// whose pages are PyTorch's).
+    pub expandable_regrow_pages: bool,
     /// Expandable segments: page size of the large pools (a multiple of the
     /// device granularity; the small pool always uses the granularity).
     pub expandable_page: u64,
@@ -260,6 +265,7 @@ impl Config {
             // pools (`kLargeBuffer`), each whole wherever a block reaches
             // into it.
             expandable_page: 20 * MIB,
+            expandable_regrow_pages: false,
             expandable_page_divisor: 0,
             expandable_edges: EdgePages::Big,
             expandable_shadows: false,
@@ -306,6 +312,7 @@ impl Config {
             // before out of memory, partly used pages give back their free
             // part and then share pages.
             expandable_page: 8 * MIB,
+            expandable_regrow_pages: true,
             expandable_page_divisor: DEFAULT_PAGE_DIVISOR,
             expandable_edges: EdgePages::Pressure,
             recycle_batch: 0.0,

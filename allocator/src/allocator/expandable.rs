@@ -16,6 +16,20 @@
 //! reserved memory past `1 + idle_slack` times the peak allocated bytes or
 //! past the cap, or when the device is full; `empty_cache` unmaps every idle
 //! page and releases the pool.
+//!
+//! Note [Pages after empty_cache]: giving a page back costs an unmap and a
+//! release, whatever its size, so `empty_cache` costs per page, and a
+//! program that empties the cache every step pays it every step, with a
+//! create and a map for each page as its memory grows back. While reserved
+//! memory grows back towards what it was before an `empty_cache` that gave
+//! pages back, new mappings take pages up to [`REGROW_PAGE_FACTOR`] times
+//! `expandable_page` (each range is reserved for them: `Segment::page_size`
+//! is that largest page), scaled by a divisor that many times smaller, as
+//! long as reserved memory stays under the soft limit and growing all the
+//! way back leaves room under the cap or the device's memory (a minimum
+//! capacity does not move). Past that level, where the device refuses a
+//! larger page, and in a program that never empties its cache, pages are
+//! `expandable_page` as before, so its memory figures do not change.
 
 use super::Core;
 use crate::bins::{Bins, Entry};
@@ -28,6 +42,11 @@ use std::collections::{BTreeMap, VecDeque};
 
 mod reback;
 mod share;
+
+/// How many times `expandable_page` the pages mapped while memory grows back
+/// after `empty_cache` may be (Note [Pages after empty_cache]); a power of
+/// two, so that `expandable_page` is one of the range's halvings.
+pub(super) const REGROW_PAGE_FACTOR: u64 = 4;
 
 /// Operations (mallocs and frees, all streams) between two marker events
 /// recorded on one stream as blocks are freed there.
@@ -212,6 +231,10 @@ pub(super) struct Expandable<E> {
     page_pool: Vec<(u64, PoolKind, u64)>,
     /// Expandable: reserved bytes when the device last had no room for a new page.
     device_full_at: Option<u64>,
+    /// Reserved bytes before the last `empty_cache` that gave pages back,
+    /// while reserved memory is growing back towards them (Note [Pages
+    /// after empty_cache]).
+    regrow_to: Option<u64>,
     /// Mappings no block uses, by (segment, first granule): old mappings of
     /// pages reused early (unmapped once their stream passes a marker) and,
     /// with `expandable_shadows`, of pages moved away (kept until another
@@ -266,6 +289,7 @@ impl<E> Expandable<E> {
             marks: Vec::new(),
             page_pool: Vec::new(),
             device_full_at: None,
+            regrow_to: None,
             stale: BTreeMap::new(),
             mapped_at: FastMap::default(),
             borrow_from: 0,
@@ -333,21 +357,72 @@ type Tail = (SegmentId, u64, u64, u64);
 type IdlePage = (u64, SegmentId, u32, Option<u32>);
 
 impl<E> Expandable<E> {
-    /// Page size of the expandable segments of a pool kind.
+    /// Page size of the expandable segments of a pool kind: the largest
+    /// page a new range of it may map (`Segment::page_size`).
     pub(super) fn page_size(&self, core: &Core<E>, kind: PoolKind) -> u64 {
         let g = core.granularity.expect("expandable mode has a granularity");
         match kind {
             PoolKind::Small => g,
-            PoolKind::Large | PoolKind::Huge => core.config.expandable_page.div_ceil(g).max(1) * g,
+            PoolKind::Large | PoolKind::Huge => {
+                let page = core.config.expandable_page.div_ceil(g).max(1) * g;
+                if core.config.expandable_regrow_pages {
+                    page * REGROW_PAGE_FACTOR
+                } else {
+                    page
+                }
+            }
         }
     }
 
-    /// The big page of range `s` for mapping `bytes` now, in granules: its
-    /// page size, scaled to the workload ([`scaled_granules`]).
+    /// Whether mapping `bytes` now grows reserved memory back towards its
+    /// level before an `empty_cache` (Note [Pages after empty_cache]).
     #[inline]
-    pub(super) fn big_granules(core: &Core<E>, s: &Segment, bytes: u64) -> u32 {
+    fn regrowing(&self, core: &Core<E>, bytes: u64) -> bool {
+        if !core.config.expandable_regrow_pages {
+            return false;
+        }
+        // Below where recycling starts, too: the larger pages never make
+        // the allocator recycle (or wait) sooner.
+        let peak = core.stats.allocated_bytes.all().peak as f64;
+        let slack = (peak * (1.0 + core.config.idle_slack)) as u64;
+        // And only with room to spare: growing all the way back, with a
+        // sixteenth more for what larger pages may strand at blocks' edges,
+        // stays clear of the cap or the device's memory.
+        self.regrow_to.is_some_and(|to| {
+            let back = to.saturating_sub(core.reserved()).saturating_add(to / 16);
+            core.reserved().saturating_add(bytes) <= to.min(slack)
+                && !self.under_pressure(core, back.max(bytes))
+        })
+    }
+
+    /// The big page of range `s` for mapping `bytes` now, in granules:
+    /// `expandable_page` scaled to the workload ([`scaled_granules`]), or
+    /// while reserved memory grows back after `empty_cache`, the range's
+    /// largest page, scaled by a divisor [`REGROW_PAGE_FACTOR`] times
+    /// smaller (Note [Pages after empty_cache]).
+    #[inline]
+    pub(super) fn big_granules(&self, core: &Core<E>, s: &Segment, bytes: u64) -> u32 {
         let g = core.granularity.expect("expandable mode has a granularity");
-        scaled_granules(core, (s.page_size() / g) as u32, bytes)
+        let max = (s.page_size() / g) as u32;
+        if !core.config.expandable_regrow_pages || max == 1 {
+            return scaled_granules(core, max, bytes);
+        }
+        if self.regrowing(core, bytes) {
+            let alloc = core.stats.allocated_bytes.all();
+            let scale = alloc.peak.max(alloc.current.saturating_add(bytes));
+            let most = scale / (core.config.expandable_page_divisor / REGROW_PAGE_FACTOR).max(1);
+            let mut big = max;
+            while big > 1 && u64::from(big) * g > most {
+                big = smaller_page(big);
+            }
+            return big;
+        }
+        // `expandable_page`: the range's largest page halved (it divides it).
+        let mut big = max;
+        while big > 1 && u64::from(big) * g > core.config.expandable_page {
+            big = smaller_page(big);
+        }
+        scaled_granules(core, big, bytes)
     }
 
     /// Reserves a range for `pool` big enough for `rounded` bytes: the first
@@ -419,6 +494,9 @@ impl<E> Expandable<E> {
         (block_end, since): (u64, u64),
     ) -> Result<(), AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
+        if self.regrow_to.is_some_and(|to| core.reserved() >= to) {
+            self.regrow_to = None; // grown back: `expandable_page` from here on
+        }
         // The hit path: a cached block over mapped pages needs nothing,
         // unless memory is so tight that its end page may be trimmed.
         if range_mapped(core, seg, start, end) && !self.under_pressure(core, 0) {
@@ -455,6 +533,11 @@ impl<E> Expandable<E> {
                 return Ok(());
             }
             match self.map_plan(core, dev, seg, &plan, tail) {
+                // Larger pages after `empty_cache` are a saving, not a need:
+                // the device refused one, so pages as before.
+                Err(AllocError::OutOfMemory(_)) if self.regrow_to.is_some() => {
+                    self.regrow_to = None;
+                }
                 // The device or the cap is full after all: only the granules needed.
                 Err(AllocError::OutOfMemory(_))
                     if style != Style::Granules
@@ -547,8 +630,11 @@ impl<E> Expandable<E> {
         let pages = s.pages().expect("expandable");
         let big = match style {
             Style::Granules => 1,
-            Style::BigEdges | Style::SmallEdges => Self::big_granules(core, s, end - start),
+            Style::BigEdges | Style::SmallEdges => self.big_granules(core, s, end - start),
         };
+        // Growing back after `empty_cache`: the gaps beside big pages take
+        // the largest page that fits too (Note [Pages after empty_cache]).
+        let regrowing = big > 1 && self.regrowing(core, end - start);
         let limit = (s.size / g) as u32;
         let first = ((start - s.addr) / g) as u32;
         let last = (end - s.addr).div_ceil(g) as u32;
@@ -566,11 +652,19 @@ impl<E> Expandable<E> {
             }
             let mut at = a;
             while at < b {
-                let n = if big > 1 && at % big == 0 && at + big <= b {
+                let mut n = if big > 1 && at % big == 0 && at + big <= b {
                     big
                 } else {
                     1
                 };
+                if n == 1 && regrowing {
+                    // The largest halving of the big page that fits here.
+                    let mut m = smaller_page(big);
+                    while m > 1 && (at % m != 0 || at + m > b) {
+                        m = smaller_page(m);
+                    }
+                    n = m;
+                }
                 plan.push((at, n));
                 at += n;
             }
@@ -1355,9 +1449,14 @@ impl<E> Expandable<E> {
         dev: &D,
     ) -> Result<(), AllocError> {
         self.device_full_at = None;
+        let reserved_before = core.reserved();
         self.settle(core, dev)?;
         self.leave_shared(core, dev)?;
         self.take_idle_pages(core, dev, None, u64::MAX, true, None, &[])?;
+        if !self.page_pool.is_empty() {
+            let peak = core.stats.reserved_bytes.all().peak;
+            self.regrow_to = Some(reserved_before.max(peak));
+        }
         while let Some(&(h, kind, size)) = self.page_pool.last() {
             dev.vmm_release_page(h)?;
             self.page_pool.pop(); // only once released: a failure keeps it pooled
@@ -1752,7 +1851,7 @@ impl<E> Expandable<E> {
         let b = core.blocks.get(fit.2 .0);
         let s = core.segments.get(b.segment.0);
         // Whole big pages may be mapped at the block's edges: look that far.
-        let big = (s.page_size() / g) as u32;
+        let big = self.big_granules(core, s, rounded);
         let first = ((fit.1 - s.addr) / g) as u32 / big * big;
         let last = ((fit.1 + rounded - s.addr).div_ceil(g) as u32).div_ceil(big) * big;
         let hits: Vec<(usize, u64)> = self
