@@ -9,7 +9,12 @@ const SIZES: [u64; 5] = [16, 4096, 3 << 20, 50 << 20, 300 << 20];
 
 #[test]
 fn a_block_used_on_another_stream_waits_for_that_use() {
-    for conf in ["default", "segments", "pytorch", "default,expandable_segments:False"] {
+    for conf in [
+        "default",
+        "segments",
+        "pytorch",
+        "default,expandable_segments:False",
+    ] {
         for size in SIZES {
             let dev = SimulatedDevice::new(1 << 36).with_auto_complete(false);
             let a = CachingAllocator::new(dev.clone(), Config::parse(conf).unwrap());
@@ -19,7 +24,10 @@ fn a_block_used_on_another_stream_waits_for_that_use() {
             a.free(p).unwrap();
             let waits = dev.counters().stream_waits;
             let q = a.malloc(size, own).unwrap();
-            assert_ne!(p, q, "{conf}, {size} B: reused while the other stream may use it");
+            assert_ne!(
+                p, q,
+                "{conf}, {size} B: reused while the other stream may use it"
+            );
             assert_eq!(
                 dev.counters().stream_waits,
                 waits,
@@ -29,7 +37,10 @@ fn a_block_used_on_another_stream_waits_for_that_use() {
             dev.complete_all_events();
             a.free(q).unwrap();
             let r = a.malloc(size, own).unwrap();
-            assert!(r == p || r == q, "{conf}, {size} B: {r:?} is neither {p:?} nor {q:?}");
+            assert!(
+                r == p || r == q,
+                "{conf}, {size} B: {r:?} is neither {p:?} nor {q:?}"
+            );
             a.free(r).unwrap();
             a.check_invariants().unwrap();
         }
