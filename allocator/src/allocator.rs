@@ -2,7 +2,7 @@
 //! merging, stream events, `empty_cache` and the out-of-memory ladder.
 //!
 //! All state sits behind one `parking_lot` mutex per allocator (per device),
-//! as in PyTorch, with per-thread caches in front of it (`crate::thread_cache`): a
+//! as in PyTorch, with per-thread caches in front of it (`crate::thread_slot`): a
 //! thread's repeated request of one size takes back the block it freed
 //! without the allocator's lock. The state is `Core` (plain records: blocks,
 //! segments, bins, the indexes over them, statistics) and the features, each
@@ -27,7 +27,7 @@ use crate::pages::PageMap;
 use crate::report::{BlockSnapshot, FragmentationReport, SegmentSnapshot, SegmentUse, Snapshot};
 use crate::rounding::{round_size, Power2Divisions};
 use crate::stats::MemoryStats;
-use crate::thread_cache::{with_slot, FastFree, Slot};
+use crate::thread_slot::{with_slot, FastFree, Slot};
 use crate::trace::TraceEvent;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};

@@ -52,7 +52,7 @@ pub mod rounding;
 pub mod sample;
 pub mod simulated;
 pub mod stats;
-mod thread_cache;
+mod thread_slot;
 pub mod trace;
 
 pub use allocator::{CachingAllocator, Released, TraceSink, Usage};
