@@ -44,26 +44,9 @@
 #include <unordered_set>
 #include <vector>
 
-extern "C" {
-void* cachealloc_torch_device(int device);
-void* cachealloc_torch_pool_new(int device);
-int cachealloc_torch_pool_drop(void* h);
-void* cachealloc_torch_alloc(void* h, size_t size, void* stream, int* kind);
-int cachealloc_torch_free(void* h, void* ptr, uint64_t* size);
-int cachealloc_torch_record_stream(void* h, void* ptr, void* stream);
-int cachealloc_torch_stats(void* h, int64_t* out, size_t n);
-int cachealloc_torch_reset_peak(void* h);
-int64_t cachealloc_torch_empty_cache(void* h);
-int64_t cachealloc_torch_largest_free(void* h);
-int64_t cachealloc_torch_cache_info(void* h);
-int cachealloc_torch_set_fraction(void* h, double fraction);
-int64_t cachealloc_torch_snapshot(void* h, uint64_t* out, size_t cap);
-int64_t cachealloc_torch_restore(void* h, const uint64_t* words, size_t n,
-                                 uint64_t* out, size_t cap);
-int cachealloc_torch_is_expandable(void* h);
-int cachealloc_torch_enable_peer_access(int device, int peer);
-size_t cachealloc_torch_last_error(char* buf, size_t cap);
-}
+// The C ABI of libcachealloc.so and its layout constants, generated from
+// the Rust source (include/cachealloc.h; _build_extension passes its folder).
+#include <cachealloc.h>
 
 namespace cachealloc {
 
@@ -71,11 +54,16 @@ namespace CCA = c10::cuda::CUDACachingAllocator;
 namespace CDA = c10::CachingDeviceAllocator;
 using c10::MempoolId_t;
 
-constexpr int kMaxDevices = 64;
-// src/capi_torch.rs: STATS_LEN, SEGMENT_WORDS, BLOCK_WORDS.
-constexpr size_t kStatsLen = 122;
-constexpr size_t kSegmentWords = 8;
-constexpr size_t kBlockWords = 4;
+constexpr int kMaxDevices = CACHEALLOC_MAX_DEVICES;
+// The statistics vector and the snapshot words: Note [The statistics
+// vector] and Note [The snapshot words] in src/capi_torch.rs.
+constexpr size_t kStatsLen = CACHEALLOC_STATS_LEN;
+constexpr size_t kSegmentWords = CACHEALLOC_SEGMENT_WORDS;
+constexpr size_t kBlockWords = CACHEALLOC_BLOCK_WORDS;
+// max_split_size is a setting, not a sum: the one slot not added up over a
+// device's allocators, and the last (the loops below rely on that).
+static_assert(CACHEALLOC_STATS_MAX_SPLIT_SIZE + 1 == CACHEALLOC_STATS_LEN,
+              "max_split_size is the last slot of the statistics vector");
 constexpr MempoolId_t kNoPool = {0, 0};
 
 // Numbers in messages are formatted with snprintf, never through
@@ -642,7 +630,7 @@ class CacheallocAllocator final
       TORCH_CHECK(cachealloc_torch_stats(h, v.data(), kStatsLen) == 0,
                   last_error());
       for (size_t i = 0; i < kStatsLen; ++i) {
-        if (i == kStatsLen - 1) {
+        if (i == CACHEALLOC_STATS_MAX_SPLIT_SIZE) {
           if (first) sum[i] = v[i];  // max_split_size: the device's
         } else {
           sum[i] += v[i];
@@ -659,7 +647,10 @@ class CacheallocAllocator final
 
   static bool accumulated(size_t i) {
     // allocated/freed of every stat, and the counters after the stats.
-    return i >= 116 ? i < 121 : (i % 4) >= 2;
+    return i >= CACHEALLOC_STATS_NUM_ALLOC_RETRIES
+               ? i < CACHEALLOC_STATS_MAX_SPLIT_SIZE
+               : (i % CACHEALLOC_STAT_FIELDS) == CACHEALLOC_STAT_ALLOCATED ||
+                     (i % CACHEALLOC_STAT_FIELDS) == CACHEALLOC_STAT_FREED;
   }
 
   CDA::DeviceStats getDeviceStats(c10::DeviceIndex dev) override {
@@ -675,28 +666,43 @@ class CacheallocAllocator final
       }
     }
     auto fill = [&](c10::CachingAllocator::Stat& st, size_t k) {
-      st.current = v[k];
-      st.peak = v[k + 1];
-      st.allocated = v[k + 2];
-      st.freed = v[k + 3];
+      st.current = v[k + CACHEALLOC_STAT_CURRENT];
+      st.peak = v[k + CACHEALLOC_STAT_PEAK];
+      st.allocated = v[k + CACHEALLOC_STAT_ALLOCATED];
+      st.freed = v[k + CACHEALLOC_STAT_FREED];
     };
-    std::array<c10::CachingAllocator::StatArray*, 9> arrays = {
-        &s.allocation,      &s.segment,        &s.active,
-        &s.inactive_split,  &s.allocated_bytes, &s.reserved_bytes,
-        &s.active_bytes,    &s.inactive_split_bytes, &s.requested_bytes};
-    for (size_t a = 0; a < 9; ++a) {
-      for (size_t g = 0; g < 3; ++g) {
-        fill((*arrays[a])[g], a * 12 + g * 4);
+    const std::array<std::pair<c10::CachingAllocator::StatArray*, size_t>,
+                     CACHEALLOC_STAT_ARRAYS>
+        arrays = {{{&s.allocation, CACHEALLOC_STATS_ALLOCATION},
+                   {&s.segment, CACHEALLOC_STATS_SEGMENT},
+                   {&s.active, CACHEALLOC_STATS_ACTIVE},
+                   {&s.inactive_split, CACHEALLOC_STATS_INACTIVE_SPLIT},
+                   {&s.allocated_bytes, CACHEALLOC_STATS_ALLOCATED_BYTES},
+                   {&s.reserved_bytes, CACHEALLOC_STATS_RESERVED_BYTES},
+                   {&s.active_bytes, CACHEALLOC_STATS_ACTIVE_BYTES},
+                   {&s.inactive_split_bytes, CACHEALLOC_STATS_INACTIVE_SPLIT_BYTES},
+                   {&s.requested_bytes, CACHEALLOC_STATS_REQUESTED_BYTES}}};
+    // PyTorch's StatType order (AGGREGATE, SMALL_POOL, LARGE_POOL) is the
+    // vector's (CACHEALLOC_STAT_AGGREGATE, _SMALL_POOL, _LARGE_POOL).
+    static_assert(static_cast<size_t>(c10::CachingAllocator::StatType::SMALL_POOL) ==
+                      CACHEALLOC_STAT_SMALL_POOL &&
+                  static_cast<size_t>(c10::CachingAllocator::StatType::LARGE_POOL) ==
+                      CACHEALLOC_STAT_LARGE_POOL,
+                  "PyTorch's StatType order");
+    for (const auto& [array, start] : arrays) {
+      for (size_t g = 0; g < CACHEALLOC_STAT_GROUPS; ++g) {
+        fill((*array)[g], start + g * CACHEALLOC_STAT_FIELDS);
       }
     }
-    fill(s.oversize_allocations, 108);
-    fill(s.oversize_segments, 112);
-    s.num_alloc_retries = v[116];
-    s.num_ooms = v[117];
-    s.num_sync_all_streams = v[118];
-    s.num_device_alloc = v[119];
-    s.num_device_free = v[120];
-    s.max_split_size = v[121];  // -1: unlimited, as PyTorch reports it
+    fill(s.oversize_allocations, CACHEALLOC_STATS_OVERSIZE_ALLOCATIONS);
+    fill(s.oversize_segments, CACHEALLOC_STATS_OVERSIZE_SEGMENTS);
+    s.num_alloc_retries = v[CACHEALLOC_STATS_NUM_ALLOC_RETRIES];
+    s.num_ooms = v[CACHEALLOC_STATS_NUM_OOMS];
+    s.num_sync_all_streams = v[CACHEALLOC_STATS_NUM_SYNC_ALL_STREAMS];
+    s.num_device_alloc = v[CACHEALLOC_STATS_NUM_DEVICE_ALLOC];
+    s.num_device_free = v[CACHEALLOC_STATS_NUM_DEVICE_FREE];
+    // -1: unlimited, as PyTorch reports it
+    s.max_split_size = v[CACHEALLOC_STATS_MAX_SPLIT_SIZE];
     return s;
   }
 
@@ -747,28 +753,28 @@ class CacheallocAllocator final
     for (size_t i = 0; i + kSegmentWords <= w.size();) {
       CDA::SegmentInfo s;
       s.device = dev;
-      s.address = w[i];
-      s.total_size = w[i + 1];
-      s.allocated_size = w[i + 2];
-      s.requested_size = w[i + 3];
-      s.stream = reinterpret_cast<void*>(w[i + 4]);
-      s.is_large = w[i + 5] != 0;
+      s.address = w[i + CACHEALLOC_SEGMENT_ADDRESS];
+      s.total_size = w[i + CACHEALLOC_SEGMENT_TOTAL_SIZE];
+      s.allocated_size = w[i + CACHEALLOC_SEGMENT_ALLOCATED_SIZE];
+      s.requested_size = w[i + CACHEALLOC_SEGMENT_REQUESTED_SIZE];
+      s.stream = reinterpret_cast<void*>(w[i + CACHEALLOC_SEGMENT_STREAM]);
+      s.is_large = w[i + CACHEALLOC_SEGMENT_IS_LARGE] != 0;
       s.is_expandable = expandable;
       s.owner_private_pool_id = owner;
-      size_t nb = w[i + 6];
+      size_t nb = w[i + CACHEALLOC_SEGMENT_BLOCKS];
       i += kSegmentWords;
       size_t active = 0;
       for (size_t b = 0; b < nb && i + kBlockWords <= w.size(); ++b, i += kBlockWords) {
         CDA::BlockInfo bi;
-        bi.size = w[i + 1];
-        bi.requested_size = w[i + 2];
-        bi.allocated = w[i + 3] == 1;
-        bi.active = w[i + 3] != 0;
+        bi.size = w[i + CACHEALLOC_BLOCK_SIZE];
+        bi.requested_size = w[i + CACHEALLOC_BLOCK_REQUESTED_SIZE];
+        bi.allocated = w[i + CACHEALLOC_BLOCK_STATE] == CACHEALLOC_BLOCK_STATE_ALLOCATED;
+        bi.active = w[i + CACHEALLOC_BLOCK_STATE] != CACHEALLOC_BLOCK_STATE_INACTIVE;
         if (bi.active) {
           active += bi.size;
         }
         if (bi.allocated) {
-          auto it = contexts_.find(reinterpret_cast<void*>(w[i]));
+          auto it = contexts_.find(reinterpret_cast<void*>(w[i + CACHEALLOC_BLOCK_ADDRESS]));
           if (it != contexts_.end()) {
             bi.context_when_allocated = it->second;
           }
