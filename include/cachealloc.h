@@ -351,6 +351,25 @@ int cachealloc_torch_is_expandable(const void *h);
 // `cudaDeviceEnablePeerAccess`. 0, or -1 with the last error set.
 int cachealloc_torch_enable_peer_access(int device, int peer);
 
+// Applies PyTorch's allocator settings string `conf` (UTF-8) to `h` while
+// it runs ([`apply_settings`]): -1 on error (PyTorch's message in the last
+// error; nothing changed); otherwise the length in bytes of the notice
+// about settings that stay as the allocator started (0: none), written
+// NUL-terminated and truncated to `cap` bytes into `notice`. `*fraction`
+// (when `fraction` is not NULL) is the memory fraction the string set,
+// or -1 when it set none.
+//
+// # Safety
+// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+// `cachealloc_torch_pool_new` not yet dropped); `conf` is NULL or a
+// NUL-terminated string; `fraction` is NULL or writable; `notice` points
+// at `cap` writable bytes (or is NULL with `cap` 0).
+int64_t cachealloc_torch_apply_settings(const void *h,
+                                        const char *conf,
+                                        double *fraction,
+                                        char *notice,
+                                        size_t cap);
+
 // Copies the calling thread's last error (NUL-terminated, truncated to
 // `cap` bytes) into `buf`; returns its full length in bytes.
 //

@@ -445,6 +445,45 @@ pub fn last_error() -> String {
     crate::capi::last_error().unwrap_or_default()
 }
 
+/// What a run-time settings string (`torch.cuda.memory._set_allocator_settings`)
+/// did to `a`: Note [Run-time settings] in `cachealloc_core::pytorch_conf`.
+#[derive(Debug, PartialEq)]
+pub struct SettingsApplied {
+    /// The notice for the user about settings that stay as the allocator
+    /// started (empty when every setting took effect).
+    pub notice: String,
+    /// The memory fraction now in force, when the string set one.
+    pub fraction: Option<f64>,
+}
+
+/// Applies a PyTorch settings string to a running allocator: what is safe
+/// to change changes, the rest is named in the notice. An invalid string
+/// (PyTorch's message) changes nothing.
+pub fn apply_settings<D: Device>(
+    a: &CachingAllocator<D>,
+    conf: &str,
+) -> Result<SettingsApplied, String> {
+    use cachealloc_core::pytorch_conf::PytorchConf;
+    let parsed = PytorchConf::parse(conf).map_err(|e| format!("cachealloc: {e}"))?;
+    let changes = parsed.runtime_changes(&a.config(), a.is_expandable());
+    if let Some(t) = changes.garbage_collection_threshold {
+        a.set_garbage_collection_threshold(Some(t))
+            .map_err(|e| format!("cachealloc: {e}"))?;
+    }
+    if let Some(b) = changes.max_non_split_rounding {
+        a.set_max_non_split_rounding(b)
+            .map_err(|e| format!("cachealloc: {e}"))?;
+    }
+    if let Some(f) = changes.per_process_memory_fraction {
+        a.set_memory_cap(Some(cachealloc_core::MemoryCap::Fraction(f)))
+            .map_err(|e| format!("cachealloc: {e}"))?;
+    }
+    Ok(SettingsApplied {
+        notice: changes.notice(),
+        fraction: changes.per_process_memory_fraction,
+    })
+}
+
 #[cfg(feature = "cuda")]
 pub use exports::*;
 
@@ -929,6 +968,72 @@ mod exports {
         })
     }
 
+    /// Applies PyTorch's allocator settings string `conf` (UTF-8) to `h` while
+    /// it runs ([`apply_settings`]): -1 on error (PyTorch's message in the last
+    /// error; nothing changed); otherwise the length in bytes of the notice
+    /// about settings that stay as the allocator started (0: none), written
+    /// NUL-terminated and truncated to `cap` bytes into `notice`. `*fraction`
+    /// (when `fraction` is not NULL) is the memory fraction the string set,
+    /// or -1 when it set none.
+    ///
+    /// # Safety
+    /// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+    /// `cachealloc_torch_pool_new` not yet dropped); `conf` is NULL or a
+    /// NUL-terminated string; `fraction` is NULL or writable; `notice` points
+    /// at `cap` writable bytes (or is NULL with `cap` 0).
+    #[no_mangle]
+    pub unsafe extern "C" fn cachealloc_torch_apply_settings(
+        h: *const c_void,
+        conf: *const c_char,
+        fraction: *mut f64,
+        notice: *mut c_char,
+        cap: usize,
+    ) -> i64 {
+        guard(-1, || {
+            // SAFETY: forwarded contract.
+            let Some(a) = (unsafe { handle(h) }) else {
+                return -1;
+            };
+            if conf.is_null() {
+                set_error("cachealloc: apply_settings of a NULL string");
+                return -1;
+            }
+            // SAFETY: non-null and NUL-terminated per the contract.
+            let conf = unsafe { std::ffi::CStr::from_ptr(conf) }.to_string_lossy();
+            match apply_settings(a, &conf) {
+                Ok(done) => {
+                    if !fraction.is_null() {
+                        // SAFETY: non-null and writable per the contract.
+                        unsafe { *fraction = done.fraction.unwrap_or(-1.0) };
+                    }
+                    // SAFETY: `notice` has `cap` writable bytes per the contract.
+                    unsafe { copy_c_string(&done.notice, notice, cap) };
+                    i64::try_from(done.notice.len()).unwrap_or(i64::MAX)
+                }
+                Err(m) => {
+                    set_error(&m);
+                    -1
+                }
+            }
+        })
+    }
+
+    /// Copies `msg` NUL-terminated, truncated to `cap` bytes, into `buf`
+    /// (nothing when `buf` is NULL or `cap` is 0).
+    ///
+    /// # Safety
+    /// `buf` points at `cap` writable bytes, or is NULL.
+    unsafe fn copy_c_string(msg: &str, buf: *mut c_char, cap: usize) {
+        if !buf.is_null() && cap > 0 {
+            let n = msg.len().min(cap - 1);
+            // SAFETY: `buf` has `cap` bytes; n + 1 ≤ cap are written.
+            unsafe {
+                std::ptr::copy_nonoverlapping(msg.as_ptr(), buf as *mut u8, n);
+                *buf.add(n) = 0;
+            }
+        }
+    }
+
     /// Copies the calling thread's last error (NUL-terminated, truncated to
     /// `cap` bytes) into `buf`; returns its full length in bytes.
     ///
@@ -938,14 +1043,8 @@ mod exports {
     pub unsafe extern "C" fn cachealloc_torch_last_error(buf: *mut c_char, cap: usize) -> usize {
         guard(0, || {
             let msg = last_error();
-            if !buf.is_null() && cap > 0 {
-                let n = msg.len().min(cap - 1);
-                // SAFETY: `buf` has `cap` bytes; n + 1 ≤ cap are written.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(msg.as_ptr(), buf as *mut u8, n);
-                    *buf.add(n) = 0;
-                }
-            }
+            // SAFETY: `buf` has `cap` writable bytes per the contract.
+            unsafe { copy_c_string(&msg, buf, cap) };
             msg.len()
         })
     }
@@ -1196,6 +1295,55 @@ mod tests {
         let mut bad = words.clone();
         bad[CACHEALLOC_SEGMENT_WORDS + CACHEALLOC_BLOCK_STATE] = 9;
         assert!(snapshot_from_words(&bad).is_err());
+    }
+
+    /// Note [Run-time settings]: what may change does, the rest is named,
+    /// and a refused string changes nothing.
+    #[test]
+    fn run_time_settings_apply_what_is_safe() {
+        let a = alloc_1g();
+        let before = a.config();
+        let done = apply_settings(
+            &a,
+            "garbage_collection_threshold:0.5,max_non_split_rounding_mb:64,\
+             per_process_memory_fraction:0.5,pinned_use_cuda_host_register:True",
+        )
+        .unwrap();
+        assert_eq!(
+            done,
+            SettingsApplied {
+                notice: String::new(),
+                fraction: Some(0.5)
+            }
+        );
+        let c = a.config();
+        assert_eq!(c.garbage_collection_threshold, Some(0.5));
+        assert_eq!(c.max_non_split_rounding, 64 << 20);
+        assert_eq!(a.memory_cap(), Some(512 << 20), "half of 1 GiB");
+        // The new cap is in force: 600 MiB no longer fits.
+        assert_eq!(alloc(&a, 600 << 20, 0).code(), 1);
+        let done = apply_settings(&a, "max_split_size_mb:64,expandable_segments:True").unwrap();
+        assert!(
+            done.notice.contains("max_split_size_mb stays unlimited"),
+            "{}",
+            done.notice
+        );
+        assert!(
+            done.notice.contains("expandable_segments stays False"),
+            "{}",
+            done.notice
+        );
+        assert_eq!(done.fraction, None);
+        assert_eq!(a.config().max_split_size, before.max_split_size);
+        let e =
+            apply_settings(&a, "garbage_collection_threshold:0.2,max_split_size_mb:1").unwrap_err();
+        assert!(e.contains("max_split_size_mb too small"), "{e}");
+        assert_eq!(
+            a.config().garbage_collection_threshold,
+            Some(0.5),
+            "a refused string changes nothing"
+        );
+        a.check_invariants().unwrap();
     }
 
     #[test]
