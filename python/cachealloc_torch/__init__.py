@@ -193,6 +193,39 @@ def _build_extension(torch, so):
         verbose=verbose)
 
 
+def _backend_asked():
+    """The allocator backend PyTorch's configuration asks for ("native",
+    "cudaMallocAsync", ...), or None: the `backend` key of
+    PYTORCH_CUDA_ALLOC_CONF, else of PYTORCH_ALLOC_CONF (the order in which
+    PyTorch chooses its backend), read as PyTorch tokenizes it."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        conf = os.environ.get(var)
+        if conf is None:
+            continue
+        for item in "".join(conf.split()).split(","):
+            key, _, value = item.partition(":")
+            if key == "backend":
+                return var, value
+        return None
+    return None
+
+
+def _core_stats(device=None):
+    """The statistics vector of the device's allocator (the core's own, the
+    one the C++ allocator converts to PyTorch's DeviceStats), each slot named
+    by its memory_stats() key through the generated table _abi.py (Note [The
+    statistics vector] in src/capi_torch.rs). Private pools are not included."""
+    from . import _abi
+    lib = _need()
+    h = lib.cachealloc_torch_device(_device(device))
+    if not h:
+        _fail("cachealloc_torch_device")
+    out = (ctypes.c_int64 * _abi.STATS_LEN)()
+    if lib.cachealloc_torch_stats(h, out, _abi.STATS_LEN) != 0:
+        _fail("cachealloc_torch_stats")
+    return OrderedDict(zip(_abi.STAT_NAMES, out))
+
+
 def enable(path=None, oom_exceptions=True, mode="auto"):
     """Installs cachealloc as PyTorch's CUDA allocator.
 
@@ -206,11 +239,22 @@ def enable(path=None, oom_exceptions=True, mode="auto"):
     (pluggable path only): a failed allocation raises RuntimeError instead of
     returning NULL. Returns the path of the library loaded. Calling it again
     is a no-op.
+
+    When PyTorch's configuration asks for another allocator
+    (`backend:cudaMallocAsync` in PYTORCH_CUDA_ALLOC_CONF or
+    PYTORCH_ALLOC_CONF), cachealloc stays out: one line on stderr says so,
+    nothing is installed, and None is returned.
     """
     global _lib, _lib_path, _allocator, _oom_exceptions, _mode, _ext
     import torch
     if mode not in ("auto", "cpp", "pluggable"):
         raise ValueError(f"mode must be 'auto', 'cpp' or 'pluggable', not {mode!r}")
+    asked = _backend_asked()
+    if asked is not None and asked[1] != "native":
+        import sys
+        print(f"cachealloc_torch: {asked[0]} asks for backend:{asked[1]}; cachealloc is not "
+              "installed and PyTorch's choice is used", file=sys.stderr, flush=True)
+        return None
     so = library_path(path)
     if _lib is not None:
         if so != _lib_path:

@@ -115,6 +115,15 @@ void* CacheallocAllocator::main_handle(c10::DeviceIndex dev) {
     if (fractions_[dev] < 1.0) {
       cachealloc_torch_set_fraction(h, fractions_[dev]);
     }
+    // Settings given at run time before this device was used.
+    for (const auto& conf : settings_) {
+      try {
+        apply_settings_to(dev, h, conf, nullptr);
+      } catch (const c10::Error& e) {
+        TORCH_WARN("cachealloc: allocator settings \"", conf, "\" not applied to device ",
+                   num(dev), ": ", e.what_without_backtrace());
+      }
+    }
     main_[dev].store(h, std::memory_order_release);
     devices_in_use_.fetch_or(1ull << dev);
   }
@@ -507,6 +516,7 @@ void install() {
   TORCH_CHECK(a == nullptr, "cachealloc is already installed");
   a = std::make_shared<CacheallocAllocator>();
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
+  register_settings_hook();
 }
 
 bool installed() {

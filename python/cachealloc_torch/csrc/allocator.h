@@ -10,6 +10,8 @@
 //   snapshot.cpp   snapshots and the allocation history
 //   pools.cpp      private pools (CUDA graphs, MemPool) and their checkpoints
 //   ipc.cpp        CUDA IPC (refused) and peer access
+//   settings.cpp   PyTorch's allocator settings at run time
+//                  (torch.cuda.memory._set_allocator_settings)
 //
 // Every decision is the Rust core's (libcachealloc.so, C ABI in
 // src/capi_torch.rs); it routes requests to the right core allocator
@@ -275,6 +277,11 @@ class CacheallocAllocator final
   void enablePeerAccess(c10::DeviceIndex dev,
                         c10::DeviceIndex dev_to_access) override;
 
+  // ---- run-time settings: _set_allocator_settings (settings.cpp) ---------
+  void apply_settings(const std::string& conf);
+  void apply_settings_to(c10::DeviceIndex dev, void* h, const std::string& conf,
+                         std::string* notice);
+
   std::string name() override {
     return "cachealloc";
   }
@@ -284,6 +291,9 @@ class CacheallocAllocator final
   std::atomic<uint64_t> devices_in_use_{0};
   std::array<double, kMaxDevices> fractions_;
   std::mutex init_mutex_;
+  // Run-time settings strings, in order, for the devices used later
+  // (init_mutex_).
+  std::vector<std::string> settings_;
   int device_count_ = 0;
   std::atomic<bool> enabled_{true};
   std::mutex uncached_mutex_;
@@ -320,5 +330,9 @@ class CacheallocAllocator final
 // The installed allocator. Never destroyed: tensors may be freed during
 // interpreter shutdown.
 std::shared_ptr<CacheallocAllocator>& instance();
+
+// Makes torch.cuda.memory._set_allocator_settings reach the installed
+// allocator (settings.cpp).
+void register_settings_hook();
 
 }  // namespace cachealloc
