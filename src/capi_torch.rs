@@ -13,12 +13,12 @@
 //! fails when it is stale (`src/abi_tests.rs`).
 //!
 //! Note [The statistics vector]: `cachealloc_torch_stats` writes
-//! [`CACHEALLOC_STATS_LEN`] values in the order of PyTorch's `DeviceStats`:
+//! `CACHEALLOC_STATS_LEN` values in the order of PyTorch's `DeviceStats`:
 //! the nine stat arrays (allocation, segment, active, inactive_split,
 //! allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes,
-//! requested_bytes), each [`CACHEALLOC_STAT_ARRAY_LEN`] slots: the
+//! requested_bytes), each `CACHEALLOC_STAT_ARRAY_LEN` slots: the
 //! aggregate, the small pool and the large pool (PyTorch's `StatType`
-//! order), each [`CACHEALLOC_STAT_FIELDS`] slots: current, peak,
+//! order), each `CACHEALLOC_STAT_FIELDS` slots: current, peak,
 //! allocated, freed. Then oversize_allocations and oversize_segments (one
 //! statistic each), then the counters num_alloc_retries, num_ooms,
 //! num_sync_all_streams, num_device_alloc, num_device_free, and last
@@ -26,11 +26,11 @@
 //! (`CACHEALLOC_STATS_*` for where a statistic starts, `CACHEALLOC_STAT_*`
 //! for the offsets inside one); the C++ allocator and the Python package
 //! (`_abi.py`, generated from the header) use the names, never the numbers.
-//! [`stat_names`] gives the `memory_stats()` key of every slot.
+//! `stat_names` gives the `memory_stats()` key of every slot.
 //!
 //! Note [The snapshot words]: `cachealloc_torch_snapshot` writes, per
-//! segment, [`CACHEALLOC_SEGMENT_WORDS`] words (offsets
-//! `CACHEALLOC_SEGMENT_*`), followed by [`CACHEALLOC_BLOCK_WORDS`] words
+//! segment, `CACHEALLOC_SEGMENT_WORDS` words (offsets
+//! `CACHEALLOC_SEGMENT_*`), followed by `CACHEALLOC_BLOCK_WORDS` words
 //! per block (offsets `CACHEALLOC_BLOCK_*`, state one of
 //! `CACHEALLOC_BLOCK_STATE_*`).
 //!

@@ -514,6 +514,12 @@ void install() {
   }
   auto& a = instance();
   TORCH_CHECK(a == nullptr, "cachealloc is already installed");
+  // PyTorch reads its CUDA allocator settings (PYTORCH_CUDA_ALLOC_CONF) once,
+  // on first use, and checks a `backend` key there against the name of the
+  // allocator in force then: read them now, while PyTorch's own allocator
+  // is in force, so that backend:native passes (an invalid setting raises
+  // PyTorch's error here, before anything is installed).
+  (void)c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::instance();
   a = std::make_shared<CacheallocAllocator>();
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
   register_settings_hook();
