@@ -86,9 +86,12 @@ torch.cuda.memory._set_allocator_settings(
     "garbage_collection_threshold:0.5,per_process_memory_fraction:0.5")
 out["after"] = ca.info()["config"]
 out["cap"], out["half"] = ca.info()["memory_cap"], int(0.5 * total)
+# torch 2.11's own name for it (what _set_allocator_settings forwards to).
+setter = getattr(torch._C, "_accelerator_setAllocatorSettings",
+                 torch.cuda.memory._set_allocator_settings)
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
-    torch.cuda.memory._set_allocator_settings("max_split_size_mb:128")
+    setter("max_split_size_mb:128")
 out["warned"] = [str(m.message) for m in w]
 out["max_split_after"] = torch.cuda.memory_stats()["max_split_size"]
 print("RESULT " + json.dumps(out))

@@ -54,6 +54,8 @@ void CacheallocAllocator::apply_settings(const std::string& conf) {
   {
     std::lock_guard<std::mutex> g(init_mutex_);
     uint64_t devs = devices_in_use_.load();
+    debugf("run-time settings \"%s\" for the devices in use (mask %llx)", conf.c_str(),
+           static_cast<unsigned long long>(devs));
     for (int d = 0; d < kMaxDevices; ++d) {
       if (devs & (1ull << d)) {
         apply_settings_to(static_cast<c10::DeviceIndex>(d), main_[d].load(), conf,
