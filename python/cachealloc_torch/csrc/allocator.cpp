@@ -2,6 +2,8 @@
 // the helpers the parts share; install() and the Python module.
 // (The class and what the parts share: allocator.h.)
 
+#include <torch/extension.h>
+
 #include "allocator.h"
 
 #include <execinfo.h>

@@ -26,8 +26,9 @@
 // torch.utils.cpp_extension.load against the user's torch (every csrc/*.cpp,
 // with include/ and csrc/ on the include path).
 
-#include <torch/extension.h>
-
+// Only c10's and the pluggable allocator's headers: each part is compiled on
+// its own, and torch/extension.h (pybind11, the whole ATen API) is for
+// allocator.cpp alone, which defines the Python module.
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
