@@ -22,7 +22,11 @@ record_stream only; it warns and names what does not work then.
 
 Configure the allocator with CACHEALLOC_CONF (same syntax as
 PYTORCH_CUDA_ALLOC_CONF, optionally starting with a preset name: `default`,
-`pytorch`, `expandable`, ...), set before the first allocation.
+`pytorch`, `expandable`, ...), set before the first allocation. PyTorch's own
+PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF applies too, read with PyTorch's
+rules, for every key CACHEALLOC_CONF does not set; with the C++ interface,
+torch.cuda.memory._set_allocator_settings() reaches the allocator at run time.
+backend:cudaMallocAsync there makes enable() stay out.
 
 The functions memory_stats(), max_memory_reserved(), ... of this module are
 aliases of torch.cuda's once the C++ interface is installed (and read the
