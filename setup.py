@@ -1,5 +1,6 @@
 """Builds libcachealloc.so with cargo and puts it inside the cachealloc_torch
-package, plus the start-up hook cachealloc_torch.pth (see pyproject.toml).
+package with its C header (include/cachealloc.h, which the C++ allocator
+includes), plus the start-up hook cachealloc_torch.pth (see pyproject.toml).
 
 Environment:
   CACHEALLOC_PREBUILT_LIB=PATH  use this libcachealloc.so instead of running cargo
@@ -61,6 +62,10 @@ class BuildPy(build_py):
         dest = os.path.join(self.build_lib, "cachealloc_torch", "lib")
         os.makedirs(dest, exist_ok=True)
         shutil.copy2(lib, os.path.join(dest, "libcachealloc.so"))
+        include = os.path.join(self.build_lib, "cachealloc_torch", "include")
+        os.makedirs(include, exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, "include", "cachealloc.h"),
+                     os.path.join(include, "cachealloc.h"))
         shutil.copy2(os.path.join(ROOT, "python", "cachealloc_torch.pth"),
                      os.path.join(self.build_lib, "cachealloc_torch.pth"))
 

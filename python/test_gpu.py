@@ -1,7 +1,10 @@
 """GPU test of the PyTorch integration: loads libcachealloc.so into PyTorch,
 trains a few steps, empties the cache and reads the stats back, and checks the
 hooks (memory fraction, record_stream), the out-of-memory exception, trace
-recording and the C ABI's handling of bad input.
+recording and the C ABI's handling of bad input. In child processes on the
+C++ allocator: PyTorch's own configuration (PYTORCH_CUDA_ALLOC_CONF /
+PYTORCH_ALLOC_CONF, at start-up and through _set_allocator_settings), and the
+statistics vector read by name against torch.cuda.memory_stats().
 
     python3 python/test_gpu.py [--lib PATH] [--steps N]
 
@@ -37,6 +40,128 @@ def skip(reason):
     sys.exit(0)
 
 
+# A child process on the C++ allocator: prints one line `RESULT <json>`.
+CHILD_PRELUDE = """
+import json, sys, warnings
+sys.path.insert(0, sys.argv[1])
+import torch
+import cachealloc_torch as ca
+so = sys.argv[2]
+out = {}
+"""
+
+
+def child(code, env, timeout=900):
+    """Runs `code` after CHILD_PRELUDE with `env` added to the environment;
+    returns (the RESULT dict or None, the output's tail)."""
+    import json
+    e = dict(os.environ)
+    for k in ("CACHEALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        e.pop(k, None)
+    e.update(env)
+    r = subprocess.run([sys.executable, "-c", CHILD_PRELUDE + code, HERE, SO],
+                       capture_output=True, text=True, timeout=timeout, env=e)
+    text = r.stdout + r.stderr
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):]), text.strip()[-600:]
+    return None, text.strip()[-600:]
+
+
+def pytorch_conf_checks():
+    """PyTorch's allocator configuration on the C++ allocator (docs/PYTORCH.md)."""
+    # Start-up: every key with a meaning here, plus keys of no effect here.
+    res, tail = child("""
+ca.enable(so, mode="cpp")
+x = torch.empty(100 << 20, dtype=torch.uint8, device="cuda")
+y = torch.empty(1000, device="cuda")
+st = torch.cuda.memory_stats()
+core = ca._core_stats()
+out["max_split"] = st["max_split_size"]
+out["config"] = ca.info()["config"]
+out["mismatch"] = [(k, v, st.get(k)) for k, v in core.items() if st.get(k) != v]
+out["pinned"] = bool(torch.empty(16, pin_memory=True).is_pinned())
+total = torch.cuda.mem_get_info()[1]
+torch.cuda.memory._set_allocator_settings(
+    "garbage_collection_threshold:0.5,per_process_memory_fraction:0.5")
+out["after"] = ca.info()["config"]
+out["cap"], out["half"] = ca.info()["memory_cap"], int(0.5 * total)
+# torch 2.11's own name for it (what _set_allocator_settings forwards to).
+setter = getattr(torch._C, "_accelerator_setAllocatorSettings",
+                 torch.cuda.memory._set_allocator_settings)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    setter("max_split_size_mb:128")
+out["warned"] = [str(m.message) for m in w]
+out["max_split_after"] = torch.cuda.memory_stats()["max_split_size"]
+print("RESULT " + json.dumps(out))
+""", {"CACHEALLOC_CONF": "default",
+      "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,garbage_collection_threshold:0.8,"
+      "roundup_power2_divisions:[256:1,>:4],backend:native,pinned_use_cuda_host_register:True,"
+      "release_lock_on_cudamalloc:True"})
+    if check("C++ allocator with PYTORCH_CUDA_ALLOC_CONF ran", res is not None, tail):
+        conf = res["config"]
+        check("PyTorch's keys in force", res["max_split"] == 64 << 20
+              and "max_split_size_mb:64" in conf and "garbage_collection_threshold:0.8" in conf
+              and "256:1" in conf and "512:4" in conf, conf)
+        check("core statistics read by name equal torch.cuda.memory_stats()",
+              res["mismatch"] == [], str(res["mismatch"][:5]))
+        check("pinned memory with PyTorch's pinned keys", res["pinned"])
+        check("_set_allocator_settings: threshold and fraction applied at run time",
+              "garbage_collection_threshold:0.5" in res["after"]
+              and abs(res["cap"] - res["half"]) <= 1 << 20,
+              f"{res['after'][:120]}; cap {res['cap']} vs {res['half']}")
+        check("_set_allocator_settings: a fixed setting warns and stays",
+              res["max_split_after"] == 64 << 20
+              and any("max_split_size_mb stays 64 MiB" in m for m in res["warned"]),
+              str(res["warned"]))
+
+    # CACHEALLOC_CONF's own keys win; PyTorch's others still apply.
+    res, tail = child("""
+ca.enable(so, mode="cpp")
+x = torch.empty(1 << 20, device="cuda")
+out["max_split"] = torch.cuda.memory_stats()["max_split_size"]
+out["config"] = ca.info()["config"]
+print("RESULT " + json.dumps(out))
+""", {"CACHEALLOC_CONF": "default,max_split_size_mb:128",
+      "PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:False"})
+    check("CACHEALLOC_CONF wins for its own keys", res is not None
+          and res["max_split"] == 128 << 20 and "expandable_segments:False" in res["config"],
+          str(res) if res else tail)
+
+    # An invalid value is refused in PyTorch's words.
+    res, tail = child("""
+ca.enable(so, mode="cpp")
+try:
+    torch.empty(1 << 20, device="cuda")
+    out["error"] = None
+except Exception as e:
+    out["error"] = str(e)
+print("RESULT " + json.dumps(out))
+""", {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:1.5"})
+    check("an invalid PyTorch setting is refused with PyTorch's message", res is not None
+          and res["error"] is not None
+          and "garbage_collect_threshold is invalid, set it in (0.0, 1.0)" in res["error"],
+          str(res) if res else tail)
+
+    # backend:cudaMallocAsync: cachealloc stays out, saying so in one line.
+    res, tail = child("""
+out["enable"] = ca.enable(so)
+out["enabled"] = ca.is_enabled()
+out["backend"] = torch.cuda.get_allocator_backend()
+out["works"] = torch.ones(1 << 20, device="cuda").sum().item() == 1 << 20
+print("RESULT " + json.dumps(out))
+""", {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    said = [ln for ln in tail.splitlines() if "backend:cudaMallocAsync" in ln]
+    check("backend:cudaMallocAsync: cachealloc is not installed", res is not None
+          and res["enable"] is None and not res["enabled"]
+          and res["backend"] == "cudaMallocAsync" and res["works"] and len(said) == 1,
+          str(res) if res else tail)
+
+
+SO = None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib")
@@ -55,7 +180,7 @@ def main():
         skip("no CUDA device visible to PyTorch")
 
     # enable() after CUDA was initialised must fail with a clear error (in a child process).
-    child = subprocess.run(
+    refused = subprocess.run(
         [sys.executable, "-c",
          "import sys, torch; sys.path.insert(0, sys.argv[1]); import cachealloc_torch as ca\n"
          "torch.cuda.init()\n"
@@ -63,8 +188,12 @@ def main():
          "except ca.CacheallocError as e: print('REFUSED', e)\n", HERE, so],
         capture_output=True, text=True, timeout=120)
     check("enable() after CUDA init is refused with a clear error",
-          "REFUSED" in child.stdout and "before CUDA is first used" in child.stdout,
-          (child.stdout + child.stderr).strip()[-300:])
+          "REFUSED" in refused.stdout and "before CUDA is first used" in refused.stdout,
+          (refused.stdout + refused.stderr).strip()[-300:])
+
+    global SO
+    SO = so
+    pytorch_conf_checks()
 
     # The plain C ABI through CUDAPluggableAllocator (python/parity.py covers the C++ interface).
     ca.enable(so, mode="pluggable")

@@ -1,37 +1,20 @@
 //! The C ABI: PyTorch's `CUDAPluggableAllocator` and our own calls.
 //!
 //! With the feature `cuda` the `cachealloc` shared library
-//! (`libcachealloc.so`, the package's `cdylib`) exports these functions
-//! (C declarations; `ssize_t` from `<sys/types.h>`):
-//!
-//! ```c
-//! // The two functions PyTorch calls (CUDAPluggableAllocator ABI).
-//! void*   cachealloc_alloc(ssize_t size, int device, cudaStream_t stream);
-//! void    cachealloc_free(void* ptr, ssize_t size, int device, cudaStream_t stream);
-//! // PyTorch's hooks (set_init_fn, set_reset_fn, set_memory_fraction_fn, set_record_stream_fn).
-//! void    cachealloc_init(int device_count);
-//! void    cachealloc_reset(void);
-//! void    cachealloc_set_memory_fraction(double fraction, int device);
-//! void    cachealloc_record_stream(void* ptr, cudaStream_t stream);
-//! // Our calls. Strings are returned malloc'd by the library: free them
-//! // with cachealloc_string_free (never with free()). NULL means failure;
-//! // cachealloc_last_error() says why.
-//! char*   cachealloc_stats_json(int device);          // {"allocated_bytes.all.current": …, …}
-//! char*   cachealloc_fragmentation(int device);       // the text report
-//! char*   cachealloc_fragmentation_json(int device);
-//! char*   cachealloc_snapshot_json(int device);       // {"segments": [...]}
-//! char*   cachealloc_info_json(int device);           // config, notices, cap, device name
-//! int64_t cachealloc_empty_cache(int device);         // bytes released, or -1
-//! int     cachealloc_reset_peak_stats(int device);    // 0, or -1
-//! int     cachealloc_record_trace_start(int device, const char* path);  // 0, or -1
-//! int64_t cachealloc_record_trace_stop(int device);   // events written, or -1
-//! char*   cachealloc_last_error(void);                // this thread's last error, or NULL
-//! void    cachealloc_clear_error(void);
-//! uint64_t cachealloc_error_count(void);              // errors so far, all threads
-//! void    cachealloc_string_free(char* s);
-//! void    cachealloc_set_oom_handler(void (*handler)(const char* func, const char* file,
-//!                                                     uint32_t line, const char* msg));
-//! ```
+//! (`libcachealloc.so`, the package's `cdylib`) exports these functions:
+//! `cachealloc_alloc` and `cachealloc_free` (PyTorch's
+//! `CUDAPluggableAllocator` functions), PyTorch's hooks (`cachealloc_init`,
+//! `cachealloc_reset`, `cachealloc_set_memory_fraction`,
+//! `cachealloc_record_stream`), and our calls: statistics, fragmentation,
+//! snapshot and configuration as JSON strings, `cachealloc_empty_cache`,
+//! `cachealloc_reset_peak_stats`, trace recording, the last error and the
+//! error count, `cachealloc_string_free`, `cachealloc_set_oom_handler`.
+//! Their C declarations are in `include/cachealloc.h`, generated from this
+//! file and `capi_torch.rs` by cbindgen (`cbindgen.toml`); a test fails when
+//! the committed header is stale, and another checks the Python package's
+//! ctypes table against it (`src/abi_tests.rs`). Strings are returned
+//! malloc'd by the library: free them with `cachealloc_string_free` (never
+//! with `free()`). NULL or -1 means failure; `cachealloc_last_error()` says why.
 //!
 //! Rules, the same for every function:
 //!
@@ -853,9 +836,14 @@ mod exports {
         }
     }
 
-    /// Installs the out-of-memory handler (NULL removes it); see the module documentation.
+    /// Installs the out-of-memory handler (NULL removes it); see the module
+    /// documentation. (The type is [`OomHandler`], spelled out for the header.)
     #[no_mangle]
-    pub extern "C" fn cachealloc_set_oom_handler(handler: Option<OomHandler>) {
+    pub extern "C" fn cachealloc_set_oom_handler(
+        handler: Option<
+            unsafe extern "C-unwind" fn(*const c_char, *const c_char, u32, *const c_char),
+        >,
+    ) {
         ABI.set_oom_handler(handler);
     }
 

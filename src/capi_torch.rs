@@ -1,140 +1,281 @@
 //! The C ABI behind PyTorch's full allocator interface.
 //!
-//! `python/cachealloc_torch/csrc/allocator.cpp` subclasses PyTorch's
+//! The C++ allocator of `python/cachealloc_torch/csrc/` subclasses PyTorch's
 //! `c10::cuda::CUDACachingAllocator::CUDAAllocator` and calls these functions
 //! for every decision. They work on allocator *handles*: the process-wide
 //! allocator of a device ([`crate::cuda::allocator`], the one the plain C ABI
 //! in [`crate::capi`] uses too) or a private pool's own allocator (one per
-//! `torch.cuda.MemPool` / CUDA graph pool, with its own segments). C
-//! declarations (`ssize_t`, `size_t` from `<sys/types.h>`):
+//! `torch.cuda.MemPool` / CUDA graph pool, with its own segments).
 //!
-//! ```c
-//! void*   cachealloc_torch_device(int device);        // the device's allocator, or NULL
-//! void*   cachealloc_torch_pool_new(int device);      // a private pool's allocator, or NULL
-//! int     cachealloc_torch_pool_drop(void* h);        // 0; -1 if h is no pool or still in use
-//! void*   cachealloc_torch_alloc(void* h, size_t size, void* stream, int* kind);
-//!                                                     // kind: 0 ok, 1 out of memory, 2 other error
-//! int     cachealloc_torch_free(void* h, void* ptr, uint64_t* size);
-//!                                                     // 0, -1 (error), -2 (not this allocator's);
-//!                                                     // *size (if not NULL): the size requested
-//! int     cachealloc_torch_record_stream(void* h, void* ptr, void* stream);  // as free
-//! int     cachealloc_torch_stats(void* h, int64_t* out, size_t n);  // n >= CACHEALLOC_TORCH_STATS
-//! int     cachealloc_torch_reset_peak(void* h);
-//! int64_t cachealloc_torch_empty_cache(void* h);      // bytes released, or -1
-//! int64_t cachealloc_torch_largest_free(void* h);     // largest cached free block, or -1
-//! int64_t cachealloc_torch_cache_info(void* h);       // largest block obtainable now, device
-//!                                                     // memory within the cap included, or -1
-//! int     cachealloc_torch_set_fraction(void* h, double fraction);
-//! int64_t cachealloc_torch_snapshot(void* h, uint64_t* out, size_t cap);  // words needed, or -1
-//! int64_t cachealloc_torch_restore(void* h, const uint64_t* words, size_t n,
-//!                                  uint64_t* out, size_t cap);
-//!                                                     // back to a snapshot's layout: addresses
-//!                                                     // allocated (written to out), or -1
-//! int     cachealloc_torch_is_expandable(void* h);   // 1 page-backed segments, 0 plain, -1 error
-//! int     cachealloc_torch_enable_peer_access(int device, int peer);
-//!                                                     // 0; -1 on error: `peer` may use the
-//!                                                     // pages of `device`, now and later
-//! size_t  cachealloc_torch_last_error(char* buf, size_t cap);  // this thread's last error
-//! ```
+//! Their C declarations, and the layout constants below, are in
+//! `include/cachealloc.h`, generated from this file and `capi.rs` by
+//! cbindgen (`cbindgen.toml`); the C++ allocator includes it, and a test
+//! fails when it is stale (`src/abi_tests.rs`).
 //!
-//! The layouts of the statistics vector and of the snapshot words are
-//! `stats_vector` and `snapshot_words`. Every function catches panics;
-//! errors are return values plus the calling thread's last error.
+//! Note [The statistics vector]: `cachealloc_torch_stats` writes
+//! `CACHEALLOC_STATS_LEN` values in the order of PyTorch's `DeviceStats`:
+//! the nine stat arrays (allocation, segment, active, inactive_split,
+//! allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes,
+//! requested_bytes), each `CACHEALLOC_STAT_ARRAY_LEN` slots: the
+//! aggregate, the small pool and the large pool (PyTorch's `StatType`
+//! order), each `CACHEALLOC_STAT_FIELDS` slots: current, peak,
+//! allocated, freed. Then oversize_allocations and oversize_segments (one
+//! statistic each), then the counters num_alloc_retries, num_ooms,
+//! num_sync_all_streams, num_device_alloc, num_device_free, and last
+//! max_split_size (-1: unlimited). Every position has a named constant
+//! (`CACHEALLOC_STATS_*` for where a statistic starts, `CACHEALLOC_STAT_*`
+//! for the offsets inside one); the C++ allocator and the Python package
+//! (`_abi.py`, generated from the header) use the names, never the numbers.
+//! `stat_names` gives the `memory_stats()` key of every slot.
+//!
+//! Note [The snapshot words]: `cachealloc_torch_snapshot` writes, per
+//! segment, `CACHEALLOC_SEGMENT_WORDS` words (offsets
+//! `CACHEALLOC_SEGMENT_*`), followed by `CACHEALLOC_BLOCK_WORDS` words
+//! per block (offsets `CACHEALLOC_BLOCK_*`, state one of
+//! `CACHEALLOC_BLOCK_STATE_*`).
+//!
+//! Every function catches panics; errors are return values plus the calling
+//! thread's last error.
 
 use cachealloc_core::{
     AllocError, BlockState, CachingAllocator, Config, Device, DevicePtr, MemoryStats, PoolKind,
     Snapshot, StreamId,
 };
 
-/// Length of the statistics vector ([`stats_vector`]).
-pub const STATS_LEN: usize = 9 * 3 * 4 + 2 * 4 + 6;
+// ---- The statistics vector: Note [The statistics vector] ----------------
 
-/// Words per segment header in [`snapshot_words`].
-pub const SEGMENT_WORDS: usize = 8;
-/// Words per block in [`snapshot_words`].
-pub const BLOCK_WORDS: usize = 4;
+/// Offset of a statistic's current value.
+pub const CACHEALLOC_STAT_CURRENT: usize = 0;
+/// Offset of a statistic's peak.
+pub const CACHEALLOC_STAT_PEAK: usize = 1;
+/// Offset of a statistic's total allocated (accumulated).
+pub const CACHEALLOC_STAT_ALLOCATED: usize = 2;
+/// Offset of a statistic's total freed (accumulated).
+pub const CACHEALLOC_STAT_FREED: usize = 3;
+/// Slots per statistic: current, peak, allocated, freed.
+pub const CACHEALLOC_STAT_FIELDS: usize = 4;
 
-/// The statistics as PyTorch's `DeviceStats` lays them out: the nine stat
-/// arrays (allocation, segment, active, inactive_split, allocated_bytes,
-/// reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes),
-/// each as aggregate / small pool / large pool, each stat as current, peak,
-/// allocated, freed; then oversize_allocations and oversize_segments (four
-/// each); then num_alloc_retries, num_ooms, num_sync_all_streams,
-/// num_device_alloc, num_device_free, max_split_size (-1: unlimited).
-pub fn stats_vector(s: &MemoryStats) -> [i64; STATS_LEN] {
-    let v = |x: u64| i64::try_from(x).unwrap_or(i64::MAX);
-    let mut out = [0i64; STATS_LEN];
-    let mut i = 0;
-    let mut push = |x: i64| {
-        out[i] = x;
-        i += 1;
-    };
-    for (_, arr) in s.arrays() {
-        for st in arr.stats() {
-            for x in [st.current, st.peak, st.allocated, st.freed] {
-                push(v(x));
+/// Statistic of a stat array for all pools together (PyTorch's `StatType::AGGREGATE`).
+pub const CACHEALLOC_STAT_AGGREGATE: usize = 0;
+/// Statistic of a stat array for the small pool (`StatType::SMALL_POOL`).
+pub const CACHEALLOC_STAT_SMALL_POOL: usize = 1;
+/// Statistic of a stat array for the large pool (`StatType::LARGE_POOL`).
+pub const CACHEALLOC_STAT_LARGE_POOL: usize = 2;
+/// Statistics per stat array (aggregate, small pool, large pool).
+pub const CACHEALLOC_STAT_GROUPS: usize = 3;
+/// Slots per stat array.
+pub const CACHEALLOC_STAT_ARRAY_LEN: usize = 12;
+
+/// Where the stat array `allocation` starts.
+pub const CACHEALLOC_STATS_ALLOCATION: usize = 0;
+/// Where the stat array `segment` starts.
+pub const CACHEALLOC_STATS_SEGMENT: usize = 12;
+/// Where the stat array `active` starts.
+pub const CACHEALLOC_STATS_ACTIVE: usize = 24;
+/// Where the stat array `inactive_split` starts.
+pub const CACHEALLOC_STATS_INACTIVE_SPLIT: usize = 36;
+/// Where the stat array `allocated_bytes` starts.
+pub const CACHEALLOC_STATS_ALLOCATED_BYTES: usize = 48;
+/// Where the stat array `reserved_bytes` starts.
+pub const CACHEALLOC_STATS_RESERVED_BYTES: usize = 60;
+/// Where the stat array `active_bytes` starts.
+pub const CACHEALLOC_STATS_ACTIVE_BYTES: usize = 72;
+/// Where the stat array `inactive_split_bytes` starts.
+pub const CACHEALLOC_STATS_INACTIVE_SPLIT_BYTES: usize = 84;
+/// Where the stat array `requested_bytes` starts.
+pub const CACHEALLOC_STATS_REQUESTED_BYTES: usize = 96;
+/// Number of stat arrays.
+pub const CACHEALLOC_STAT_ARRAYS: usize = 9;
+/// Where the statistic `oversize_allocations` starts (one statistic, no pools).
+pub const CACHEALLOC_STATS_OVERSIZE_ALLOCATIONS: usize = 108;
+/// Where the statistic `oversize_segments` starts (one statistic, no pools).
+pub const CACHEALLOC_STATS_OVERSIZE_SEGMENTS: usize = 112;
+/// The counter `num_alloc_retries` (accumulated).
+pub const CACHEALLOC_STATS_NUM_ALLOC_RETRIES: usize = 116;
+/// The counter `num_ooms` (accumulated).
+pub const CACHEALLOC_STATS_NUM_OOMS: usize = 117;
+/// The counter `num_sync_all_streams` (accumulated).
+pub const CACHEALLOC_STATS_NUM_SYNC_ALL_STREAMS: usize = 118;
+/// The counter `num_device_alloc` (accumulated).
+pub const CACHEALLOC_STATS_NUM_DEVICE_ALLOC: usize = 119;
+/// The counter `num_device_free` (accumulated).
+pub const CACHEALLOC_STATS_NUM_DEVICE_FREE: usize = 120;
+/// `max_split_size` in bytes, -1 when unlimited (a setting, not accumulated; the last slot).
+pub const CACHEALLOC_STATS_MAX_SPLIT_SIZE: usize = 121;
+/// Length of the statistics vector.
+pub const CACHEALLOC_STATS_LEN: usize = 122;
+
+/// The stat arrays with the slot where each starts, in the vector's order.
+pub const STAT_ARRAY_STARTS: [(&str, usize); CACHEALLOC_STAT_ARRAYS] = [
+    ("allocation", CACHEALLOC_STATS_ALLOCATION),
+    ("segment", CACHEALLOC_STATS_SEGMENT),
+    ("active", CACHEALLOC_STATS_ACTIVE),
+    ("inactive_split", CACHEALLOC_STATS_INACTIVE_SPLIT),
+    ("allocated_bytes", CACHEALLOC_STATS_ALLOCATED_BYTES),
+    ("reserved_bytes", CACHEALLOC_STATS_RESERVED_BYTES),
+    ("active_bytes", CACHEALLOC_STATS_ACTIVE_BYTES),
+    (
+        "inactive_split_bytes",
+        CACHEALLOC_STATS_INACTIVE_SPLIT_BYTES,
+    ),
+    ("requested_bytes", CACHEALLOC_STATS_REQUESTED_BYTES),
+];
+
+/// The single statistics (no pools) with the slot where each starts.
+pub const STAT_SINGLE_STARTS: [(&str, usize); 2] = [
+    (
+        "oversize_allocations",
+        CACHEALLOC_STATS_OVERSIZE_ALLOCATIONS,
+    ),
+    ("oversize_segments", CACHEALLOC_STATS_OVERSIZE_SEGMENTS),
+];
+
+/// The counters (one slot each) with their slots.
+pub const STAT_COUNTERS: [(&str, usize); 6] = [
+    ("num_alloc_retries", CACHEALLOC_STATS_NUM_ALLOC_RETRIES),
+    ("num_ooms", CACHEALLOC_STATS_NUM_OOMS),
+    (
+        "num_sync_all_streams",
+        CACHEALLOC_STATS_NUM_SYNC_ALL_STREAMS,
+    ),
+    ("num_device_alloc", CACHEALLOC_STATS_NUM_DEVICE_ALLOC),
+    ("num_device_free", CACHEALLOC_STATS_NUM_DEVICE_FREE),
+    ("max_split_size", CACHEALLOC_STATS_MAX_SPLIT_SIZE),
+];
+
+/// The names of a statistic's fields, at their offsets.
+const FIELD_NAMES: [&str; CACHEALLOC_STAT_FIELDS] = ["current", "peak", "allocated", "freed"];
+/// The names of a stat array's statistics, at their offsets.
+const GROUP_NAMES: [&str; CACHEALLOC_STAT_GROUPS] = ["all", "small_pool", "large_pool"];
+
+/// The `torch.cuda.memory_stats()` key of every slot of the statistics
+/// vector (`allocation.all.current`, …, `max_split_size`).
+pub fn stat_names() -> Vec<String> {
+    let mut names = vec![String::new(); CACHEALLOC_STATS_LEN];
+    for (array, start) in STAT_ARRAY_STARTS {
+        for (g, group) in GROUP_NAMES.iter().enumerate() {
+            for (f, field) in FIELD_NAMES.iter().enumerate() {
+                names[start + g * CACHEALLOC_STAT_FIELDS + f] = format!("{array}.{group}.{field}");
             }
         }
     }
-    for st in [s.oversize_allocations, s.oversize_segments] {
-        for x in [st.current, st.peak, st.allocated, st.freed] {
-            push(v(x));
+    for (stat, start) in STAT_SINGLE_STARTS {
+        for (f, field) in FIELD_NAMES.iter().enumerate() {
+            names[start + f] = format!("{stat}.{field}");
         }
     }
-    push(v(s.num_alloc_retries));
-    push(v(s.num_ooms));
-    push(v(s.num_sync_all_streams));
-    push(v(s.num_device_alloc));
-    push(v(s.num_device_free));
-    push(if s.max_split_size == u64::MAX {
+    for (counter, slot) in STAT_COUNTERS {
+        names[slot] = counter.to_string();
+    }
+    names
+}
+
+/// The statistics as PyTorch's `DeviceStats` lays them out: Note [The
+/// statistics vector].
+pub fn stats_vector(s: &MemoryStats) -> [i64; CACHEALLOC_STATS_LEN] {
+    let v = |x: u64| i64::try_from(x).unwrap_or(i64::MAX);
+    let mut out = [0i64; CACHEALLOC_STATS_LEN];
+    let mut put = |start: usize, st: &cachealloc_core::Stat| {
+        out[start + CACHEALLOC_STAT_CURRENT] = v(st.current);
+        out[start + CACHEALLOC_STAT_PEAK] = v(st.peak);
+        out[start + CACHEALLOC_STAT_ALLOCATED] = v(st.allocated);
+        out[start + CACHEALLOC_STAT_FREED] = v(st.freed);
+    };
+    for ((name, arr), (layout_name, start)) in s.arrays().into_iter().zip(STAT_ARRAY_STARTS) {
+        debug_assert_eq!(name, layout_name);
+        for (g, st) in arr.stats().iter().enumerate() {
+            put(start + g * CACHEALLOC_STAT_FIELDS, st);
+        }
+    }
+    put(
+        CACHEALLOC_STATS_OVERSIZE_ALLOCATIONS,
+        &s.oversize_allocations,
+    );
+    put(CACHEALLOC_STATS_OVERSIZE_SEGMENTS, &s.oversize_segments);
+    out[CACHEALLOC_STATS_NUM_ALLOC_RETRIES] = v(s.num_alloc_retries);
+    out[CACHEALLOC_STATS_NUM_OOMS] = v(s.num_ooms);
+    out[CACHEALLOC_STATS_NUM_SYNC_ALL_STREAMS] = v(s.num_sync_all_streams);
+    out[CACHEALLOC_STATS_NUM_DEVICE_ALLOC] = v(s.num_device_alloc);
+    out[CACHEALLOC_STATS_NUM_DEVICE_FREE] = v(s.num_device_free);
+    out[CACHEALLOC_STATS_MAX_SPLIT_SIZE] = if s.max_split_size == u64::MAX {
         -1
     } else {
         v(s.max_split_size)
-    });
+    };
     out
 }
 
-/// Block states in [`snapshot_words`].
-pub mod block_state {
-    /// Free (in the bins or a thread cache).
-    pub const INACTIVE: u64 = 0;
-    /// Handed out to a caller.
-    pub const ALLOCATED: u64 = 1;
-    /// Freed by the caller, waiting for other streams' events.
-    pub const PENDING_FREE: u64 = 2;
-}
+// ---- The snapshot words: Note [The snapshot words] ----------------------
 
-/// A snapshot as plain words: per segment [`SEGMENT_WORDS`] words (address,
-/// total size, allocated size, requested size, stream, 1 if large pool,
-/// block count, mapped size), followed by [`BLOCK_WORDS`] words per block
-/// (address, size, requested size, state as in [`block_state`]).
+/// Segment word: the segment's address.
+pub const CACHEALLOC_SEGMENT_ADDRESS: usize = 0;
+/// Segment word: its total size.
+pub const CACHEALLOC_SEGMENT_TOTAL_SIZE: usize = 1;
+/// Segment word: bytes of its blocks handed out.
+pub const CACHEALLOC_SEGMENT_ALLOCATED_SIZE: usize = 2;
+/// Segment word: bytes requested by its blocks handed out.
+pub const CACHEALLOC_SEGMENT_REQUESTED_SIZE: usize = 3;
+/// Segment word: its stream.
+pub const CACHEALLOC_SEGMENT_STREAM: usize = 4;
+/// Segment word: 1 when it belongs to the large (or huge) pool, 0 small.
+pub const CACHEALLOC_SEGMENT_IS_LARGE: usize = 5;
+/// Segment word: the number of its blocks (their words follow).
+pub const CACHEALLOC_SEGMENT_BLOCKS: usize = 6;
+/// Segment word: bytes of it backed by memory (expandable segments map part).
+pub const CACHEALLOC_SEGMENT_MAPPED_SIZE: usize = 7;
+/// Words per segment header.
+pub const CACHEALLOC_SEGMENT_WORDS: usize = 8;
+
+/// Block word: the block's address.
+pub const CACHEALLOC_BLOCK_ADDRESS: usize = 0;
+/// Block word: its size.
+pub const CACHEALLOC_BLOCK_SIZE: usize = 1;
+/// Block word: the size requested for it (0 when free).
+pub const CACHEALLOC_BLOCK_REQUESTED_SIZE: usize = 2;
+/// Block word: its state, a `CACHEALLOC_BLOCK_STATE_*`.
+pub const CACHEALLOC_BLOCK_STATE: usize = 3;
+/// Words per block.
+pub const CACHEALLOC_BLOCK_WORDS: usize = 4;
+
+/// Block state: free (in the bins or a thread cache).
+pub const CACHEALLOC_BLOCK_STATE_INACTIVE: u64 = 0;
+/// Block state: handed out to a caller.
+pub const CACHEALLOC_BLOCK_STATE_ALLOCATED: u64 = 1;
+/// Block state: freed by the caller, waiting for other streams' events.
+pub const CACHEALLOC_BLOCK_STATE_PENDING_FREE: u64 = 2;
+
+/// A snapshot as plain words: Note [The snapshot words].
 pub fn snapshot_words(snap: &Snapshot) -> Vec<u64> {
     let n: usize = snap
         .segments
         .iter()
-        .map(|s| SEGMENT_WORDS + BLOCK_WORDS * s.blocks.len())
+        .map(|s| CACHEALLOC_SEGMENT_WORDS + CACHEALLOC_BLOCK_WORDS * s.blocks.len())
         .sum();
     let mut out = Vec::with_capacity(n);
     for s in &snap.segments {
-        out.extend_from_slice(&[
-            s.address.0,
-            s.total_size,
-            s.allocated_size,
-            s.requested_size,
-            s.stream.0,
-            u64::from(s.pool != PoolKind::Small),
-            s.blocks.len() as u64,
-            s.mapped_size,
-        ]);
+        let mut head = [0u64; CACHEALLOC_SEGMENT_WORDS];
+        head[CACHEALLOC_SEGMENT_ADDRESS] = s.address.0;
+        head[CACHEALLOC_SEGMENT_TOTAL_SIZE] = s.total_size;
+        head[CACHEALLOC_SEGMENT_ALLOCATED_SIZE] = s.allocated_size;
+        head[CACHEALLOC_SEGMENT_REQUESTED_SIZE] = s.requested_size;
+        head[CACHEALLOC_SEGMENT_STREAM] = s.stream.0;
+        head[CACHEALLOC_SEGMENT_IS_LARGE] = u64::from(s.pool != PoolKind::Small);
+        head[CACHEALLOC_SEGMENT_BLOCKS] = s.blocks.len() as u64;
+        head[CACHEALLOC_SEGMENT_MAPPED_SIZE] = s.mapped_size;
+        out.extend_from_slice(&head);
         for b in &s.blocks {
-            let state = match b.state {
+            let mut words = [0u64; CACHEALLOC_BLOCK_WORDS];
+            words[CACHEALLOC_BLOCK_ADDRESS] = b.address.0;
+            words[CACHEALLOC_BLOCK_SIZE] = b.size;
+            words[CACHEALLOC_BLOCK_REQUESTED_SIZE] = b.requested_size;
+            words[CACHEALLOC_BLOCK_STATE] = match b.state {
                 BlockState::Free | BlockState::Parked | BlockState::Aliased => {
-                    block_state::INACTIVE
+                    CACHEALLOC_BLOCK_STATE_INACTIVE
                 }
-                BlockState::Allocated => block_state::ALLOCATED,
-                BlockState::AwaitingEvents => block_state::PENDING_FREE,
+                BlockState::Allocated => CACHEALLOC_BLOCK_STATE_ALLOCATED,
+                BlockState::AwaitingEvents => CACHEALLOC_BLOCK_STATE_PENDING_FREE,
             };
-            out.extend_from_slice(&[b.address.0, b.size, b.requested_size, state]);
+            out.extend_from_slice(&words);
         }
     }
     out
@@ -147,48 +288,54 @@ pub fn snapshot_from_words(words: &[u64]) -> Result<Snapshot, String> {
     let mut segments = Vec::new();
     let mut rest = words;
     while !rest.is_empty() {
-        let Some((head, tail)) = rest.split_at_checked(SEGMENT_WORDS) else {
+        let Some((head, tail)) = rest.split_at_checked(CACHEALLOC_SEGMENT_WORDS) else {
             return Err(format!("{} words left: not a segment header", rest.len()));
         };
-        let n = usize::try_from(head[6]).map_err(|_| "block count out of range")?;
+        let address = head[CACHEALLOC_SEGMENT_ADDRESS];
+        let n = usize::try_from(head[CACHEALLOC_SEGMENT_BLOCKS])
+            .map_err(|_| "block count out of range")?;
         let Some((body, tail)) = n
-            .checked_mul(BLOCK_WORDS)
+            .checked_mul(CACHEALLOC_BLOCK_WORDS)
             .and_then(|len| tail.split_at_checked(len))
         else {
             return Err(format!(
-                "segment at {:#x}: {n} blocks announced, fewer given",
-                head[0]
+                "segment at {address:#x}: {n} blocks announced, fewer given"
             ));
         };
         let mut blocks = Vec::with_capacity(n);
-        for b in body.chunks_exact(BLOCK_WORDS) {
-            let state = match b[3] {
-                block_state::INACTIVE => BlockState::Free,
-                block_state::ALLOCATED => BlockState::Allocated,
-                block_state::PENDING_FREE => BlockState::AwaitingEvents,
-                other => return Err(format!("block at {:#x}: state {other}", b[0])),
+        for b in body.chunks_exact(CACHEALLOC_BLOCK_WORDS) {
+            let state = match b[CACHEALLOC_BLOCK_STATE] {
+                CACHEALLOC_BLOCK_STATE_INACTIVE => BlockState::Free,
+                CACHEALLOC_BLOCK_STATE_ALLOCATED => BlockState::Allocated,
+                CACHEALLOC_BLOCK_STATE_PENDING_FREE => BlockState::AwaitingEvents,
+                other => {
+                    return Err(format!(
+                        "block at {:#x}: state {other}",
+                        b[CACHEALLOC_BLOCK_ADDRESS]
+                    ))
+                }
             };
             blocks.push(cachealloc_core::BlockSnapshot {
-                address: DevicePtr(b[0]),
-                size: b[1],
-                requested_size: b[2],
+                address: DevicePtr(b[CACHEALLOC_BLOCK_ADDRESS]),
+                size: b[CACHEALLOC_BLOCK_SIZE],
+                requested_size: b[CACHEALLOC_BLOCK_REQUESTED_SIZE],
                 state,
                 stream_uses: Vec::new(),
             });
         }
         segments.push(cachealloc_core::SegmentSnapshot {
-            address: DevicePtr(head[0]),
-            total_size: head[1],
-            allocated_size: head[2],
-            requested_size: head[3],
-            stream: StreamId(head[4]),
-            pool: if head[5] == 0 {
+            address: DevicePtr(address),
+            total_size: head[CACHEALLOC_SEGMENT_TOTAL_SIZE],
+            allocated_size: head[CACHEALLOC_SEGMENT_ALLOCATED_SIZE],
+            requested_size: head[CACHEALLOC_SEGMENT_REQUESTED_SIZE],
+            stream: StreamId(head[CACHEALLOC_SEGMENT_STREAM]),
+            pool: if head[CACHEALLOC_SEGMENT_IS_LARGE] == 0 {
                 PoolKind::Small
             } else {
                 PoolKind::Large
             },
             blocks,
-            mapped_size: head[7],
+            mapped_size: head[CACHEALLOC_SEGMENT_MAPPED_SIZE],
         });
         rest = tail;
     }
@@ -298,6 +445,45 @@ pub fn last_error() -> String {
     crate::capi::last_error().unwrap_or_default()
 }
 
+/// What a run-time settings string (`torch.cuda.memory._set_allocator_settings`)
+/// did to `a`: Note [Run-time settings] in `cachealloc_core::pytorch_conf`.
+#[derive(Debug, PartialEq)]
+pub struct SettingsApplied {
+    /// The notice for the user about settings that stay as the allocator
+    /// started (empty when every setting took effect).
+    pub notice: String,
+    /// The memory fraction now in force, when the string set one.
+    pub fraction: Option<f64>,
+}
+
+/// Applies a PyTorch settings string to a running allocator: what is safe
+/// to change changes, the rest is named in the notice. An invalid string
+/// (PyTorch's message) changes nothing.
+pub fn apply_settings<D: Device>(
+    a: &CachingAllocator<D>,
+    conf: &str,
+) -> Result<SettingsApplied, String> {
+    use cachealloc_core::pytorch_conf::PytorchConf;
+    let parsed = PytorchConf::parse(conf).map_err(|e| format!("cachealloc: {e}"))?;
+    let changes = parsed.runtime_changes(&a.config(), a.is_expandable());
+    if let Some(t) = changes.garbage_collection_threshold {
+        a.set_garbage_collection_threshold(Some(t))
+            .map_err(|e| format!("cachealloc: {e}"))?;
+    }
+    if let Some(b) = changes.max_non_split_rounding {
+        a.set_max_non_split_rounding(b)
+            .map_err(|e| format!("cachealloc: {e}"))?;
+    }
+    if let Some(f) = changes.per_process_memory_fraction {
+        a.set_memory_cap(Some(cachealloc_core::MemoryCap::Fraction(f)))
+            .map_err(|e| format!("cachealloc: {e}"))?;
+    }
+    Ok(SettingsApplied {
+        notice: changes.notice(),
+        fraction: changes.per_process_memory_fraction,
+    })
+}
+
 #[cfg(feature = "cuda")]
 pub use exports::*;
 
@@ -357,12 +543,15 @@ mod exports {
 
     /// The process-wide allocator of `device` (created on first use), or NULL.
     #[no_mangle]
-    pub extern "C" fn cachealloc_torch_device(device: c_int) -> *const c_void {
-        guard(std::ptr::null(), || match crate::cuda::allocator(device) {
-            Ok(a) => a as *const Alloc as *const c_void,
-            Err(e) => {
-                set_error(&format!("cachealloc: device {device} unusable: {e}"));
-                std::ptr::null()
+    pub extern "C" fn cachealloc_torch_device(device: c_int) -> *mut c_void {
+        // (A `*mut` for C's plain `void*`; no caller writes through it.)
+        guard(std::ptr::null_mut(), || {
+            match crate::cuda::allocator(device) {
+                Ok(a) => a as *const Alloc as *mut c_void,
+                Err(e) => {
+                    set_error(&format!("cachealloc: device {device} unusable: {e}"));
+                    std::ptr::null_mut()
+                }
             }
         })
     }
@@ -430,7 +619,8 @@ mod exports {
     /// failure (kind 1 out of memory, 2 other error; last error set).
     ///
     /// # Safety
-    /// `h` as in `handle`; `kind` is NULL or points at a writable int.
+    /// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+    /// `cachealloc_torch_pool_new` not yet dropped); `kind` is NULL or points at a writable int.
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_alloc(
         h: *const c_void,
@@ -465,7 +655,8 @@ mod exports {
     /// was requested (for the profiler's memory events).
     ///
     /// # Safety
-    /// `h` as in `handle`; `size` is NULL or points at a writable u64.
+    /// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+    /// `cachealloc_torch_pool_new` not yet dropped); `size` is NULL or points at a writable u64.
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_free(
         h: *const c_void,
@@ -499,7 +690,8 @@ mod exports {
     /// Marks `ptr` as used on `stream` too: 0; -2 when not this allocator's; -1 otherwise.
     ///
     /// # Safety
-    /// `h` as in `handle`.
+    /// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+    /// `cachealloc_torch_pool_new` not yet dropped).
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_record_stream(
         h: *const c_void,
@@ -528,10 +720,11 @@ mod exports {
         })
     }
 
-    /// Writes the [`stats_vector`] into `out` (`n` ≥ [`STATS_LEN`]): 0, or -1.
+    /// Writes the [`stats_vector`] into `out` (`n` ≥ `CACHEALLOC_STATS_LEN`): 0, or -1.
     ///
     /// # Safety
-    /// `h` as in `handle`; `out` points at `n` writable `int64_t`.
+    /// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+    /// `cachealloc_torch_pool_new` not yet dropped); `out` points at `n` writable `int64_t`.
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_stats(
         h: *const c_void,
@@ -543,13 +736,15 @@ mod exports {
             let Some(a) = (unsafe { handle(h) }) else {
                 return -1;
             };
-            if out.is_null() || n < STATS_LEN {
-                set_error(&format!("cachealloc: stats needs {STATS_LEN} slots"));
+            if out.is_null() || n < CACHEALLOC_STATS_LEN {
+                set_error(&format!(
+                    "cachealloc: stats needs {CACHEALLOC_STATS_LEN} slots"
+                ));
                 return -1;
             }
             let v = stats_vector(&a.stats());
-            // SAFETY: `out` has room for `n` ≥ STATS_LEN values per the contract.
-            unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out, STATS_LEN) };
+            // SAFETY: `out` has room for `n` ≥ CACHEALLOC_STATS_LEN values per the contract.
+            unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out, CACHEALLOC_STATS_LEN) };
             0
         })
     }
@@ -557,7 +752,8 @@ mod exports {
     /// Resets the peaks of `h`: 0, or -1.
     ///
     /// # Safety
-    /// `h` as in `handle`.
+    /// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+    /// `cachealloc_torch_pool_new` not yet dropped).
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_reset_peak(h: *const c_void) -> c_int {
         guard(-1, || {
@@ -573,7 +769,8 @@ mod exports {
     /// Releases every entirely free segment of `h`: bytes released, or -1.
     ///
     /// # Safety
-    /// `h` as in `handle`.
+    /// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+    /// `cachealloc_torch_pool_new` not yet dropped).
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_empty_cache(h: *const c_void) -> i64 {
         guard(-1, || {
@@ -594,7 +791,8 @@ mod exports {
     /// The largest cached free block of `h` in bytes, or -1.
     ///
     /// # Safety
-    /// `h` as in `handle`.
+    /// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+    /// `cachealloc_torch_pool_new` not yet dropped).
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_largest_free(h: *const c_void) -> i64 {
         guard(-1, || {
@@ -609,7 +807,8 @@ mod exports {
     /// The largest block `h` could hand out now, device memory included, or -1.
     ///
     /// # Safety
-    /// `h` as in `handle`.
+    /// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+    /// `cachealloc_torch_pool_new` not yet dropped).
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_cache_info(h: *const c_void) -> i64 {
         guard(-1, || {
@@ -630,7 +829,8 @@ mod exports {
     /// Caps the reserved memory of `h` at `fraction` of the device: 0, or -1.
     ///
     /// # Safety
-    /// `h` as in `handle`.
+    /// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+    /// `cachealloc_torch_pool_new` not yet dropped).
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_set_fraction(
         h: *const c_void,
@@ -662,7 +862,8 @@ mod exports {
     /// written, call again with more room), or -1.
     ///
     /// # Safety
-    /// `h` as in `handle`; `out` points at `cap` writable words (or is NULL with `cap` 0).
+    /// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+    /// `cachealloc_torch_pool_new` not yet dropped); `out` points at `cap` writable words (or is NULL with `cap` 0).
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_snapshot(
         h: *const c_void,
@@ -689,7 +890,8 @@ mod exports {
     /// error (nothing changed; last error set).
     ///
     /// # Safety
-    /// `h` as in `handle`; `words` points at `n` readable words and `out` at
+    /// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+    /// `cachealloc_torch_pool_new` not yet dropped); `words` points at `n` readable words and `out` at
     /// `cap` writable ones (each may be NULL when its count is 0).
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_restore(
@@ -732,7 +934,8 @@ mod exports {
     /// 1 when `h` uses expandable (page-backed) segments, 0 when plain, -1 on error.
     ///
     /// # Safety
-    /// `h` as in `handle`.
+    /// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+    /// `cachealloc_torch_pool_new` not yet dropped).
     #[no_mangle]
     pub unsafe extern "C" fn cachealloc_torch_is_expandable(h: *const c_void) -> c_int {
         guard(-1, || {
@@ -765,6 +968,72 @@ mod exports {
         })
     }
 
+    /// Applies PyTorch's allocator settings string `conf` (UTF-8) to `h` while
+    /// it runs ([`apply_settings`]): -1 on error (PyTorch's message in the last
+    /// error; nothing changed); otherwise the length in bytes of the notice
+    /// about settings that stay as the allocator started (0: none), written
+    /// NUL-terminated and truncated to `cap` bytes into `notice`. `*fraction`
+    /// (when `fraction` is not NULL) is the memory fraction the string set,
+    /// or -1 when it set none.
+    ///
+    /// # Safety
+    /// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+    /// `cachealloc_torch_pool_new` not yet dropped); `conf` is NULL or a
+    /// NUL-terminated string; `fraction` is NULL or writable; `notice` points
+    /// at `cap` writable bytes (or is NULL with `cap` 0).
+    #[no_mangle]
+    pub unsafe extern "C" fn cachealloc_torch_apply_settings(
+        h: *const c_void,
+        conf: *const c_char,
+        fraction: *mut f64,
+        notice: *mut c_char,
+        cap: usize,
+    ) -> i64 {
+        guard(-1, || {
+            // SAFETY: forwarded contract.
+            let Some(a) = (unsafe { handle(h) }) else {
+                return -1;
+            };
+            if conf.is_null() {
+                set_error("cachealloc: apply_settings of a NULL string");
+                return -1;
+            }
+            // SAFETY: non-null and NUL-terminated per the contract.
+            let conf = unsafe { std::ffi::CStr::from_ptr(conf) }.to_string_lossy();
+            match apply_settings(a, &conf) {
+                Ok(done) => {
+                    if !fraction.is_null() {
+                        // SAFETY: non-null and writable per the contract.
+                        unsafe { *fraction = done.fraction.unwrap_or(-1.0) };
+                    }
+                    // SAFETY: `notice` has `cap` writable bytes per the contract.
+                    unsafe { copy_c_string(&done.notice, notice, cap) };
+                    i64::try_from(done.notice.len()).unwrap_or(i64::MAX)
+                }
+                Err(m) => {
+                    set_error(&m);
+                    -1
+                }
+            }
+        })
+    }
+
+    /// Copies `msg` NUL-terminated, truncated to `cap` bytes, into `buf`
+    /// (nothing when `buf` is NULL or `cap` is 0).
+    ///
+    /// # Safety
+    /// `buf` points at `cap` writable bytes, or is NULL.
+    unsafe fn copy_c_string(msg: &str, buf: *mut c_char, cap: usize) {
+        if !buf.is_null() && cap > 0 {
+            let n = msg.len().min(cap - 1);
+            // SAFETY: `buf` has `cap` bytes; n + 1 ≤ cap are written.
+            unsafe {
+                std::ptr::copy_nonoverlapping(msg.as_ptr(), buf as *mut u8, n);
+                *buf.add(n) = 0;
+            }
+        }
+    }
+
     /// Copies the calling thread's last error (NUL-terminated, truncated to
     /// `cap` bytes) into `buf`; returns its full length in bytes.
     ///
@@ -774,14 +1043,8 @@ mod exports {
     pub unsafe extern "C" fn cachealloc_torch_last_error(buf: *mut c_char, cap: usize) -> usize {
         guard(0, || {
             let msg = last_error();
-            if !buf.is_null() && cap > 0 {
-                let n = msg.len().min(cap - 1);
-                // SAFETY: `buf` has `cap` bytes; n + 1 ≤ cap are written.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(msg.as_ptr(), buf as *mut u8, n);
-                    *buf.add(n) = 0;
-                }
-            }
+            // SAFETY: `buf` has `cap` writable bytes per the contract.
+            unsafe { copy_c_string(&msg, buf, cap) };
             msg.len()
         })
     }
@@ -820,45 +1083,94 @@ mod tests {
         assert_eq!(dev.segments().len(), 2);
     }
 
+    /// The named slots tile the vector: each slot has one name, the stat
+    /// arrays follow each other, and `max_split_size` (the one slot that is
+    /// not summed over allocators on the C++ side) is the last.
+    #[test]
+    fn stat_layout_names_every_slot_once() {
+        assert_eq!(
+            CACHEALLOC_STAT_ARRAY_LEN,
+            CACHEALLOC_STAT_GROUPS * CACHEALLOC_STAT_FIELDS
+        );
+        for (i, (_, start)) in STAT_ARRAY_STARTS.iter().enumerate() {
+            assert_eq!(*start, i * CACHEALLOC_STAT_ARRAY_LEN);
+        }
+        assert_eq!(
+            CACHEALLOC_STATS_OVERSIZE_ALLOCATIONS,
+            CACHEALLOC_STAT_ARRAYS * CACHEALLOC_STAT_ARRAY_LEN
+        );
+        assert_eq!(CACHEALLOC_STATS_MAX_SPLIT_SIZE + 1, CACHEALLOC_STATS_LEN);
+        let names = stat_names();
+        assert_eq!(names.len(), CACHEALLOC_STATS_LEN);
+        let unique: std::collections::HashSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "a slot named twice");
+        assert!(names.iter().all(|n| !n.is_empty()), "a slot without a name");
+        assert_eq!(names[CACHEALLOC_STATS_LEN - 1], "max_split_size");
+        assert_eq!(
+            names[CACHEALLOC_STATS_RESERVED_BYTES
+                + CACHEALLOC_STAT_LARGE_POOL * CACHEALLOC_STAT_FIELDS
+                + CACHEALLOC_STAT_PEAK],
+            "reserved_bytes.large_pool.peak"
+        );
+    }
+
     #[test]
     fn stats_vector_follows_pytorchs_layout() {
         let a = alloc_1g();
         let p = a.malloc(3 << 20, StreamId(0)).unwrap();
         let q = a.malloc(1000, StreamId(0)).unwrap();
+        a.free(q).unwrap();
+        let q = a.malloc(1000, StreamId(0)).unwrap();
         let s = a.stats();
         let v = stats_vector(&s);
         let entries: std::collections::HashMap<String, i64> = s.entries().into_iter().collect();
-        // Index of (array, group, field) as the C++ side reads it.
-        let names = [
-            "allocation",
-            "segment",
-            "active",
-            "inactive_split",
-            "allocated_bytes",
-            "reserved_bytes",
-            "active_bytes",
-            "inactive_split_bytes",
-            "requested_bytes",
-        ];
-        for (ai, name) in names.iter().enumerate() {
-            for (gi, group) in ["all", "small_pool", "large_pool"].iter().enumerate() {
-                for (fi, field) in ["current", "peak", "allocated", "freed"].iter().enumerate() {
-                    assert_eq!(
-                        v[ai * 12 + gi * 4 + fi],
-                        entries[&format!("{name}.{group}.{field}")],
-                        "{name}.{group}.{field}"
-                    );
-                }
-            }
+        // Every slot holds the `memory_stats()` value of its name.
+        for (i, name) in stat_names().iter().enumerate() {
+            assert_eq!(v[i], entries[name], "slot {i} ({name})");
         }
-        assert_eq!(v[108], entries["oversize_allocations.current"]);
-        assert_eq!(v[112], entries["oversize_segments.current"]);
-        assert_eq!(v[116], entries["num_alloc_retries"]);
-        assert_eq!(v[117], entries["num_ooms"]);
-        assert_eq!(v[119], entries["num_device_alloc"]);
-        assert_eq!(v[121], -1, "unlimited max_split_size is -1");
-        assert_eq!(v[0], 2, "two allocations live");
-        assert_eq!(v[4], 1, "one small");
+        assert_eq!(
+            v[CACHEALLOC_STATS_MAX_SPLIT_SIZE], -1,
+            "unlimited max_split_size is -1"
+        );
+        let slot = |start: usize, group: usize, field: usize| {
+            v[start + group * CACHEALLOC_STAT_FIELDS + field]
+        };
+        assert_eq!(
+            slot(
+                CACHEALLOC_STATS_ALLOCATION,
+                CACHEALLOC_STAT_AGGREGATE,
+                CACHEALLOC_STAT_CURRENT
+            ),
+            2,
+            "two allocations live"
+        );
+        assert_eq!(
+            slot(
+                CACHEALLOC_STATS_ALLOCATION,
+                CACHEALLOC_STAT_SMALL_POOL,
+                CACHEALLOC_STAT_CURRENT
+            ),
+            1,
+            "one small"
+        );
+        assert_eq!(
+            slot(
+                CACHEALLOC_STATS_ALLOCATION,
+                CACHEALLOC_STAT_SMALL_POOL,
+                CACHEALLOC_STAT_FREED
+            ),
+            1,
+            "one small freed"
+        );
+        assert_eq!(
+            slot(
+                CACHEALLOC_STATS_ALLOCATION,
+                CACHEALLOC_STAT_AGGREGATE,
+                CACHEALLOC_STAT_ALLOCATED
+            ),
+            3
+        );
+        assert_eq!(v[CACHEALLOC_STATS_NUM_DEVICE_ALLOC], 2, "two segments");
         a.free(p).unwrap();
         a.free(q).unwrap();
     }
@@ -874,19 +1186,30 @@ mod tests {
         let mut seen = Vec::new();
         let mut segments = 0;
         while i < w.len() {
-            let (addr, total, nblocks) = (w[i], w[i + 1], w[i + 6] as usize);
-            assert_eq!(w[i + 4], 7, "stream");
+            let seg = &w[i..i + CACHEALLOC_SEGMENT_WORDS];
+            let (addr, total) = (
+                seg[CACHEALLOC_SEGMENT_ADDRESS],
+                seg[CACHEALLOC_SEGMENT_TOTAL_SIZE],
+            );
+            let nblocks = seg[CACHEALLOC_SEGMENT_BLOCKS] as usize;
+            assert_eq!(seg[CACHEALLOC_SEGMENT_STREAM], 7, "stream");
             let mut sum = 0;
             for b in 0..nblocks {
-                let j = i + SEGMENT_WORDS + b * BLOCK_WORDS;
-                assert!(w[j] >= addr && w[j] + w[j + 1] <= addr + total);
-                sum += w[j + 1];
-                if w[j + 3] == block_state::ALLOCATED {
-                    seen.push((w[j], w[j + 2], w[i + 5]));
+                let j = i + CACHEALLOC_SEGMENT_WORDS + b * CACHEALLOC_BLOCK_WORDS;
+                let blk = &w[j..j + CACHEALLOC_BLOCK_WORDS];
+                let (baddr, bsize) = (blk[CACHEALLOC_BLOCK_ADDRESS], blk[CACHEALLOC_BLOCK_SIZE]);
+                assert!(baddr >= addr && baddr + bsize <= addr + total);
+                sum += bsize;
+                if blk[CACHEALLOC_BLOCK_STATE] == CACHEALLOC_BLOCK_STATE_ALLOCATED {
+                    seen.push((
+                        baddr,
+                        blk[CACHEALLOC_BLOCK_REQUESTED_SIZE],
+                        seg[CACHEALLOC_SEGMENT_IS_LARGE],
+                    ));
                 }
             }
             assert_eq!(sum, total, "blocks tile the segment");
-            i += SEGMENT_WORDS + nblocks * BLOCK_WORDS;
+            i += CACHEALLOC_SEGMENT_WORDS + nblocks * CACHEALLOC_BLOCK_WORDS;
             segments += 1;
         }
         assert_eq!(i, w.len());
@@ -970,8 +1293,57 @@ mod tests {
         // Truncated or garbled words are refused.
         assert!(snapshot_from_words(&words[..words.len() - 1]).is_err());
         let mut bad = words.clone();
-        bad[SEGMENT_WORDS + 3] = 9;
+        bad[CACHEALLOC_SEGMENT_WORDS + CACHEALLOC_BLOCK_STATE] = 9;
         assert!(snapshot_from_words(&bad).is_err());
+    }
+
+    /// Note [Run-time settings]: what may change does, the rest is named,
+    /// and a refused string changes nothing.
+    #[test]
+    fn run_time_settings_apply_what_is_safe() {
+        let a = alloc_1g();
+        let before = a.config();
+        let done = apply_settings(
+            &a,
+            "garbage_collection_threshold:0.5,max_non_split_rounding_mb:64,\
+             per_process_memory_fraction:0.5,pinned_use_cuda_host_register:True",
+        )
+        .unwrap();
+        assert_eq!(
+            done,
+            SettingsApplied {
+                notice: String::new(),
+                fraction: Some(0.5)
+            }
+        );
+        let c = a.config();
+        assert_eq!(c.garbage_collection_threshold, Some(0.5));
+        assert_eq!(c.max_non_split_rounding, 64 << 20);
+        assert_eq!(a.memory_cap(), Some(512 << 20), "half of 1 GiB");
+        // The new cap is in force: 600 MiB no longer fits.
+        assert_eq!(alloc(&a, 600 << 20, 0).code(), 1);
+        let done = apply_settings(&a, "max_split_size_mb:64,expandable_segments:True").unwrap();
+        assert!(
+            done.notice.contains("max_split_size_mb stays unlimited"),
+            "{}",
+            done.notice
+        );
+        assert!(
+            done.notice.contains("expandable_segments stays False"),
+            "{}",
+            done.notice
+        );
+        assert_eq!(done.fraction, None);
+        assert_eq!(a.config().max_split_size, before.max_split_size);
+        let e =
+            apply_settings(&a, "garbage_collection_threshold:0.2,max_split_size_mb:1").unwrap_err();
+        assert!(e.contains("max_split_size_mb too small"), "{e}");
+        assert_eq!(
+            a.config().garbage_collection_threshold,
+            Some(0.5),
+            "a refused string changes nothing"
+        );
+        a.check_invariants().unwrap();
     }
 
     #[test]

@@ -142,5 +142,9 @@ pub mod capi;
 #[cfg(any(feature = "cuda", test))]
 pub mod capi_torch;
 
+/// The header and the Python tables checked against the two C ABIs.
+#[cfg(test)]
+mod abi_tests;
+
 #[cfg(feature = "cuda")]
 pub mod cuda;

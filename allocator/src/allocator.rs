@@ -18,7 +18,7 @@ use crate::bins::Bins;
 use crate::block::{
     Block, BlockId, BlockState, Listed, PoolId, PoolKind, Segment, SegmentId, SegmentKind,
 };
-use crate::config::{Config, MemoryCap, MEDIUM_SEGMENT, OVERSIZE_SLACK, SMALL_SIZE};
+use crate::config::{Config, MemoryCap, MEDIUM_SEGMENT, SMALL_SIZE};
 use crate::device::{Device, DeviceError, DevicePtr, StreamId};
 use crate::error::{AllocError, OomReport};
 use crate::fasthash::FastMap;

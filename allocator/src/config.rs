@@ -26,7 +26,8 @@ const DEFAULT_PAGE_DIVISOR: u64 = 128;
 /// Segment size for large requests below `large_threshold` (PyTorch's `kLargeBuffer`).
 pub const MEDIUM_SEGMENT: u64 = 20 * MIB;
 /// A request ≥ `max_split_size` takes a cached block only if it is less than
-/// this much larger (PyTorch's `kLargeBuffer` slack).
+/// this much larger: the default of `max_non_split_rounding_mb` (PyTorch's
+/// `kLargeBuffer` slack).
 pub const OVERSIZE_SLACK: u64 = 20 * MIB;
 /// Expandable segments: idle pages stay mapped while reserved memory is at
 /// most `1 + IDLE_SLACK` times the peak allocated bytes (tuned on the traces).
@@ -144,6 +145,10 @@ pub struct Config {
     /// PyTorch's `max_split_size`: blocks this large are never split, and
     /// smaller requests never take them. `u64::MAX` means unlimited.
     pub max_split_size: u64,
+    /// PyTorch's `max_non_split_rounding_size`: a request of at least
+    /// `max_split_size` takes a cached block only if the block is less than
+    /// this much larger ([`OVERSIZE_SLACK`] by default).
+    pub max_non_split_rounding: u64,
     /// `roundup_power2_divisions` per interval.
     pub roundup_power2_divisions: Power2Divisions,
     /// Fraction of the cap above which unused cached segments are garbage-collected.
@@ -253,6 +258,7 @@ impl Config {
             thread_cache: 0,
             slab_max: 0,
             max_split_size: u64::MAX,
+            max_non_split_rounding: OVERSIZE_SLACK,
             roundup_power2_divisions: [0; POWER2_INTERVALS],
             garbage_collection_threshold: None,
             memory_cap: None,
@@ -366,8 +372,16 @@ impl Config {
     /// comma) and a key given twice are errors, not silently skipped or
     /// overridden.
     pub fn parse(conf: &str) -> Result<Self, ConfigError> {
+        Self::parse_keys(conf).map(|(config, _)| config)
+    }
+
+    /// [`Config::parse`], also returning the key group of every key the
+    /// string sets (its name, or the group's name when several keys set one
+    /// field, as `memory_cap` and `per_process_memory_fraction` do): what
+    /// [`crate::pytorch_conf`] leaves alone.
+    pub fn parse_keys(conf: &str) -> Result<(Self, Vec<&'static str>), ConfigError> {
         if conf.trim().is_empty() {
-            return Ok(Self::default());
+            return Ok((Self::default(), Vec::new()));
         }
         let items: Vec<&str> = conf.split(',').map(str::trim).collect();
         let mut config = Self::default();
@@ -402,7 +416,7 @@ impl Config {
             i += 1;
         }
         config.validate()?;
-        Ok(config)
+        Ok((config, seen.iter().map(|k| k.group()).collect()))
     }
 
     /// Applies one `key:value` item; returns the key's table entry.
@@ -698,7 +712,8 @@ pub struct Key {
 }
 
 impl Key {
-    fn group(&self) -> &'static str {
+    /// The key's group: its name, or the name of the field several keys set.
+    pub fn group(&self) -> &'static str {
         self.group.unwrap_or(self.name)
     }
 }
@@ -772,6 +787,16 @@ pub static KEYS: &[Key] = &[
         group: None,
         get: |c| Some(Value::U64(c.max_split_size)),
         set: |c, v| c.max_split_size = u(v),
+    },
+    Key {
+        name: "max_non_split_rounding_mb",
+        aliases: &[],
+        kind: mib(20, MAX_MIB, false),
+        stability: Stability::Stable,
+        doc: "PyTorch's: a request of at least max_split_size takes a cached block only if the block is less than this much larger",
+        group: None,
+        get: |c| Some(Value::U64(c.max_non_split_rounding)),
+        set: |c, v| c.max_non_split_rounding = u(v),
     },
     Key {
         name: "roundup_power2_divisions",
@@ -1101,32 +1126,28 @@ pub static KEYS: &[Key] = &[
     },
 ];
 
-/// PyTorch's `expandable_segments` in a `PYTORCH_ALLOC_CONF` /
-/// `PYTORCH_CUDA_ALLOC_CONF` string, if the string sets it (the last
-/// setting wins, as in PyTorch; a value that is not a boolean is ignored
-/// here and left for PyTorch to refuse).
-pub fn pytorch_expandable_segments(conf: &str) -> Option<bool> {
-    conf.split(',')
-        .rev()
-        .filter_map(|item| item.split_once(':'))
-        .filter(|(k, _)| k.trim() == "expandable_segments")
-        .find_map(|(_, v)| parse_bool(v.trim()))
-}
-
 /// `config` (read from `CACHEALLOC_CONF`, whose text is `own`) with
-/// PyTorch's `expandable_segments` from `pytorch` applied, unless
-/// `CACHEALLOC_CONF` sets that key itself: `CACHEALLOC_CONF` wins, and a
-/// user who turned PyTorch's expandable segments off
-/// (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`) gets the
-/// `segments` policy from `default`.
-pub fn with_pytorch_conf(mut config: Config, own: Option<&str>, pytorch: Option<&str>) -> Config {
-    // (`own` parsed already, so any `expandable_segments` in it is a boolean.)
-    if own.and_then(pytorch_expandable_segments).is_none() {
-        if let Some(v) = pytorch.and_then(pytorch_expandable_segments) {
-            config.expandable_segments = v;
-        }
-    }
-    config
+/// PyTorch's own configuration string `pytorch` (`PYTORCH_ALLOC_CONF` /
+/// `PYTORCH_CUDA_ALLOC_CONF`) applied where `CACHEALLOC_CONF` does not set
+/// the same key: see [`crate::pytorch_conf`]. A user who turned PyTorch's
+/// expandable segments off (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`)
+/// gets the `segments` policy from `default`. An invalid PyTorch setting is
+/// refused with PyTorch's message.
+pub fn with_pytorch_conf(
+    config: Config,
+    own: Option<&str>,
+    pytorch: Option<&str>,
+) -> Result<Config, crate::pytorch_conf::PytorchConfError> {
+    let Some(pytorch) = pytorch else {
+        return Ok(config);
+    };
+    let torch = crate::pytorch_conf::PytorchConf::parse(pytorch)?;
+    // (`own` was parsed already, so it parses again.)
+    let groups = own
+        .and_then(|o| Config::parse_keys(o).ok())
+        .map(|(_, g)| g)
+        .unwrap_or_default();
+    Ok(torch.apply(config, &groups))
 }
 
 /// The table entry of `name` (or of a key it is an alias of).
@@ -1649,21 +1670,8 @@ mod tests {
 
     #[test]
     fn pytorchs_expandable_segments_apply_unless_cachealloc_conf_sets_them() {
-        assert_eq!(
-            pytorch_expandable_segments("expandable_segments:False"),
-            Some(false)
-        );
-        assert_eq!(
-            pytorch_expandable_segments("max_split_size_mb:64, expandable_segments:True"),
-            Some(true)
-        );
-        assert_eq!(pytorch_expandable_segments("backend:native"), None);
-        assert_eq!(
-            pytorch_expandable_segments("expandable_segments:maybe"),
-            None
-        );
         let off = Some("expandable_segments:False");
-        let c = with_pytorch_conf(Config::default(), None, off);
+        let c = with_pytorch_conf(Config::default(), None, off).unwrap();
         assert!(!c.expandable_segments);
         assert_eq!(
             Config {
@@ -1673,18 +1681,27 @@ mod tests {
             Config::segments()
         );
         let own = "default,expandable_segments:True";
-        let c = with_pytorch_conf(Config::parse(own).unwrap(), Some(own), off);
+        let c = with_pytorch_conf(Config::parse(own).unwrap(), Some(own), off).unwrap();
         assert!(c.expandable_segments, "CACHEALLOC_CONF wins");
         let c = with_pytorch_conf(
             Config::segments(),
             Some("segments"),
-            Some("expandable_segments:True"),
-        );
+            Some("max_split_size_mb:64, expandable_segments:True"),
+        )
+        .unwrap();
         assert!(c.expandable_segments);
+        assert_eq!(c.max_split_size, 64 << 20);
         assert_eq!(
-            with_pytorch_conf(Config::default(), None, None),
+            with_pytorch_conf(Config::default(), None, None).unwrap(),
             Config::default()
         );
+        assert_eq!(
+            with_pytorch_conf(Config::default(), None, Some("backend:native")).unwrap(),
+            Config::default()
+        );
+        let e = with_pytorch_conf(Config::default(), None, Some("expandable_segments:maybe"))
+            .unwrap_err();
+        assert!(e.to_string().contains("Expected 'True' or 'False'"), "{e}");
     }
 
     #[test]

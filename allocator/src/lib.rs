@@ -45,6 +45,7 @@ pub mod error;
 mod fasthash;
 mod ids;
 mod pages;
+pub mod pytorch_conf;
 pub mod replay;
 pub mod report;
 pub mod rounding;

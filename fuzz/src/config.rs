@@ -227,6 +227,18 @@ fn check_text(data: &[u8]) -> u64 {
         );
     }
 
+    // PyTorch's own configuration string: never a panic, and what it
+    // accepts maps onto a configuration that prints and reads back.
+    if let Ok(torch) = cachealloc_core::pytorch_conf::PytorchConf::parse(text) {
+        let mapped = torch.apply(Config::default(), &[]);
+        let conf = mapped.to_conf_string();
+        assert_eq!(
+            Config::parse(&conf).as_ref(),
+            Ok(&mapped),
+            "PyTorch's {text:?} maps to {conf:?}, which reads back differently"
+        );
+    }
+
     let config = match Config::parse(text) {
         Ok(c) => c,
         Err(e) => {

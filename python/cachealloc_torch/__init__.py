@@ -22,7 +22,11 @@ record_stream only; it warns and names what does not work then.
 
 Configure the allocator with CACHEALLOC_CONF (same syntax as
 PYTORCH_CUDA_ALLOC_CONF, optionally starting with a preset name: `default`,
-`pytorch`, `expandable`, ...), set before the first allocation.
+`pytorch`, `expandable`, ...), set before the first allocation. PyTorch's own
+PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF applies too, read with PyTorch's
+rules, for every key CACHEALLOC_CONF does not set; with the C++ interface,
+torch.cuda.memory._set_allocator_settings() reaches the allocator at run time.
+backend:cudaMallocAsync there makes enable() stay out.
 
 The functions memory_stats(), max_memory_reserved(), ... of this module are
 aliases of torch.cuda's once the C++ interface is installed (and read the
@@ -89,36 +93,45 @@ def library_path(path=None):
         "or pass enable(path=...) / set CACHEALLOC_LIB.")
 
 
+# The C functions this package calls, as ctypes (return type, argument
+# types). Their C declarations are include/cachealloc.h, generated from the
+# Rust source; a Rust test (src/abi_tests.rs) checks every entry here against
+# it, so write each type in full (ctypes.c_int, not an alias). Strings the
+# library returns are c_void_p, not c_char_p: they must go back to
+# cachealloc_string_free, which needs the pointer.
+_SIGNATURES = {
+    "cachealloc_alloc": (ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]),
+    "cachealloc_free": (None, [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]),
+    "cachealloc_init": (None, [ctypes.c_int]),
+    "cachealloc_reset": (None, []),
+    "cachealloc_set_memory_fraction": (None, [ctypes.c_double, ctypes.c_int]),
+    "cachealloc_record_stream": (None, [ctypes.c_void_p, ctypes.c_void_p]),
+    "cachealloc_empty_cache": (ctypes.c_int64, [ctypes.c_int]),
+    "cachealloc_reset_peak_stats": (ctypes.c_int, [ctypes.c_int]),
+    "cachealloc_stats_json": (ctypes.c_void_p, [ctypes.c_int]),
+    "cachealloc_fragmentation": (ctypes.c_void_p, [ctypes.c_int]),
+    "cachealloc_fragmentation_json": (ctypes.c_void_p, [ctypes.c_int]),
+    "cachealloc_snapshot_json": (ctypes.c_void_p, [ctypes.c_int]),
+    "cachealloc_info_json": (ctypes.c_void_p, [ctypes.c_int]),
+    "cachealloc_record_trace_start": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p]),
+    "cachealloc_record_trace_stop": (ctypes.c_int64, [ctypes.c_int]),
+    "cachealloc_last_error": (ctypes.c_void_p, []),
+    "cachealloc_clear_error": (None, []),
+    "cachealloc_error_count": (ctypes.c_uint64, []),
+    "cachealloc_string_free": (None, [ctypes.c_void_p]),
+    "cachealloc_set_oom_handler": (None, [ctypes.c_void_p]),
+    "cachealloc_torch_device": (ctypes.c_void_p, [ctypes.c_int]),
+    "cachealloc_torch_stats": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64),
+                                              ctypes.c_size_t]),
+}
+
+
 def _declare(lib):
-    c_int, c_int64, c_uint64 = ctypes.c_int, ctypes.c_int64, ctypes.c_uint64
-    vp, cp = ctypes.c_void_p, ctypes.c_char_p
-    sigs = {
-        "cachealloc_alloc": (vp, [ctypes.c_ssize_t, c_int, vp]),
-        "cachealloc_free": (None, [vp, ctypes.c_ssize_t, c_int, vp]),
-        "cachealloc_init": (None, [c_int]),
-        "cachealloc_reset": (None, []),
-        "cachealloc_set_memory_fraction": (None, [ctypes.c_double, c_int]),
-        "cachealloc_record_stream": (None, [vp, vp]),
-        "cachealloc_empty_cache": (c_int64, [c_int]),
-        "cachealloc_reset_peak_stats": (c_int, [c_int]),
-        "cachealloc_stats_json": (vp, [c_int]),
-        "cachealloc_fragmentation": (vp, [c_int]),
-        "cachealloc_fragmentation_json": (vp, [c_int]),
-        "cachealloc_snapshot_json": (vp, [c_int]),
-        "cachealloc_info_json": (vp, [c_int]),
-        "cachealloc_record_trace_start": (c_int, [c_int, cp]),
-        "cachealloc_record_trace_stop": (c_int64, [c_int]),
-        "cachealloc_last_error": (vp, []),
-        "cachealloc_clear_error": (None, []),
-        "cachealloc_error_count": (c_uint64, []),
-        "cachealloc_string_free": (None, [vp]),
-        "cachealloc_set_oom_handler": (None, [vp]),
-    }
-    missing = [n for n in sigs if not hasattr(lib, n)]
+    missing = [n for n in _SIGNATURES if not hasattr(lib, n)]
     if missing:
         raise CacheallocError(
             f"{_lib_path} lacks {', '.join(missing)}: it was built without `--features cuda`")
-    for name, (res, args) in sigs.items():
+    for name, (res, args) in _SIGNATURES.items():
         f = getattr(lib, name)
         f.restype, f.argtypes = res, args
 
@@ -146,21 +159,75 @@ PLUGGABLE_LIMITS = (
     "pluggable path; use this module's memory_stats() etc. instead")
 
 
+def _include_dir():
+    """The folder of cachealloc.h, the C ABI's header: inside the installed
+    package (setup.py copies it there), else the checkout's include/."""
+    for d in (os.path.join(_PKG, "include"), os.path.join(_REPO, "include")):
+        if os.path.isfile(os.path.join(d, "cachealloc.h")):
+            return d
+    raise FileNotFoundError(
+        "cachealloc.h not found in " + os.path.join(_PKG, "include") + " or "
+        + os.path.join(_REPO, "include") + ": reinstall the package")
+
+
+def _sources():
+    """The C++ allocator's sources (csrc/*.cpp), in a fixed order."""
+    csrc = os.path.join(_PKG, "csrc")
+    return sorted(os.path.join(csrc, f) for f in os.listdir(csrc) if f.endswith(".cpp"))
+
+
 def _build_extension(torch, so):
     """Compiles (or loads from the torch extensions cache) the C++ allocator,
     linked against `so`. Returns the extension module."""
     from torch.utils import cpp_extension
     import hashlib
-    src = os.path.join(_PKG, "csrc", "allocator.cpp")
+    include = _include_dir()
     libdir = os.path.dirname(so)
     # The name carries the library's path and the torch version, so that a
-    # different build of either never loads a stale module.
-    key = hashlib.sha1(f"{so}|{torch.__version__}".encode()).hexdigest()[:12]
+    # different build of either never loads a stale module; and the header,
+    # so that a module built against another ABI is never loaded either.
+    with open(os.path.join(include, "cachealloc.h"), "rb") as f:
+        header = hashlib.sha1(f.read()).hexdigest()
+    key = hashlib.sha1(f"{so}|{torch.__version__}|{header}".encode()).hexdigest()[:12]
     verbose = os.environ.get("CACHEALLOC_TORCH_VERBOSE", "") not in ("", "0")
     return cpp_extension.load(
-        name=f"cachealloc_torch_cpp_{key}", sources=[src], with_cuda=True,
+        name=f"cachealloc_torch_cpp_{key}", sources=_sources(), with_cuda=True,
+        extra_include_paths=[include, os.path.join(_PKG, "csrc")],
         extra_cflags=["-O2"], extra_ldflags=[f"-L{libdir}", "-lcachealloc", f"-Wl,-rpath,{libdir}"],
         verbose=verbose)
+
+
+def _backend_asked():
+    """The allocator backend PyTorch's configuration asks for ("native",
+    "cudaMallocAsync", ...), or None: the `backend` key of
+    PYTORCH_CUDA_ALLOC_CONF, else of PYTORCH_ALLOC_CONF (the order in which
+    PyTorch chooses its backend), read as PyTorch tokenizes it."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        conf = os.environ.get(var)
+        if conf is None:
+            continue
+        for item in "".join(conf.split()).split(","):
+            key, _, value = item.partition(":")
+            if key == "backend":
+                return var, value
+        return None
+    return None
+
+
+def _core_stats(device=None):
+    """The statistics vector of the device's allocator (the core's own, the
+    one the C++ allocator converts to PyTorch's DeviceStats), each slot named
+    by its memory_stats() key through the generated table _abi.py (Note [The
+    statistics vector] in src/capi_torch.rs). Private pools are not included."""
+    from . import _abi
+    lib = _need()
+    h = lib.cachealloc_torch_device(_device(device))
+    if not h:
+        _fail("cachealloc_torch_device")
+    out = (ctypes.c_int64 * _abi.STATS_LEN)()
+    if lib.cachealloc_torch_stats(h, out, _abi.STATS_LEN) != 0:
+        _fail("cachealloc_torch_stats")
+    return OrderedDict(zip(_abi.STAT_NAMES, out))
 
 
 def enable(path=None, oom_exceptions=True, mode="auto"):
@@ -176,11 +243,22 @@ def enable(path=None, oom_exceptions=True, mode="auto"):
     (pluggable path only): a failed allocation raises RuntimeError instead of
     returning NULL. Returns the path of the library loaded. Calling it again
     is a no-op.
+
+    When PyTorch's configuration asks for another allocator
+    (`backend:cudaMallocAsync` in PYTORCH_CUDA_ALLOC_CONF or
+    PYTORCH_ALLOC_CONF), cachealloc stays out: one line on stderr says so,
+    nothing is installed, and None is returned.
     """
     global _lib, _lib_path, _allocator, _oom_exceptions, _mode, _ext
     import torch
     if mode not in ("auto", "cpp", "pluggable"):
         raise ValueError(f"mode must be 'auto', 'cpp' or 'pluggable', not {mode!r}")
+    asked = _backend_asked()
+    if asked is not None and asked[1] != "native":
+        import sys
+        print(f"cachealloc_torch: {asked[0]} asks for backend:{asked[1]}; cachealloc is not "
+              "installed and PyTorch's choice is used", file=sys.stderr, flush=True)
+        return None
     so = library_path(path)
     if _lib is not None:
         if so != _lib_path:

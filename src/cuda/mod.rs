@@ -36,6 +36,7 @@ mod ffi;
 pub use buffer::CachedBuffer;
 pub use device::{CudaDevice, CudaEvent};
 
+use cachealloc_core::pytorch_conf::PytorchConfError;
 use cachealloc_core::{AllocError, CachingAllocator, Config, ConfigError, DeviceError};
 use std::fmt;
 use std::sync::{Mutex, OnceLock};
@@ -60,6 +61,16 @@ pub enum CudaError {
         value: String,
         /// What is wrong with it.
         error: ConfigError,
+    },
+    /// PyTorch's allocator configuration (`PYTORCH_ALLOC_CONF` or
+    /// `PYTORCH_CUDA_ALLOC_CONF`) has a value PyTorch refuses.
+    PytorchConf {
+        /// The variable read.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// PyTorch's message.
+        error: PytorchConfError,
     },
     /// No device with this ordinal.
     NoSuchDevice {
@@ -93,6 +104,9 @@ impl fmt::Display for CudaError {
                     "{CONF_ENV}={value:?} is not a valid configuration: {error}"
                 )
             }
+            CudaError::PytorchConf { var, value, error } => {
+                write!(f, "{var}={value:?}: {error}")
+            }
             CudaError::NoSuchDevice { ordinal, count } => {
                 write!(f, "no CUDA device {ordinal} (the driver sees {count})")
             }
@@ -116,6 +130,7 @@ impl std::error::Error for CudaError {
             CudaError::Device(e) => Some(e),
             CudaError::Alloc(e) => Some(e),
             CudaError::Config { error, .. } => Some(error),
+            CudaError::PytorchConf { error, .. } => Some(error),
             _ => None,
         }
     }
@@ -136,10 +151,22 @@ impl From<AllocError> for CudaError {
     }
 }
 
+/// PyTorch's allocator configuration variables, in the order they are read.
+pub const PYTORCH_CONF_ENV: [&str; 2] = ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"];
+
+/// PyTorch's allocator configuration: the first of [`PYTORCH_CONF_ENV`]
+/// that is set, with its name.
+pub fn pytorch_conf_from_env() -> Option<(&'static str, String)> {
+    PYTORCH_CONF_ENV
+        .iter()
+        .find_map(|&var| std::env::var_os(var).map(|v| (var, v.to_string_lossy().into_owned())))
+}
+
 /// The configuration from `CACHEALLOC_CONF` (the default policy when unset
-/// or empty), with PyTorch's `expandable_segments` from `PYTORCH_ALLOC_CONF`
-/// (or its older name `PYTORCH_CUDA_ALLOC_CONF`) where `CACHEALLOC_CONF`
-/// does not set it ([`cachealloc_core::config::with_pytorch_conf`]).
+/// or empty), with PyTorch's own settings from `PYTORCH_ALLOC_CONF` (or its
+/// older name `PYTORCH_CUDA_ALLOC_CONF`) where `CACHEALLOC_CONF` does not
+/// set the same key ([`cachealloc_core::pytorch_conf`]). An invalid PyTorch
+/// setting is an error with PyTorch's message.
 pub fn config_from_env() -> Result<Config, CudaError> {
     let own = std::env::var_os(CONF_ENV).map(|v| v.to_string_lossy().into_owned());
     let config = match &own {
@@ -149,15 +176,16 @@ pub fn config_from_env() -> Result<Config, CudaError> {
             error,
         })?,
     };
-    let pytorch = ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"]
-        .iter()
-        .find_map(std::env::var_os)
-        .map(|v| v.to_string_lossy().into_owned());
-    Ok(cachealloc_core::config::with_pytorch_conf(
+    let pytorch = pytorch_conf_from_env();
+    cachealloc_core::config::with_pytorch_conf(
         config,
         own.as_deref(),
-        pytorch.as_deref(),
-    ))
+        pytorch.as_ref().map(|(_, v)| v.as_str()),
+    )
+    .map_err(|error| {
+        let (var, value) = pytorch.expect("an error comes from a string");
+        CudaError::PytorchConf { var, value, error }
+    })
 }
 
 static ALLOCATORS: [OnceLock<CachingAllocator<CudaDevice>>; DEVICES] =

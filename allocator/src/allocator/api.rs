@@ -4,6 +4,7 @@
 //! trace recording.
 
 use super::*;
+use crate::config::{find_key, ConfigError};
 
 impl<D: Device> CachingAllocator<D> {
     /// An allocator over `device` with `config`. A memory cap in the config is
@@ -272,6 +273,42 @@ impl<D: Device> CachingAllocator<D> {
             st.flush_thread_caches();
             st.release_cached(&self.device)?;
         }
+        Ok(())
+    }
+
+    /// Sets (or turns off, with `None`) `garbage_collection_threshold` while
+    /// the allocator runs: Note [Run-time settings] in `pytorch_conf.rs`. A
+    /// threshold outside (0, 1) is refused and nothing changes.
+    pub fn set_garbage_collection_threshold(&self, t: Option<f64>) -> Result<(), ConfigError> {
+        if let Some(t) = t {
+            find_key("garbage_collection_threshold")
+                .expect("a key of the table")
+                .kind
+                .parse(&t.to_string())
+                .map_err(|why| ConfigError::BadValue {
+                    key: "garbage_collection_threshold".into(),
+                    value: t.to_string(),
+                    why,
+                })?;
+        }
+        self.state.lock().core.config.garbage_collection_threshold = t;
+        Ok(())
+    }
+
+    /// Sets `max_non_split_rounding` (bytes) while the allocator runs: Note
+    /// [Run-time settings] in `pytorch_conf.rs`. A value outside the key's
+    /// bounds (20 MiB to 1 PiB) is refused and nothing changes.
+    pub fn set_max_non_split_rounding(&self, bytes: u64) -> Result<(), ConfigError> {
+        let key = find_key("max_non_split_rounding_mb").expect("a key of the table");
+        let mb = bytes / (1 << 20);
+        if bytes % (1 << 20) != 0 || key.kind.parse(&mb.to_string()).is_err() {
+            return Err(ConfigError::BadValue {
+                key: key.name.into(),
+                value: bytes.to_string(),
+                why: format!("must be a whole number of MiB in {}", key.kind.range_text()),
+            });
+        }
+        self.state.lock().core.config.max_non_split_rounding = bytes;
         Ok(())
     }
 

@@ -279,7 +279,7 @@ impl<E> Core<E> {
             self.lookups[pool.index()] += 1;
         }
         let max_split = self.config.max_split_size;
-        let slack = OVERSIZE_SLACK;
+        let slack = self.config.max_non_split_rounding;
         let found = self.bins[pool.index()].as_ref()?.find(size)?;
         let (bsize, _, id) = found.entry;
         if size < max_split && bsize >= max_split {

@@ -1,0 +1,230 @@
+// Snapshots (torch.cuda.memory._snapshot) from the core's snapshot words
+// (Note [The snapshot words] in src/capi_torch.rs), and the allocation history
+// of torch.cuda.memory._record_memory_history.
+// (The class and what the parts share: allocator.h.)
+
+#include "allocator.h"
+
+namespace cachealloc {
+
+std::vector<uint64_t> CacheallocAllocator::words_of(void* h) {
+  std::vector<uint64_t> w(256);
+  for (;;) {
+    int64_t n = cachealloc_torch_snapshot(h, w.data(), w.size());
+    TORCH_CHECK(n >= 0, last_error());
+    if (static_cast<size_t>(n) <= w.size()) {
+      w.resize(n);
+      return w;
+    }
+    w.resize(n + n / 4 + 64);
+  }
+}
+
+void CacheallocAllocator::add_segments(std::vector<CDA::SegmentInfo>& out, void* h,
+                                       c10::DeviceIndex dev, MempoolId_t owner, bool expandable) {
+  auto w = words_of(h);
+  std::lock_guard<std::mutex> g(history_mutex_);
+  for (size_t i = 0; i + kSegmentWords <= w.size();) {
+    CDA::SegmentInfo s;
+    s.device = dev;
+    s.address = w[i + CACHEALLOC_SEGMENT_ADDRESS];
+    s.total_size = w[i + CACHEALLOC_SEGMENT_TOTAL_SIZE];
+    s.allocated_size = w[i + CACHEALLOC_SEGMENT_ALLOCATED_SIZE];
+    s.requested_size = w[i + CACHEALLOC_SEGMENT_REQUESTED_SIZE];
+    s.stream = reinterpret_cast<void*>(w[i + CACHEALLOC_SEGMENT_STREAM]);
+    s.is_large = w[i + CACHEALLOC_SEGMENT_IS_LARGE] != 0;
+    s.is_expandable = expandable;
+    s.owner_private_pool_id = owner;
+    size_t nb = w[i + CACHEALLOC_SEGMENT_BLOCKS];
+    i += kSegmentWords;
+    size_t active = 0;
+    for (size_t b = 0; b < nb && i + kBlockWords <= w.size(); ++b, i += kBlockWords) {
+      CDA::BlockInfo bi;
+      bi.size = w[i + CACHEALLOC_BLOCK_SIZE];
+      bi.requested_size = w[i + CACHEALLOC_BLOCK_REQUESTED_SIZE];
+      bi.allocated = w[i + CACHEALLOC_BLOCK_STATE] == CACHEALLOC_BLOCK_STATE_ALLOCATED;
+      bi.active = w[i + CACHEALLOC_BLOCK_STATE] != CACHEALLOC_BLOCK_STATE_INACTIVE;
+      if (bi.active) {
+        active += bi.size;
+      }
+      if (bi.allocated) {
+        auto it = contexts_.find(reinterpret_cast<void*>(w[i + CACHEALLOC_BLOCK_ADDRESS]));
+        if (it != contexts_.end()) {
+          bi.context_when_allocated = it->second;
+        }
+      }
+      s.blocks.push_back(std::move(bi));
+    }
+    s.active_size = active;
+    out.push_back(std::move(s));
+  }
+}
+
+CCA::SnapshotInfo CacheallocAllocator::snapshot(MempoolId_t mempool_id,
+                                                bool include_traces) {
+  CCA::SnapshotInfo info{};
+  uint64_t devs = devices_in_use_.load();
+  for (int d = 0; d < kMaxDevices; ++d) {
+    if (!(devs & (1ull << d))) {
+      continue;
+    }
+    void* h = main_[d].load();
+    if (mempool_id == kNoPool) {
+      add_segments(info.segments, h, d, kNoPool,
+                   cachealloc_torch_is_expandable(h) == 1);
+    }
+    std::vector<std::pair<MempoolId_t, void*>> ps;
+    {
+      std::lock_guard<std::mutex> g(pools_mutex_);
+      for (auto& [key, p] : pools_) {
+        if (p->device == d && (mempool_id == kNoPool || p->id == mempool_id)) {
+          ps.emplace_back(p->id, p->handle);
+        }
+      }
+    }
+    for (auto& [id, ph] : ps) {
+      add_segments(info.segments, ph, d, id, false);
+    }
+  }
+  if (include_traces) {
+    std::lock_guard<std::mutex> g(history_mutex_);
+    int n = std::max(device_count_, 1);
+    info.device_traces.resize(n);
+    for (int d = 0; d < n && d < kMaxDevices; ++d) {
+      auto& ring = traces_[d];
+      auto& out = info.device_traces[d];
+      size_t start = ring.size() < max_entries_ ? 0 : ring_next_[d];
+      for (size_t k = 0; k < ring.size(); ++k) {
+        out.push_back(ring[(start + k) % ring.size()]);
+      }
+    }
+  }
+  return info;
+}
+
+void* CacheallocAllocator::getBaseAllocation(void* ptr, size_t* size) {
+  auto addr = reinterpret_cast<uint64_t>(ptr);
+  auto snap = snapshot(kNoPool, false);
+  for (auto& s : snap.segments) {
+    if (addr >= s.address && addr < s.address + s.total_size) {
+      if (size) {
+        *size = s.total_size;
+      }
+      return reinterpret_cast<void*>(s.address);
+    }
+  }
+  TORCH_CHECK(false, "cachealloc: getBaseAllocation of " + hex(ptr) +
+              ", which no cachealloc segment holds");
+  return nullptr;
+}
+
+void CacheallocAllocator::recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
+                                        size_t alloc_trace_max_entries, CCA::RecordContext when,
+                                        bool clearHistory,
+                                        const std::vector<std::string>& skip_actions) {
+  std::lock_guard<std::mutex> g(history_mutex_);
+  recorder_ = context_recorder;
+  when_ = enabled ? when : CCA::RecordContext::NEVER;
+  max_entries_ = std::max<size_t>(alloc_trace_max_entries, 1);
+  skip_.clear();
+  for (auto& a : skip_actions) {
+    skip_.insert(static_cast<int>(CDA::parseTraceEntryAction(a)));
+  }
+  if (clearHistory || !enabled) {
+    for (auto& t : traces_) {
+      t.clear();
+    }
+    ring_next_.fill(0);
+  }
+  if (!enabled) {
+    contexts_.clear();
+  }
+  history_on_.store(enabled);
+}
+
+bool CacheallocAllocator::isHistoryEnabled() {
+  return history_on_.load();
+}
+
+void CacheallocAllocator::push_trace(CDA::TraceEntry e) {
+  // history_mutex_ held
+  auto& ring = traces_[e.device_];
+  if (ring.size() < max_entries_) {
+    ring.push_back(std::move(e));
+  } else {
+    ring[ring_next_[e.device_]] = std::move(e);
+    ring_next_[e.device_] = (ring_next_[e.device_] + 1) % max_entries_;
+  }
+}
+
+void CacheallocAllocator::record(CDA::TraceEntry::Action action, c10::DeviceIndex dev, void* ptr,
+                                 size_t size, cudaStream_t stream, MempoolId_t pool,
+                                 bool keep_context) {
+  CCA::CreateContextFn rec;
+  CCA::RecordContext when;
+  {
+    std::lock_guard<std::mutex> g(history_mutex_);
+    rec = recorder_;
+    when = when_;
+  }
+  std::shared_ptr<c10::GatheredContext> ctx;
+  if (rec && when != CCA::RecordContext::NEVER &&
+      (action == CDA::TraceEntry::ALLOC || action == CDA::TraceEntry::OOM ||
+       when == CCA::RecordContext::ALL)) {
+    ctx = rec();
+  }
+  std::lock_guard<std::mutex> g(history_mutex_);
+  if (keep_context && ctx) {
+    contexts_[ptr] = ctx;
+  }
+  // As PyTorch's allocator: while history is on every action is traced;
+  // `when` decides only whether the entry carries its stack (ALLOC, ALL)
+  // or only live blocks do (STATE).
+  if (history_on_.load() && !skip_.count(static_cast<int>(action))) {
+    push_trace(CDA::TraceEntry(
+        action, dev, reinterpret_cast<size_t>(ptr), size, stream, pool,
+        c10::getApproximateTime(),
+        when_ >= CCA::RecordContext::ALLOC ? ctx : nullptr));
+  }
+}
+
+void CacheallocAllocator::record_free(c10::DeviceIndex dev, void* ptr, MempoolId_t pool,
+                                      size_t size) {
+  CCA::CreateContextFn rec;
+  CCA::RecordContext when;
+  {
+    std::lock_guard<std::mutex> g(history_mutex_);
+    contexts_.erase(ptr);
+    rec = recorder_;
+    when = when_;
+  }
+  std::shared_ptr<c10::GatheredContext> ctx;
+  if (rec && when == CCA::RecordContext::ALL) {
+    ctx = rec();
+  }
+  std::lock_guard<std::mutex> g(history_mutex_);
+  if (history_on_.load()) {
+    for (auto a : {CDA::TraceEntry::FREE_REQUESTED,
+                   CDA::TraceEntry::FREE_COMPLETED}) {
+      if (!skip_.count(static_cast<int>(a))) {
+        push_trace(CDA::TraceEntry(a, dev, reinterpret_cast<size_t>(ptr),
+                                   size, nullptr, pool,
+                                   c10::getApproximateTime(), ctx));
+      }
+    }
+  }
+}
+
+void CacheallocAllocator::attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) {
+  std::lock_guard<std::mutex> g(observers_mutex_);
+  observers_.push_back(std::move(observer));
+}
+
+void CacheallocAllocator::attachAllocatorTraceTracker(CCA::AllocatorTraceTracker) {
+  TORCH_CHECK(false,
+              "cachealloc does not support allocator trace trackers "
+              "(attachAllocatorTraceTracker); use "
+              "torch.cuda.memory._record_memory_history instead");
+}
+
+}  // namespace cachealloc
