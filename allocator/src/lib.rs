@@ -51,6 +51,7 @@ pub mod rounding;
 #[cfg(feature = "testing")]
 pub mod sample;
 pub mod simulated;
+mod sorted_map;
 pub mod stats;
 mod thread_cache;
 pub mod trace;

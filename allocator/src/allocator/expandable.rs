@@ -67,6 +67,19 @@ const FULL_RANGES: u64 = 64;
 /// a pool that grows needs a few ranges only.
 const FIRST_RANGE: u64 = 2 << 30;
 
+/// Ranges reserved past which a pool's first range is half of
+/// `FIRST_RANGE`, and half again at each doubling of the ranges, down to
+/// `MIN_FIRST_RANGE`: a program with a million streams (a range per stream
+/// and pool, two million in all) fits in the address space (128 TiB on an
+/// x86-64 host) without flushing the cache to free address space. At 2 GiB
+/// a range, 58,000 ranges filled it; now 44 TiB hold the first 131,072
+/// ranges and 32 MiB each of the rest.
+const MANY_RANGES: u64 = 4096;
+
+/// The smallest first range of a pool (`MANY_RANGES`): 32 MiB, four of the
+/// largest pages; a larger request still gets twice its size.
+const MIN_FIRST_RANGE: u64 = 32 << 20;
+
 /// Virtual bytes reserved per expandable range at most, per byte of device
 /// memory. Address space is cheap and holes in it cost no memory once their
 /// pages move, but a range only as large as the device would run out of
@@ -84,8 +97,9 @@ pub(super) fn range_size(total: u64, page: u64) -> u64 {
 /// The size of a pool's next range on a device of `total` bytes, with
 /// `ranges` reserved in all: the largest ([`range_size`]) while fewer than
 /// `FULL_RANGES` are; past that, twice the pool's `largest` range so far
-/// (`FIRST_RANGE` for the first), within the largest, and at least twice
-/// the request of `rounded` bytes that needs it (at least the request itself).
+/// (`FIRST_RANGE` for the first, less past `MANY_RANGES`), within the
+/// largest, and at least twice the request of `rounded` bytes that needs it
+/// (at least the request itself).
 pub(super) fn next_range_size(
     total: u64,
     page: u64,
@@ -96,8 +110,12 @@ pub(super) fn next_range_size(
     let max = range_size(total, page);
     let first = if ranges < FULL_RANGES {
         max
-    } else {
+    } else if ranges < MANY_RANGES {
         FIRST_RANGE
+    } else {
+        // Halved once from MANY_RANGES, again at each doubling.
+        let halvings = 64 - (ranges / MANY_RANGES).leading_zeros();
+        (FIRST_RANGE >> halvings).max(MIN_FIRST_RANGE)
     };
     let want = largest
         .saturating_mul(2)
@@ -206,8 +224,12 @@ pub(super) struct Expandable<E> {
     ranges: Vec<Vec<SegmentId>>,
     /// Device memory in bytes (sizes the expandable ranges and the pressure limit).
     range_size: u64,
-    /// Expandable, per stream slot: events recorded as blocks were freed there.
+    /// Expandable, per stream slot: events recorded as blocks were freed
+    /// there; made on a slot's first use (`marks_mut`).
     marks: Vec<Marks<E>>,
+    /// The operation count after the last device synchronize: blocks freed
+    /// before it are quiescent on every stream, those with no markers yet too.
+    synced_before: u64,
     /// Physical pages unmapped but kept (reserved), with the pool kind their bytes are counted under.
     page_pool: Vec<(u64, PoolKind, u64)>,
     /// Expandable: reserved bytes when the device last had no room for a new page.
@@ -264,6 +286,7 @@ impl<E> Expandable<E> {
             ranges: Vec::new(),
             range_size,
             marks: Vec::new(),
+            synced_before: 0,
             page_pool: Vec::new(),
             device_full_at: None,
             stale: BTreeMap::new(),
@@ -283,11 +306,20 @@ impl<E> Expandable<E> {
         self.page_pool.iter().map(|&(_, kind, size)| (kind, size))
     }
 
-    /// Room for a new stream: its markers and its pools' ranges (`pools`
-    /// pools in all now).
-    pub(super) fn add_stream(&mut self, pools: usize) {
-        self.ranges.resize_with(pools, Vec::new);
-        self.marks.push(Marks::default());
+    /// The markers of stream slot `slot`, made on its first use: a stream
+    /// costs the feature nothing until a block of it is freed (a pool's
+    /// ranges likewise wait for its first request, `reserve_range`).
+    #[inline]
+    fn marks_mut(&mut self, slot: usize) -> &mut Marks<E> {
+        if slot >= self.marks.len() {
+            // As if made with the stream and dropped at each synchronize since.
+            let before = self.synced_before;
+            self.marks.resize_with(slot + 1, || Marks {
+                quiescent_before: before,
+                ..Marks::default()
+            });
+        }
+        &mut self.marks[slot]
     }
 }
 
@@ -363,6 +395,9 @@ impl<E> Expandable<E> {
         rounded: u64,
     ) -> Result<SegmentId, AllocError> {
         let page_size = self.page_size(core, pool.kind());
+        if pool.index() >= self.ranges.len() {
+            self.ranges.resize_with(pool.index() + 1, Vec::new);
+        }
         let largest = self.ranges[pool.index()]
             .iter()
             .map(|s| core.segments.get(s.0).size)
@@ -912,7 +947,7 @@ impl<E> Expandable<E> {
     ) {
         let slot = pool.stream_slot();
         let clock = core.clock;
-        let m = &mut self.marks[slot];
+        let m = self.marks_mut(slot);
         if !m.queue.is_empty() && clock < m.last + MARKER_INTERVAL {
             return;
         }
@@ -941,7 +976,7 @@ impl<E> Expandable<E> {
         slot: usize,
         since: u64,
     ) -> Result<bool, AllocError> {
-        let m = &mut self.marks[slot];
+        let m = self.marks_mut(slot);
         while since >= m.quiescent_before {
             if !m.retire_front_if_done(dev)? {
                 return Ok(false);
@@ -962,7 +997,7 @@ impl<E> Expandable<E> {
     ) -> Result<(), AllocError> {
         let clock = core.clock;
         let stream = core.stream_list[slot];
-        let m = &mut self.marks[slot];
+        let m = self.marks_mut(slot);
         while since >= m.quiescent_before {
             let (c, e) = match m.queue.pop_front() {
                 Some(front) => front,
@@ -1018,7 +1053,7 @@ impl<E> Expandable<E> {
     ) -> Result<(), AllocError> {
         let (from, to) = (core.stream_list[slot], core.stream_list[waiter]);
         if let Some(e) = core.wait_for_stream(dev, from, to, false)? {
-            self.marks[slot].push(core.clock, e);
+            self.marks_mut(slot).push(core.clock, e);
         }
         Ok(())
     }
@@ -1026,6 +1061,7 @@ impl<E> Expandable<E> {
     /// After a device synchronize every marker has completed.
     fn drop_markers<D: Device<Event = E>>(&mut self, core: &Core<E>, dev: &D) {
         let clock = core.clock;
+        self.synced_before = clock + 1;
         for m in &mut self.marks {
             for (_, e) in m.queue.drain(..) {
                 dev.release_event(e);
@@ -1383,7 +1419,7 @@ impl<E> Expandable<E> {
                     self.ranges[i] = kept;
                     return Err(e.into());
                 }
-                core.bins_mut(pool).remove(size, addr, head_id);
+                core.unfile_released(pool, size, addr, head_id);
                 core.idle_index.remove(&(since, head_id.0));
                 core.blocks.discard(head_id.0);
                 core.segments.remove(seg.0);
@@ -1681,9 +1717,7 @@ impl<E> Expandable<E> {
                 continue;
             }
             let other = PoolId::new(slot as u32, pool.kind());
-            let Some(bins) = core.bins[other.index()].as_ref() else {
-                continue;
-            };
+            let bins = &core.bins[other.index()];
             for e in bins.iter_from(rounded).take(AROUND) {
                 if e.0 > bound || best.is_some_and(|b| b.0 <= e.0) {
                     break;
