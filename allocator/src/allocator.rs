@@ -247,4 +247,6 @@ mod slabs;
 mod thread_cache;
 
 #[cfg(test)]
+mod stream_cost;
+#[cfg(test)]
 mod tests;

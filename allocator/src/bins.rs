@@ -770,6 +770,7 @@ impl Bins {
 
     /// Class records the bins hold (32 bytes each): the classes that hold
     /// blocks in the compact form, 64 per row in the table form.
+    #[cfg(test)]
     pub fn class_records(&self) -> usize {
         match &self.form {
             Form::Few(f) => f.classes.capacity(),
@@ -779,6 +780,7 @@ impl Bins {
 
     /// Host bytes the bins take, their entries beyond each class's first
     /// not counted: the record, the table's header, the class records.
+    #[cfg(test)]
     pub fn host_bytes(&self) -> usize {
         let header = match &self.form {
             Form::Few(_) => 0,
@@ -789,7 +791,7 @@ impl Bins {
 
     /// Whether the bins are in the compact form (Note [Bins sized by use]).
     #[cfg(test)]
-    fn is_compact(&self) -> bool {
+    pub fn is_compact(&self) -> bool {
         matches!(self.form, Form::Few(_))
     }
 
@@ -917,6 +919,31 @@ impl Bins {
         std::iter::successors(self.first_at(flat(fl, sl)), move |&p| self.next_at(p))
             .flat_map(move |p| self.class_at(p).iter())
             .filter(move |e| e.0 >= size)
+    }
+
+    /// The free blocks of `lo` to `hi` bytes, ascending by (size, address):
+    /// [`Bins::iter_from`] up to the first block above `hi`, which the walk
+    /// stops before without reading a class above `hi`'s (in the compact
+    /// form, the class indices in the bins' own record tell).
+    pub fn iter_between(&self, lo: u64, hi: u64) -> impl Iterator<Item = Entry> + '_ {
+        let (fl, sl) = class_of(lo);
+        let (hfl, hsl) = class_of(hi.max(lo));
+        let last = flat(hfl, hsl);
+        // Every block of a class above `last` is above `hi` (classes are monotonic).
+        std::iter::successors(self.first_at(flat(fl, sl)), move |&p| self.next_at(p))
+            .take_while(move |&p| self.class_index_at(p) <= last)
+            .flat_map(move |p| self.class_at(p).iter())
+            .filter(move |e| e.0 >= lo)
+            .take_while(move |e| e.0 <= hi)
+    }
+
+    /// The flat class index of place `p` ([`Bins::first_at`]).
+    #[inline]
+    fn class_index_at(&self, p: usize) -> usize {
+        match &self.form {
+            Form::Few(f) => usize::from(f.ids[p]),
+            Form::Table(_) => p,
+        }
     }
 
     /// The first class at or above flat class `c` that holds a block, as a
@@ -1219,7 +1246,11 @@ mod tests {
                         let expected = model.iter().filter(|e| e.0 >= want).min().copied();
                         let fits: Vec<Entry> = model.iter().filter(|e| e.0 >= want).copied().collect();
                         prop_assert_eq!(few.iter_from(want).collect::<Vec<_>>(), fits.clone());
-                        prop_assert_eq!(table.iter_from(want).collect::<Vec<_>>(), fits);
+                        prop_assert_eq!(table.iter_from(want).collect::<Vec<_>>(), fits.clone());
+                        let hi = want * (1 + q % 5);
+                        let within: Vec<Entry> = fits.into_iter().filter(|e| e.0 <= hi).collect();
+                        prop_assert_eq!(few.iter_between(want, hi).collect::<Vec<_>>(), within.clone());
+                        prop_assert_eq!(table.iter_between(want, hi).collect::<Vec<_>>(), within);
                         let (f, t) = (few.find(want), table.find(want));
                         prop_assert_eq!(f.map(|f| f.entry), expected);
                         prop_assert_eq!(t.map(|t| t.entry), expected);

@@ -28,6 +28,9 @@ use std::collections::{BTreeMap, VecDeque};
 
 mod reback;
 mod share;
+mod stale;
+
+use stale::StaleMap;
 
 /// Operations (mallocs and frees, all streams) between two marker events
 /// recorded on one stream as blocks are freed there.
@@ -238,7 +241,7 @@ pub(super) struct Expandable<E> {
     /// pages reused early (unmapped once their stream passes a marker) and,
     /// with `expandable_shadows`, of pages moved away (kept until another
     /// page is mapped there).
-    stale: BTreeMap<(u32, u32), Stale>,
+    stale: StaleMap,
     /// With `expandable_shadows`: where each page mapped in a range is
     /// (segment, first granule), to find an idle page a shadow asks back.
     mapped_at: FastMap<u64, (SegmentId, u32)>,
@@ -289,11 +292,23 @@ impl<E> Expandable<E> {
             synced_before: 0,
             page_pool: Vec::new(),
             device_full_at: None,
-            stale: BTreeMap::new(),
+            stale: StaleMap::default(),
             mapped_at: FastMap::default(),
             borrow_from: 0,
             shared: FastMap::default(),
         }
+    }
+
+    /// The ranges reserved in all, the stream slots that have markers
+    /// (made on first use) and the old mappings: what the per-stream cost
+    /// tests count.
+    #[cfg(test)]
+    pub(super) fn per_stream_records(&self) -> (usize, usize, usize) {
+        (
+            self.ranges.iter().map(Vec::len).sum(),
+            self.marks.len(),
+            self.stale.values().count(),
+        )
     }
 
     /// Whether pool `i` has expandable segments.
@@ -458,6 +473,11 @@ impl<E> Expandable<E> {
         // unless memory is so tight that its end page may be trimmed.
         if range_mapped(core, seg, start, end) && !self.under_pressure(core, 0) {
             return Ok(());
+        }
+        // Pages that moved often: their oldest shadows go (Note [Shadows per page]).
+        let extra = self.stale.over_limit();
+        if !extra.is_empty() {
+            self.unmap_stale_keys(core, dev, extra)?;
         }
         let tail = (seg, end, block_end, since);
         let mut style = match core.config.expandable_edges {
@@ -852,7 +872,9 @@ impl<E> Expandable<E> {
             let Some(&(h, kind, size)) = self.page_pool.last() else {
                 break;
             };
-            self.clear_stale(core, dev, |st| st.handle == h)?;
+            let mut places = self.stale.of_page(h);
+            places.sort_unstable();
+            self.unmap_stale_keys(core, dev, places)?;
             dev.vmm_release_page(h)?;
             self.page_pool.pop(); // only once released: a failure keeps it pooled
             core.stats.num_page_release += 1;
@@ -976,7 +998,12 @@ impl<E> Expandable<E> {
         slot: usize,
         since: u64,
     ) -> Result<bool, AllocError> {
-        let m = self.marks_mut(slot);
+        // A stream without markers yet: quiescent up to the last synchronize
+        // (as its markers, made now, would say), and no marker is made for
+        // a look.
+        let Some(m) = self.marks.get_mut(slot) else {
+            return Ok(since < self.synced_before);
+        };
         while since >= m.quiescent_before {
             if !m.retire_front_if_done(dev)? {
                 return Ok(false);
@@ -1080,7 +1107,8 @@ impl<E> Expandable<E> {
     ) -> Result<(), AllocError> {
         dev.synchronize()?;
         self.drop_markers(core, dev);
-        self.clear_stale(core, dev, |_| true)
+        let places = self.stale.places();
+        self.unmap_stale_keys(core, dev, places)
     }
 
     /// Puts gathered pages back after a failure: pooled ones to the pool, new ones to the device.
@@ -1482,6 +1510,7 @@ impl<E> Expandable<E> {
             }
         }
         // Old mappings: of a page still held, where nothing else is mapped.
+        self.stale.check()?;
         let mut prev: Option<&Stale> = None;
         for st in self.stale.values() {
             let s = core.segments.get(st.seg.0);
@@ -1545,9 +1574,8 @@ impl<E> Expandable<E> {
         if core.config.expandable_shadows {
             return Ok(());
         }
-        let keys: Vec<(u32, u32)> = self.stale.keys().copied().collect();
-        for k in keys {
-            let st = self.stale[&k];
+        for k in self.stale.places() {
+            let st = self.stale.at(&k);
             if self.quiescent(dev, st.slot, st.since)? {
                 self.unmap_stale(core, dev, k)?;
             }
@@ -1563,29 +1591,12 @@ impl<E> Expandable<E> {
         key: (u32, u32),
     ) -> Result<(), AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
-        let st = self.stale[&key];
+        let st = self.stale.at(&key);
         let addr = core.segments.get(st.seg.0).addr + u64::from(st.at) * g;
         dev.vmm_unmap(DevicePtr(addr), u64::from(st.len) * g)?;
         self.stale.remove(&key);
         core.stats.num_unmap += 1;
         Ok(())
-    }
-
-    /// Before page `handle` is released, or everything is: the old mappings
-    /// (of it) go, after their stream's marker if it is not past them yet.
-    fn clear_stale<D: Device<Event = E>>(
-        &mut self,
-        core: &mut Core<E>,
-        dev: &D,
-        hit: impl Fn(&Stale) -> bool,
-    ) -> Result<(), AllocError> {
-        let keys: Vec<(u32, u32)> = self
-            .stale
-            .iter()
-            .filter(|(_, st)| hit(st))
-            .map(|(k, _)| *k)
-            .collect();
-        self.unmap_stale_keys(core, dev, keys)
     }
 
     /// Before granules `first..last` of `seg` are mapped: the old mappings
@@ -1634,7 +1645,7 @@ impl<E> Expandable<E> {
         keys: Vec<(u32, u32)>,
     ) -> Result<(), AllocError> {
         for k in keys {
-            let st = self.stale[&k];
+            let st = self.stale.at(&k);
             self.wait_quiescent(core, dev, st.slot, st.since)?;
             self.unmap_stale(core, dev, k)?;
         }
@@ -1718,8 +1729,9 @@ impl<E> Expandable<E> {
             }
             let other = PoolId::new(slot as u32, pool.kind());
             let bins = &core.bins[other.index()];
-            for e in bins.iter_from(rounded).take(AROUND) {
-                if e.0 > bound || best.is_some_and(|b| b.0 <= e.0) {
+            // (Blocks above `bound` end the look: the walk stops before them.)
+            for e in bins.iter_between(rounded, bound).take(AROUND) {
+                if best.is_some_and(|b| b.0 <= e.0) {
                     break;
                 }
                 let since = core.blocks.get(e.2 .0).freed_at;
