@@ -219,7 +219,6 @@ impl More {
 /// in `more`, which is kept once allocated so that a class that fills and
 /// empties again does not go back to the system allocator.
 #[derive(Debug)]
-#[repr(align(32))]
 struct Class {
     size: u64,
     addr: u64,
@@ -229,9 +228,67 @@ struct Class {
     more: Option<Box<More>>,
 }
 
-// The record the doc above promises: half a cache line, aligned to 32
-// bytes, so two classes share a line and none straddles two.
+// The record the doc above promises: half a cache line. The table's rows
+// align it to 32 bytes ([`Row`]), so two classes share a line and none
+// straddles two; the compact form's few records need no more than the
+// system allocator's alignment (an over-aligned vector costs an aligned
+// allocation and a copy at each growth).
 const _: () = assert!(std::mem::size_of::<Class>() == 32);
+
+/// A row of the table: the classes of one first-level class, aligned to a
+/// cache line (so each class to 32 bytes).
+#[derive(Debug)]
+#[repr(align(64))]
+struct Row([Class; SL_COUNT]);
+
+const _: () = assert!(std::mem::size_of::<Row>() == SL_COUNT * 32);
+
+impl<'a> IntoIterator for &'a Row {
+    type Item = &'a Class;
+    type IntoIter = std::slice::Iter<'a, Class>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
+/// The table's rows, indexed by a class's place: its row's index times
+/// [`SL_COUNT`] plus its second-level class.
+#[derive(Debug, Default)]
+struct Rows(Vec<Row>);
+
+impl std::ops::Index<usize> for Rows {
+    type Output = Class;
+    #[inline(always)]
+    fn index(&self, at: usize) -> &Class {
+        &self.0[at / SL_COUNT].0[at % SL_COUNT]
+    }
+}
+
+impl std::ops::IndexMut<usize> for Rows {
+    #[inline(always)]
+    fn index_mut(&mut self, at: usize) -> &mut Class {
+        &mut self.0[at / SL_COUNT].0[at % SL_COUNT]
+    }
+}
+
+impl Rows {
+    /// A row of empty classes at row index `i`.
+    fn insert_row(&mut self, i: usize) {
+        self.0
+            .insert(i, Row(std::array::from_fn(|_| Class::default())));
+    }
+
+    /// Class records allocated.
+    #[cfg(test)]
+    fn capacity(&self) -> usize {
+        self.0.capacity() * SL_COUNT
+    }
+
+    /// The classes in place order.
+    fn iter(&self) -> std::iter::Flatten<std::slice::Iter<'_, Row>> {
+        self.0.iter().flatten()
+    }
+}
 
 impl Default for Class {
     fn default() -> Self {
@@ -585,7 +642,7 @@ struct Table {
     /// The rows, in the order of their first-level classes (so that the
     /// classes lie in class order, as in a full table, without the rows
     /// that never held a block).
-    classes: Vec<Class>,
+    classes: Rows,
 }
 
 impl Table {
@@ -594,7 +651,7 @@ impl Table {
             fl_bitmap: 0,
             sl_bitmap: [0; FL_COUNT],
             rows: [NO_ROW; FL_COUNT],
-            classes: Vec::new(),
+            classes: Rows::default(),
         })
     }
 
@@ -619,11 +676,7 @@ impl Table {
     fn add_row(&mut self, fl: usize) -> u32 {
         let below = self.rows[..fl].iter().filter(|&&r| r != NO_ROW).count();
         let row = (below * SL_COUNT) as u32;
-        let at = row as usize;
-        self.classes.splice(
-            at..at,
-            std::iter::repeat_with(Class::default).take(SL_COUNT),
-        );
+        self.classes.insert_row(below);
         for r in self.rows[fl + 1..].iter_mut().filter(|r| **r != NO_ROW) {
             *r += SL_COUNT as u32;
         }
@@ -738,6 +791,31 @@ impl Table {
         }
         let fl = above.trailing_zeros() as usize;
         Some(flat(fl, self.sl_bitmap[fl].trailing_zeros() as usize))
+    }
+}
+
+/// The class records of either form, in class order.
+enum Classes<'a> {
+    Few(std::slice::Iter<'a, Class>),
+    Table(std::iter::Flatten<std::slice::Iter<'a, Row>>),
+}
+
+impl<'a> Iterator for Classes<'a> {
+    type Item = &'a Class;
+    fn next(&mut self) -> Option<&'a Class> {
+        match self {
+            Classes::Few(it) => it.next(),
+            Classes::Table(it) => it.next(),
+        }
+    }
+}
+
+impl DoubleEndedIterator for Classes<'_> {
+    fn next_back(&mut self) -> Option<Self::Item> {
+        match self {
+            Classes::Few(it) => it.next_back(),
+            Classes::Table(it) => it.next_back(),
+        }
     }
 }
 
@@ -978,10 +1056,10 @@ impl Bins {
     pub fn iter(&self) -> impl DoubleEndedIterator<Item = Entry> + '_ {
         // Either form keeps its classes in class order.
         let classes = match &self.form {
-            Form::Few(f) => &f.classes,
-            Form::Table(t) => &t.classes,
+            Form::Few(f) => Classes::Few(f.classes.iter()),
+            Form::Table(t) => Classes::Table(t.classes.iter()),
         };
-        classes.iter().flat_map(Class::iter)
+        classes.flat_map(Class::iter)
     }
 }
 

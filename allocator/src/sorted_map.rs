@@ -5,7 +5,7 @@
 //! the smallest `BTreeMap` with an entry allocates a whole node of eleven
 //! (some 280 bytes for a page map entry). This map keeps its entries in a
 //! sorted vector while they number at most [`SMALL`] (binary search, short
-//! moves), grown one entry at a time while under four, and moves them to a
+//! moves; a map of one entry holds one), and moves them to a
 //! `BTreeMap` past that, where it stays (a large map that shrinks and grows
 //! again pays no moves back and forth). It is emptied back to nothing when
 //! its last entry goes. Its answers are those of a `BTreeMap`.
@@ -88,7 +88,8 @@ impl<K: Ord + Copy, V: Copy> SortedMap<K, V> {
                         self.to_tree();
                         return self.insert(k, val);
                     }
-                    if v.len() == v.capacity() && v.len() < 4 {
+                    if v.capacity() == 0 {
+                        // A map of one entry holds one entry.
                         v.reserve_exact(1);
                     }
                     v.insert(i, (k, val));
@@ -208,7 +209,7 @@ mod tests {
         m.insert(7, (1, 1));
         assert_eq!(m.heap_bytes(), std::mem::size_of::<(u32, (u64, u32))>());
         m.insert(3, (2, 1));
-        assert_eq!(m.heap_bytes(), 2 * std::mem::size_of::<(u32, (u64, u32))>());
+        assert!(m.heap_bytes() <= 4 * std::mem::size_of::<(u32, (u64, u32))>());
         assert_eq!(m.remove(&7), Some((1, 1)));
         assert_eq!(m.remove(&3), Some((2, 1)));
         assert_eq!(m.heap_bytes(), 0, "an emptied map keeps no storage");

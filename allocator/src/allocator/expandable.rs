@@ -474,11 +474,6 @@ impl<E> Expandable<E> {
         if range_mapped(core, seg, start, end) && !self.under_pressure(core, 0) {
             return Ok(());
         }
-        // Pages that moved often: their oldest shadows go (Note [Shadows per page]).
-        let extra = self.stale.over_limit();
-        if !extra.is_empty() {
-            self.unmap_stale_keys(core, dev, extra)?;
-        }
         let tail = (seg, end, block_end, since);
         let mut style = match core.config.expandable_edges {
             EdgePages::Small => Style::SmallEdges,
@@ -1290,11 +1285,12 @@ impl<E> Expandable<E> {
             } else {
                 false
             };
-            let shadow = !all && core.config.expandable_shadows;
             let s = core.segments.get_mut(seg.0);
             let seg_addr = s.addr;
             let pages = s.pages_mut().expect("expandable");
             let (h, n) = pages.remove(at).expect("page was mapped");
+            // A page with its fill of shadows leaves none (Note [Shadows per page]).
+            let shadow = !all && core.config.expandable_shadows && self.stale.has_room(h);
             let size = u64::from(n) * g;
             self.mapped_at.remove(&h);
             if reused || shadow {
@@ -1565,13 +1561,20 @@ impl<E> Expandable<E> {
     }
 
     /// Unmaps the old mappings of pages reused early whose stream is past
-    /// them (with `expandable_shadows` they stay, as shadows).
+    /// them (with `expandable_shadows` they stay, as shadows, but for those
+    /// of pages past their fill: Note [Shadows per page]).
     fn retire_stale<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
     ) -> Result<(), AllocError> {
         if core.config.expandable_shadows {
+            for k in self.stale.over_limit() {
+                let st = self.stale.at(&k);
+                if self.quiescent(dev, st.slot, st.since)? {
+                    self.unmap_stale(core, dev, k)?;
+                }
+            }
             return Ok(());
         }
         for k in self.stale.places() {
