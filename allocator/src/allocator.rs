@@ -115,8 +115,10 @@ pub(super) struct Core<E> {
     /// met), so releasing the oldest costs what is released, not the number
     /// of segments.
     pub(super) free_candidates: [std::collections::BTreeSet<(u64, u64, u32)>; 3],
-    /// Bins per pool, indexed by [`PoolId::index`]; created on first use.
-    pub(super) bins: Vec<Option<Box<Bins>>>,
+    /// Bins per pool, indexed by [`PoolId::index`]: inline, so that a look
+    /// at another stream's pool is one record (empty bins hold no memory
+    /// beyond it; Note [Bins sized by use] in `bins.rs`).
+    pub(super) bins: Vec<Bins>,
     /// Per pool: lookups so far (the clock of garbage-collection ages).
     pub(super) lookups: Vec<u64>,
     pub(super) streams: FastMap<StreamId, u32>,
@@ -188,10 +190,9 @@ impl<E> State<E> {
         self.core.stream_list.push(stream);
         self.core.streams.insert(stream, slot);
         let pools = crate::block::POOLS_PER_STREAM as usize * self.core.stream_list.len();
-        self.core.bins.resize_with(pools, || None);
+        self.core.bins.resize_with(pools, Bins::default);
         self.core.lookups.resize(pools, 0);
         self.slabs.add_pools(pools);
-        self.vmm.add_stream(pools);
         slot
     }
 }
@@ -203,7 +204,20 @@ impl<E> Core<E> {
 
     #[inline]
     fn bins_mut(&mut self, pool: PoolId) -> &mut Bins {
-        self.bins[pool.index()].get_or_insert_with(Box::default)
+        &mut self.bins[pool.index()]
+    }
+
+    /// Takes the free block of a segment being released out of `pool`'s
+    /// bins, and empties their records if that leaves no block: a pool that
+    /// holds nothing costs its inline record only (Note [Bins sized by use]
+    /// in `bins.rs`).
+    #[cold]
+    fn unfile_released(&mut self, pool: PoolId, size: u64, addr: u64, head: BlockId) {
+        let bins = &mut self.bins[pool.index()];
+        bins.remove(size, addr, head);
+        if bins.len() == 0 {
+            *bins = Bins::default();
+        }
     }
 
     /// The segment size for a request of `rounded` bytes.
@@ -232,5 +246,7 @@ mod malloc;
 mod slabs;
 mod thread_cache;
 
+#[cfg(test)]
+mod stream_cost;
 #[cfg(test)]
 mod tests;

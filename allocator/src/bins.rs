@@ -11,6 +11,10 @@
 //! rest of a class is a sorted vector (binary search, short moves) until it
 //! grows past [`SPILL`] entries, then an ordered tree, so that a pathological
 //! pile of same-sized free blocks stays O(log n).
+//!
+//! A pool's bins cost what the pool holds (Note [Bins sized by use]): the
+//! classes that hold blocks, in a short sorted list while there are few,
+//! else the bitmaps and a row of classes per power of two that held one.
 
 use crate::block::BlockId;
 use crate::rounding::MIN_BLOCK;
@@ -29,13 +33,28 @@ const FL_COUNT: usize = 48;
 /// A free block as the bins store it.
 pub(crate) type Entry = (u64, u64, BlockId);
 
-/// Where [`Bins::find`] found a block: its class, its index there (a hint),
-/// and the entry.
+/// Where [`Bins::find`] found a block: where its class lies, the class,
+/// its index there (a hint), and the entry.
 #[derive(Copy, Clone, Debug)]
 pub(crate) struct Found {
-    class: usize,
-    index: usize,
+    /// The class's slot (compact form) or place in the table's rows.
+    at: u32,
+    /// The flat class index.
+    class: u32,
+    index: u32,
     pub entry: Entry,
+}
+
+impl Found {
+    #[inline(always)]
+    fn new(at: usize, class: usize, index: usize, entry: Entry) -> Self {
+        Found {
+            at: at as u32,
+            class: class as u32,
+            index: index as u32,
+            entry,
+        }
+    }
 }
 
 /// An entry's place in its class: (size, address) as one number, so that
@@ -200,7 +219,6 @@ impl More {
 /// in `more`, which is kept once allocated so that a class that fills and
 /// empties again does not go back to the system allocator.
 #[derive(Debug)]
-#[repr(align(32))]
 struct Class {
     size: u64,
     addr: u64,
@@ -210,9 +228,67 @@ struct Class {
     more: Option<Box<More>>,
 }
 
-// The record the doc above promises: half a cache line, aligned to 32
-// bytes, so two classes share a line and none straddles two.
+// The record the doc above promises: half a cache line. The table's rows
+// align it to 32 bytes ([`Row`]), so two classes share a line and none
+// straddles two; the compact form's few records need no more than the
+// system allocator's alignment (an over-aligned vector costs an aligned
+// allocation and a copy at each growth).
 const _: () = assert!(std::mem::size_of::<Class>() == 32);
+
+/// A row of the table: the classes of one first-level class, aligned to a
+/// cache line (so each class to 32 bytes).
+#[derive(Debug)]
+#[repr(align(64))]
+struct Row([Class; SL_COUNT]);
+
+const _: () = assert!(std::mem::size_of::<Row>() == SL_COUNT * 32);
+
+impl<'a> IntoIterator for &'a Row {
+    type Item = &'a Class;
+    type IntoIter = std::slice::Iter<'a, Class>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
+/// The table's rows, indexed by a class's place: its row's index times
+/// [`SL_COUNT`] plus its second-level class.
+#[derive(Debug, Default)]
+struct Rows(Vec<Row>);
+
+impl std::ops::Index<usize> for Rows {
+    type Output = Class;
+    #[inline(always)]
+    fn index(&self, at: usize) -> &Class {
+        &self.0[at / SL_COUNT].0[at % SL_COUNT]
+    }
+}
+
+impl std::ops::IndexMut<usize> for Rows {
+    #[inline(always)]
+    fn index_mut(&mut self, at: usize) -> &mut Class {
+        &mut self.0[at / SL_COUNT].0[at % SL_COUNT]
+    }
+}
+
+impl Rows {
+    /// A row of empty classes at row index `i`.
+    fn insert_row(&mut self, i: usize) {
+        self.0
+            .insert(i, Row(std::array::from_fn(|_| Class::default())));
+    }
+
+    /// Class records allocated.
+    #[cfg(test)]
+    fn capacity(&self) -> usize {
+        self.0.capacity() * SL_COUNT
+    }
+
+    /// The classes in place order.
+    fn iter(&self) -> std::iter::Flatten<std::slice::Iter<'_, Row>> {
+        self.0.iter().flatten()
+    }
+}
 
 impl Default for Class {
     fn default() -> Self {
@@ -376,24 +452,369 @@ fn remove_at(v: &mut Vec<Entry>, i: usize) {
     v.pop();
 }
 
-/// The bins of one pool.
+// Note [Bins sized by use]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A program may use a million streams, each holding a block or two in each
+// of its pools. A table of every class per pool (3,072 × 32 bytes) would
+// cost 96 KiB a pool whatever the pool holds: a million streams' pools
+// could not be held on the host at all. So a pool's bins cost what the
+// pool holds, in one of two forms:
+//
+// - `Few`: while at most [`FEW`] classes hold blocks, only those classes
+//   are kept, ascending, beside their indices in a 16-byte array: "the first
+//   class at or above c" is one count of the indices below c (eight
+//   compares, no branch on the data), and a class record is found at that
+//   count. A class that empties leaves the array. A pool of one block costs
+//   its `Bins` record (64 bytes, inline in the allocator's table of pools)
+//   and one class record.
+// - `Table`: past [`FEW`] classes, the two-level table: the bitmaps, and
+//   rows of 64 classes, one per first-level class (power of two) that has
+//   held a block, made on the first block of that range (2 KiB each, 48 at
+//   most, where a full table is 96 KiB). A class is found through its row's
+//   offset, which loads beside the table's own pointer, so a lookup costs
+//   what it costs in a full table: the bitmaps, one class record.
+//
+// A busy pool (a single-stream program's, within its first steps) moves to
+// `Table` once and stays there, so that a pool that fills and drains does
+// not build and drop tables. The allocator drops a pool's bins altogether
+// when the release of a segment leaves them empty (`Core::drop_empty_bins`):
+// a pool that holds nothing costs nothing.
+//
+// Both forms keep the same order and answer the same best fit, so which form
+// a pool is in never changes a decision (checked by
+// `both_forms_agree_with_an_ordered_set` below).
+
+/// Classes a pool's bins hold in the compact form at most (Note [Bins
+/// sized by use]): past this, the two-level table.
+const FEW: usize = 8;
+
+/// A first-level class with no row of classes in a [`Table`] yet.
+const NO_ROW: u32 = u32::MAX;
+
+/// The bins of one pool (Note [Bins sized by use]).
 #[derive(Debug)]
 pub(crate) struct Bins {
-    fl_bitmap: u64,
-    sl_bitmap: [SlMap; FL_COUNT],
-    classes: Box<[Class]>,
+    form: Form,
     len: usize,
     bytes: u64,
+}
+
+#[derive(Debug)]
+enum Form {
+    Few(Few),
+    Table(Box<Table>),
 }
 
 impl Default for Bins {
     fn default() -> Self {
         Bins {
-            fl_bitmap: 0,
-            sl_bitmap: [0; FL_COUNT],
-            classes: (0..FL_COUNT * SL_COUNT).map(|_| Class::default()).collect(),
+            form: Form::Few(Few::default()),
             len: 0,
             bytes: 0,
+        }
+    }
+}
+
+/// The compact form: the classes that hold blocks, ascending.
+#[derive(Debug)]
+struct Few {
+    /// Flat class indices, ascending; unused entries are `u16::MAX`
+    /// (above every class, so they never count as below one).
+    ids: [u16; FEW],
+    /// The classes of `ids`, in the same order; none is empty.
+    classes: Vec<Class>,
+}
+
+impl Default for Few {
+    fn default() -> Self {
+        Few {
+            ids: [u16::MAX; FEW],
+            classes: Vec::new(),
+        }
+    }
+}
+
+// Class indices fit the compact form's `u16`s, below its `u16::MAX` marker.
+const _: () = assert!(FL_COUNT * SL_COUNT < u16::MAX as usize);
+
+impl Few {
+    /// The number of kept classes below flat class `c`: the slot of `c`, or
+    /// where it would go.
+    #[inline(always)]
+    fn slot(&self, c: usize) -> usize {
+        let c = c as u16;
+        // All eight compared, no branch on the data (vectorized).
+        self.ids.iter().map(|&x| usize::from(x < c)).sum()
+    }
+
+    /// The slot of class `c` if it is kept.
+    #[inline(always)]
+    fn kept(&self, c: usize) -> Option<usize> {
+        let p = self.slot(c);
+        (self.ids.get(p) == Some(&(c as u16))).then_some(p)
+    }
+
+    /// Files `e` in class `c`; false (and nothing filed) if the class is new
+    /// and every slot is taken.
+    #[inline]
+    fn insert(&mut self, c: usize, e: Entry) -> bool {
+        let p = self.slot(c);
+        if self.ids.get(p) == Some(&(c as u16)) {
+            let inserted = self.classes[p].insert(e);
+            debug_assert!(inserted, "block inserted twice");
+            return true;
+        }
+        if self.classes.len() == FEW {
+            return false;
+        }
+        let n = self.classes.len();
+        self.ids.copy_within(p..n, p + 1);
+        self.ids[p] = c as u16;
+        let mut class = Class::default();
+        class.insert(e);
+        // One record more, not double: a pool of one block holds one record.
+        self.classes.reserve_exact(1);
+        self.classes.insert(p, class);
+        true
+    }
+
+    /// Drops slot `p`, whose class is empty.
+    #[inline]
+    fn close(&mut self, p: usize) {
+        let n = self.classes.len();
+        self.ids.copy_within(p + 1..n, p);
+        self.ids[n - 1] = u16::MAX;
+        self.classes.remove(p);
+    }
+
+    #[inline]
+    fn remove(&mut self, c: usize, e: &Entry) -> bool {
+        let Some(p) = self.kept(c) else {
+            return false;
+        };
+        if !self.classes[p].remove(e) {
+            return false;
+        }
+        if self.classes[p].is_empty() {
+            self.close(p);
+        }
+        true
+    }
+
+    #[inline(always)]
+    fn find(&self, c: usize, size: u64) -> Option<Found> {
+        let mut p = self.slot(c);
+        if self.ids.get(p) == Some(&(c as u16)) {
+            if let Some((index, entry)) = self.classes[p].first_at_least(size) {
+                return Some(Found::new(p, c, index, entry));
+            }
+            p += 1;
+        }
+        // Every block of a higher class is larger than every block of this one.
+        let class = self.classes.get(p)?;
+        Some(Found::new(
+            p,
+            usize::from(self.ids[p]),
+            0,
+            class.first_entry(),
+        ))
+    }
+
+    #[inline]
+    fn take(&mut self, f: Found) {
+        let p = f.at as usize;
+        self.classes[p].take(f.index as usize, &f.entry);
+        if self.classes[p].is_empty() {
+            self.close(p);
+        }
+    }
+}
+
+/// The table form: two levels of bitmaps over the classes, and the rows of
+/// classes of the first-level classes that have held blocks.
+#[derive(Debug)]
+struct Table {
+    fl_bitmap: u64,
+    sl_bitmap: [SlMap; FL_COUNT],
+    /// Per first-level class: where its row of [`SL_COUNT`] classes starts
+    /// in `classes`, or [`NO_ROW`].
+    rows: [u32; FL_COUNT],
+    /// The rows, in the order of their first-level classes (so that the
+    /// classes lie in class order, as in a full table, without the rows
+    /// that never held a block).
+    classes: Rows,
+}
+
+impl Table {
+    fn new() -> Box<Self> {
+        Box::new(Table {
+            fl_bitmap: 0,
+            sl_bitmap: [0; FL_COUNT],
+            rows: [NO_ROW; FL_COUNT],
+            classes: Rows::default(),
+        })
+    }
+
+    /// Where class (fl, sl) lies in `classes` (its row exists).
+    #[inline(always)]
+    fn at(&self, fl: usize, sl: usize) -> usize {
+        self.rows[fl] as usize + sl
+    }
+
+    /// The row of first-level class `fl`, made if it has none.
+    #[inline(always)]
+    fn row(&mut self, fl: usize) -> u32 {
+        match self.rows[fl] {
+            NO_ROW => self.add_row(fl),
+            row => row,
+        }
+    }
+
+    /// Makes the row of first-level class `fl`, in its place among the rows.
+    #[cold]
+    #[inline(never)]
+    fn add_row(&mut self, fl: usize) -> u32 {
+        let below = self.rows[..fl].iter().filter(|&&r| r != NO_ROW).count();
+        let row = (below * SL_COUNT) as u32;
+        self.classes.insert_row(below);
+        for r in self.rows[fl + 1..].iter_mut().filter(|r| **r != NO_ROW) {
+            *r += SL_COUNT as u32;
+        }
+        self.rows[fl] = row;
+        row
+    }
+
+    /// Class (fl, sl), if its row exists.
+    #[inline(always)]
+    fn class(&self, fl: usize, sl: usize) -> Option<&Class> {
+        (self.rows[fl] != NO_ROW).then(|| &self.classes[self.at(fl, sl)])
+    }
+
+    /// The class at flat index `c` (its row exists).
+    #[inline(always)]
+    fn class_flat(&self, c: usize) -> &Class {
+        &self.classes[self.at(c / SL_COUNT, c % SL_COUNT)]
+    }
+
+    #[inline]
+    fn insert(&mut self, fl: usize, sl: usize, e: Entry) {
+        let at = self.row(fl) as usize + sl;
+        let inserted = self.classes[at].insert(e);
+        debug_assert!(inserted, "block inserted twice");
+        self.fl_bitmap |= 1 << fl;
+        self.sl_bitmap[fl] |= 1 << sl;
+    }
+
+    /// Class (fl, sl) became empty.
+    #[inline(always)]
+    fn emptied(&mut self, fl: usize, sl: usize) {
+        self.sl_bitmap[fl] &= !(1 << sl);
+        if self.sl_bitmap[fl] == 0 {
+            self.fl_bitmap &= !(1 << fl);
+        }
+    }
+
+    #[inline]
+    fn remove(&mut self, fl: usize, sl: usize, e: &Entry) -> bool {
+        if self.rows[fl] == NO_ROW {
+            return false;
+        }
+        let at = self.at(fl, sl);
+        let class = &mut self.classes[at];
+        if !class.remove(e) {
+            return false;
+        }
+        if class.is_empty() {
+            self.emptied(fl, sl);
+        }
+        true
+    }
+
+    #[inline(always)]
+    fn find(&self, fl: usize, sl: usize, size: u64) -> Option<Found> {
+        if self.sl_bitmap[fl] & (1 << sl) != 0 {
+            let at = self.at(fl, sl);
+            if let Some((index, entry)) = self.classes[at].first_at_least(size) {
+                return Some(Found::new(at, flat(fl, sl), index, entry));
+            }
+        }
+        // Every block of a higher class is larger than every block of this one.
+        let above_sl = self.sl_bitmap[fl] & (SlMap::MAX.checked_shl(sl as u32 + 1).unwrap_or(0));
+        let (fl, sl) = if above_sl != 0 {
+            (fl, above_sl.trailing_zeros() as usize)
+        } else {
+            let above_fl = self.fl_bitmap & u64::MAX.checked_shl(fl as u32 + 1).unwrap_or(0);
+            if above_fl == 0 {
+                return None;
+            }
+            let fl = above_fl.trailing_zeros() as usize;
+            (fl, self.sl_bitmap[fl].trailing_zeros() as usize)
+        };
+        let at = self.at(fl, sl);
+        let entry = self.classes[at].first()?;
+        Some(Found::new(at, flat(fl, sl), 0, entry))
+    }
+
+    #[inline]
+    fn take(&mut self, f: Found) {
+        let c = &mut self.classes[f.at as usize];
+        c.take(f.index as usize, &f.entry);
+        if c.is_empty() {
+            let class = f.class as usize;
+            self.emptied(class / SL_COUNT, class % SL_COUNT);
+        }
+    }
+
+    fn largest(&self) -> Option<Entry> {
+        if self.fl_bitmap == 0 {
+            return None;
+        }
+        let fl = 63 - self.fl_bitmap.leading_zeros() as usize;
+        let sl = (SlMap::BITS - 1 - self.sl_bitmap[fl].leading_zeros()) as usize;
+        self.classes[self.at(fl, sl)].last()
+    }
+
+    /// The first class at or above flat index `class` that holds a block.
+    #[inline]
+    fn nonempty_from(&self, class: usize) -> Option<usize> {
+        let (fl, sl) = (class / SL_COUNT, class % SL_COUNT);
+        if fl >= FL_COUNT {
+            return None;
+        }
+        let here = self.sl_bitmap[fl] & SlMap::MAX.checked_shl(sl as u32).unwrap_or(0);
+        if here != 0 {
+            return Some(flat(fl, here.trailing_zeros() as usize));
+        }
+        let above = self.fl_bitmap & u64::MAX.checked_shl(fl as u32 + 1).unwrap_or(0);
+        if above == 0 {
+            return None;
+        }
+        let fl = above.trailing_zeros() as usize;
+        Some(flat(fl, self.sl_bitmap[fl].trailing_zeros() as usize))
+    }
+}
+
+/// The class records of either form, in class order.
+enum Classes<'a> {
+    Few(std::slice::Iter<'a, Class>),
+    Table(std::iter::Flatten<std::slice::Iter<'a, Row>>),
+}
+
+impl<'a> Iterator for Classes<'a> {
+    type Item = &'a Class;
+    fn next(&mut self) -> Option<&'a Class> {
+        match self {
+            Classes::Few(it) => it.next(),
+            Classes::Table(it) => it.next(),
+        }
+    }
+}
+
+impl DoubleEndedIterator for Classes<'_> {
+    fn next_back(&mut self) -> Option<Self::Item> {
+        match self {
+            Classes::Few(it) => it.next_back(),
+            Classes::Table(it) => it.next_back(),
         }
     }
 }
@@ -425,41 +846,107 @@ impl Bins {
         self.bytes
     }
 
+    /// Class records the bins hold (32 bytes each): the classes that hold
+    /// blocks in the compact form, 64 per row in the table form.
+    #[cfg(test)]
+    pub fn class_records(&self) -> usize {
+        match &self.form {
+            Form::Few(f) => f.classes.capacity(),
+            Form::Table(t) => t.classes.capacity(),
+        }
+    }
+
+    /// Host bytes the bins take, their entries beyond each class's first
+    /// not counted: the record, the table's header, the class records.
+    #[cfg(test)]
+    pub fn host_bytes(&self) -> usize {
+        let header = match &self.form {
+            Form::Few(_) => 0,
+            Form::Table(_) => std::mem::size_of::<Table>(),
+        };
+        std::mem::size_of::<Self>() + header + self.class_records() * std::mem::size_of::<Class>()
+    }
+
+    /// Whether the bins are in the compact form (Note [Bins sized by use]).
+    #[cfg(test)]
+    pub fn is_compact(&self) -> bool {
+        matches!(self.form, Form::Few(_))
+    }
+
+    /// Empty bins in the table form from the start (tests compare the forms).
+    #[cfg(test)]
+    fn table() -> Self {
+        Bins {
+            form: Form::Table(Table::new()),
+            len: 0,
+            bytes: 0,
+        }
+    }
+
     #[inline]
     pub fn insert(&mut self, size: u64, addr: u64, id: BlockId) {
         let (fl, sl) = class_of(size);
-        let inserted = self.classes[flat(fl, sl)].insert((size, addr, id));
-        debug_assert!(inserted, "block inserted twice");
-        self.fl_bitmap |= 1 << fl;
-        self.sl_bitmap[fl] |= 1 << sl;
+        let e = (size, addr, id);
+        match &mut self.form {
+            Form::Table(t) => t.insert(fl, sl, e),
+            Form::Few(f) => {
+                if !f.insert(flat(fl, sl), e) {
+                    self.to_table().insert(fl, sl, e);
+                }
+            }
+        }
         self.len += 1;
         self.bytes += size;
     }
 
-    /// Removes a block; returns false if it was not there.
-    #[inline]
+    /// The compact form outgrew [`FEW`] classes: its classes move to a table.
+    #[cold]
+    #[inline(never)]
+    fn to_table(&mut self) -> &mut Table {
+        let mut t = Table::new();
+        if let Form::Few(f) = &mut self.form {
+            for (&c, class) in f.ids.iter().zip(std::mem::take(&mut f.classes)) {
+                let (fl, sl) = (usize::from(c) / SL_COUNT, usize::from(c) % SL_COUNT);
+                let at = t.row(fl) as usize + sl;
+                t.classes[at] = class;
+                t.fl_bitmap |= 1 << fl;
+                t.sl_bitmap[fl] |= 1 << sl;
+            }
+        }
+        self.form = Form::Table(t);
+        match &mut self.form {
+            Form::Table(t) => t,
+            Form::Few(_) => unreachable!("just made a table"),
+        }
+    }
+
     /// Whether the entry is filed (for consistency checks: one class lookup,
     /// not a walk over every entry).
     pub fn contains(&self, size: u64, addr: u64, id: BlockId) -> bool {
         let (fl, sl) = class_of(size);
-        self.classes[flat(fl, sl)].contains(&(size, addr, id))
+        let e = (size, addr, id);
+        match &self.form {
+            Form::Few(f) => f
+                .kept(flat(fl, sl))
+                .is_some_and(|p| f.classes[p].contains(&e)),
+            Form::Table(t) => t.class(fl, sl).is_some_and(|c| c.contains(&e)),
+        }
     }
 
+    /// Removes a block; returns false if it was not there.
+    #[inline]
     pub fn remove(&mut self, size: u64, addr: u64, id: BlockId) -> bool {
         let (fl, sl) = class_of(size);
-        let class = &mut self.classes[flat(fl, sl)];
-        if !class.remove(&(size, addr, id)) {
-            return false;
+        let e = (size, addr, id);
+        let removed = match &mut self.form {
+            Form::Table(t) => t.remove(fl, sl, &e),
+            Form::Few(f) => f.remove(flat(fl, sl), &e),
+        };
+        if removed {
+            self.len -= 1;
+            self.bytes -= size;
         }
-        if class.is_empty() {
-            self.sl_bitmap[fl] &= !(1 << sl);
-            if self.sl_bitmap[fl] == 0 {
-                self.fl_bitmap &= !(1 << fl);
-            }
-        }
-        self.len -= 1;
-        self.bytes -= size;
-        true
+        removed
     }
 
     /// The smallest free block of at least `size` bytes, lowest address on ties.
@@ -469,54 +956,24 @@ impl Bins {
     }
 
     /// [`Bins::best_fit`], with where the entry lies, for [`Bins::take`].
-    /// Always inlined: returned through memory, the 48-byte answer costs a
+    /// Always inlined: returned through memory, the answer costs a
     /// store-forwarding stall when the caller reads it back.
     #[inline(always)]
     pub fn find(&self, size: u64) -> Option<Found> {
         let (fl, sl) = class_of(size);
-        if self.sl_bitmap[fl] & (1 << sl) != 0 {
-            let class = flat(fl, sl);
-            if let Some((index, entry)) = self.classes[class].first_at_least(size) {
-                return Some(Found {
-                    class,
-                    index,
-                    entry,
-                });
-            }
+        match &self.form {
+            Form::Table(t) => t.find(fl, sl, size),
+            Form::Few(f) => f.find(flat(fl, sl), size),
         }
-        // Every block of a higher class is larger than every block of this one.
-        let above_sl = self.sl_bitmap[fl] & (SlMap::MAX.checked_shl(sl as u32 + 1).unwrap_or(0));
-        let (fl, sl) = if above_sl != 0 {
-            (fl, above_sl.trailing_zeros() as usize)
-        } else {
-            let above_fl = self.fl_bitmap & u64::MAX.checked_shl(fl as u32 + 1).unwrap_or(0);
-            if above_fl == 0 {
-                return None;
-            }
-            let fl = above_fl.trailing_zeros() as usize;
-            (fl, self.sl_bitmap[fl].trailing_zeros() as usize)
-        };
-        let class = flat(fl, sl);
-        let entry = self.classes[class].first()?;
-        Some(Found {
-            class,
-            index: 0,
-            entry,
-        })
     }
 
     /// Removes an entry [`Bins::find`] returned (the bins unchanged since),
     /// without searching for it again.
     #[inline]
     pub fn take(&mut self, f: Found) {
-        let c = &mut self.classes[f.class];
-        c.take(f.index, &f.entry);
-        if c.is_empty() {
-            let (fl, sl) = (f.class / SL_COUNT, f.class % SL_COUNT);
-            self.sl_bitmap[fl] &= !(1 << sl);
-            if self.sl_bitmap[fl] == 0 {
-                self.fl_bitmap &= !(1 << fl);
-            }
+        match &mut self.form {
+            Form::Table(t) => t.take(f),
+            Form::Few(few) => few.take(f),
         }
         self.len -= 1;
         self.bytes -= f.entry.0;
@@ -524,49 +981,85 @@ impl Bins {
 
     /// The largest free block (highest address among equals).
     pub fn largest(&self) -> Option<Entry> {
-        if self.fl_bitmap == 0 {
-            return None;
+        match &self.form {
+            Form::Few(f) => f.classes.last().and_then(Class::last),
+            Form::Table(t) => t.largest(),
         }
-        let fl = 63 - self.fl_bitmap.leading_zeros() as usize;
-        let sl = (SlMap::BITS - 1 - self.sl_bitmap[fl].leading_zeros()) as usize;
-        self.classes[flat(fl, sl)].last()
     }
 
     /// The free blocks of at least `size` bytes, ascending by (size,
     /// address): [`Bins::best_fit`] first.
     pub fn iter_from(&self, size: u64) -> impl Iterator<Item = Entry> + '_ {
         let (fl, sl) = class_of(size);
-        // Non-empty classes only, found through the bitmaps: walking every
-        // class above the size cost more than the near fits it served.
-        std::iter::successors(self.nonempty_from(flat(fl, sl)), move |&c| {
-            self.nonempty_from(c + 1)
-        })
-        .flat_map(move |c| self.classes[c].iter())
-        .filter(move |e| e.0 >= size)
+        // Classes that hold blocks only (in the table, found through the
+        // bitmaps: walking every class above the size cost more than the
+        // near fits it served).
+        std::iter::successors(self.first_at(flat(fl, sl)), move |&p| self.next_at(p))
+            .flat_map(move |p| self.class_at(p).iter())
+            .filter(move |e| e.0 >= size)
     }
 
-    /// The first class at or above flat index `class` that holds a block.
+    /// The free blocks of `lo` to `hi` bytes, ascending by (size, address):
+    /// [`Bins::iter_from`] up to the first block above `hi`, which the walk
+    /// stops before without reading a class above `hi`'s (in the compact
+    /// form, the class indices in the bins' own record tell).
+    pub fn iter_between(&self, lo: u64, hi: u64) -> impl Iterator<Item = Entry> + '_ {
+        let (fl, sl) = class_of(lo);
+        let (hfl, hsl) = class_of(hi.max(lo));
+        let last = flat(hfl, hsl);
+        // Every block of a class above `last` is above `hi` (classes are monotonic).
+        std::iter::successors(self.first_at(flat(fl, sl)), move |&p| self.next_at(p))
+            .take_while(move |&p| self.class_index_at(p) <= last)
+            .flat_map(move |p| self.class_at(p).iter())
+            .filter(move |e| e.0 >= lo)
+            .take_while(move |e| e.0 <= hi)
+    }
+
+    /// The flat class index of place `p` ([`Bins::first_at`]).
     #[inline]
-    fn nonempty_from(&self, class: usize) -> Option<usize> {
-        let (fl, sl) = (class / SL_COUNT, class % SL_COUNT);
-        if fl >= FL_COUNT {
-            return None;
+    fn class_index_at(&self, p: usize) -> usize {
+        match &self.form {
+            Form::Few(f) => usize::from(f.ids[p]),
+            Form::Table(_) => p,
         }
-        let here = self.sl_bitmap[fl] & SlMap::MAX.checked_shl(sl as u32).unwrap_or(0);
-        if here != 0 {
-            return Some(flat(fl, here.trailing_zeros() as usize));
+    }
+
+    /// The first class at or above flat class `c` that holds a block, as a
+    /// place for [`Bins::class_at`]: a slot of the compact form, a flat
+    /// class of the table.
+    #[inline]
+    fn first_at(&self, c: usize) -> Option<usize> {
+        match &self.form {
+            Form::Few(f) => Some(f.slot(c)).filter(|&p| p < f.classes.len()),
+            Form::Table(t) => t.nonempty_from(c),
         }
-        let above = self.fl_bitmap & u64::MAX.checked_shl(fl as u32 + 1).unwrap_or(0);
-        if above == 0 {
-            return None;
+    }
+
+    /// The place after `p` ([`Bins::first_at`]) that holds a block.
+    #[inline]
+    fn next_at(&self, p: usize) -> Option<usize> {
+        match &self.form {
+            Form::Few(f) => Some(p + 1).filter(|&p| p < f.classes.len()),
+            Form::Table(t) => t.nonempty_from(p + 1),
         }
-        let fl = above.trailing_zeros() as usize;
-        Some(flat(fl, self.sl_bitmap[fl].trailing_zeros() as usize))
+    }
+
+    #[inline]
+    fn class_at(&self, p: usize) -> &Class {
+        match &self.form {
+            Form::Few(f) => &f.classes[p],
+            Form::Table(t) => t.class_flat(p),
+        }
     }
 
     /// All free blocks, ascending by (size, address).
     pub fn iter(&self) -> impl DoubleEndedIterator<Item = Entry> + '_ {
-        self.classes.iter().flat_map(Class::iter)
+        // Either form keeps its classes in class order.
+        let classes = match &self.form {
+            Form::Few(f) => Classes::Few(f.classes.iter()),
+            Form::Table(t) => Classes::Table(t.classes.iter()),
+        };
+        classes.flat_map(Class::iter)
     }
 }
 
@@ -663,6 +1156,56 @@ mod tests {
         );
     }
 
+    /// A pool holding a few blocks keeps a class record per class that holds
+    /// one, never a table (a table of every class was 3,072 records, 96 KiB).
+    #[test]
+    fn a_pool_of_few_blocks_holds_a_record_per_class() {
+        let mut b = Bins::default();
+        assert_eq!(b.class_records(), 0, "empty bins hold no class record");
+        for (i, size) in [4096u64, 1 << 20, 3 << 20].into_iter().enumerate() {
+            b.insert(size, 0x1000_0000 * (i as u64 + 1), BlockId(i as u32));
+        }
+        // Two more in classes already held.
+        b.insert(4096, 0x7000_0000, BlockId(7));
+        b.insert(1 << 20, 0x8000_0000, BlockId(8));
+        assert!(b.is_compact());
+        assert!(b.class_records() <= 4, "{} records", b.class_records());
+        assert!(b.host_bytes() <= 256, "{} bytes", b.host_bytes());
+        // A class that empties gives its slot back.
+        assert!(b.remove(3 << 20, 0x3000_0000, BlockId(2)));
+        assert_eq!(b.largest(), Some((1 << 20, 0x8000_0000, BlockId(8))));
+        assert_eq!(b.best_fit(2 << 20), None);
+        assert_eq!(b.iter_from(4097).count(), 2);
+    }
+
+    /// Past `FEW` classes the bins become the table, with a row for each
+    /// power of two that holds blocks only, not one for every class.
+    #[test]
+    fn the_table_holds_rows_only_where_blocks_are() {
+        let mut b = Bins::default();
+        let mut n = 0u32;
+        // Classes of 64 to 127 granules share one row; 512 granules another.
+        for units in (64..64 + FEW as u64).chain([512]) {
+            b.insert(units * 512, u64::from(n) << 24, BlockId(n));
+            n += 1;
+        }
+        assert!(!b.is_compact(), "{n} classes stayed compact");
+        assert_eq!(b.class_records(), 2 * SL_COUNT);
+        assert!(
+            b.host_bytes() < 8 << 10,
+            "{} bytes for {n} blocks",
+            b.host_bytes()
+        );
+        // The move kept every block in order.
+        let sizes: Vec<u64> = b.iter().map(|e| e.0).collect();
+        let mut sorted = sizes.clone();
+        sorted.sort_unstable();
+        assert_eq!(sizes, sorted);
+        assert_eq!(sizes.len(), n as usize);
+        assert_eq!(b.best_fit(1), Some((64 * 512, 0, BlockId(0))));
+        assert_eq!(b.largest().map(|e| e.0), Some(512 * 512));
+    }
+
     proptest! {
         /// The bins pick exactly what a linear scan for the best fit picks.
         #[test]
@@ -738,6 +1281,76 @@ mod tests {
             let listed: Vec<Entry> = b.iter().collect();
             let expected: Vec<Entry> = model.iter().copied().collect();
             prop_assert_eq!(listed, expected);
+        }
+
+        /// Both forms (Note [Bins sized by use]) answer every find, take,
+        /// removal and walk as an ordered set does, on sizes spread over
+        /// about `FEW` classes, so that bins cross from the compact form to
+        /// the table mid-sequence; the bins that start as a table must agree.
+        /// (Checked: a compact form whose `find` skips to the next slot
+        /// without trying its own class fails this test.)
+        #[test]
+        fn both_forms_agree_with_an_ordered_set(
+            ops in proptest::collection::vec((0u8..5, 0u64..24, 0u64..200, 0u64..26), 0..600),
+        ) {
+            let mut few = Bins::default();
+            let mut table = Bins::table();
+            let mut model = std::collections::BTreeSet::new();
+            // 24 sizes in 24 classes over four rows: the compact form
+            // fills past `FEW` classes partway through most sequences.
+            let size = |k: u64| (64 + (k / 2) * 7) * 512 * (1 + (k % 2) * 8);
+            for (i, (op, k, addr, q)) in ops.into_iter().enumerate() {
+                match op {
+                    0..=2 => {
+                        let e = (size(k), addr * (1 << 24) + k, BlockId(i as u32));
+                        if !model.iter().any(|m: &Entry| m.1 == e.1) {
+                            few.insert(e.0, e.1, e.2);
+                            table.insert(e.0, e.1, e.2);
+                            model.insert(e);
+                        }
+                    }
+                    3 => {
+                        let victim = model.iter().find(|m| m.1 >= addr * (1 << 24)).copied();
+                        if let Some(v) = victim {
+                            prop_assert!(few.remove(v.0, v.1, v.2));
+                            prop_assert!(table.remove(v.0, v.1, v.2));
+                            model.remove(&v);
+                        }
+                        prop_assert!(!few.remove(size(k), 1, BlockId(0)));
+                        prop_assert!(!table.remove(size(k), 1, BlockId(0)));
+                    }
+                    _ => {
+                        let want = size(q.min(23)) + (q / 24) * 512;
+                        let expected = model.iter().filter(|e| e.0 >= want).min().copied();
+                        let fits: Vec<Entry> = model.iter().filter(|e| e.0 >= want).copied().collect();
+                        prop_assert_eq!(few.iter_from(want).collect::<Vec<_>>(), fits.clone());
+                        prop_assert_eq!(table.iter_from(want).collect::<Vec<_>>(), fits.clone());
+                        let hi = want * (1 + q % 5);
+                        let within: Vec<Entry> = fits.into_iter().filter(|e| e.0 <= hi).collect();
+                        prop_assert_eq!(few.iter_between(want, hi).collect::<Vec<_>>(), within.clone());
+                        prop_assert_eq!(table.iter_between(want, hi).collect::<Vec<_>>(), within);
+                        let (f, t) = (few.find(want), table.find(want));
+                        prop_assert_eq!(f.map(|f| f.entry), expected);
+                        prop_assert_eq!(t.map(|t| t.entry), expected);
+                        if let (Some(f), Some(t)) = (f, t) {
+                            few.take(f);
+                            table.take(t);
+                            model.remove(&f.entry);
+                        }
+                    }
+                }
+                for b in [&few, &table] {
+                    prop_assert_eq!(b.len(), model.len());
+                    prop_assert_eq!(b.bytes(), model.iter().map(|e| e.0).sum::<u64>());
+                    prop_assert_eq!(b.largest(), model.iter().max().copied());
+                    let listed: Vec<Entry> = b.iter().collect();
+                    prop_assert_eq!(listed, model.iter().copied().collect::<Vec<_>>());
+                }
+                for e in &model {
+                    prop_assert!(few.contains(e.0, e.1, e.2));
+                    prop_assert!(table.contains(e.0, e.1, e.2));
+                }
+            }
         }
     }
 }

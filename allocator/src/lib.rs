@@ -52,6 +52,7 @@ pub mod rounding;
 #[cfg(feature = "testing")]
 pub mod sample;
 pub mod simulated;
+mod sorted_map;
 pub mod stats;
 mod thread_slot;
 pub mod trace;

@@ -10,16 +10,19 @@
 //! granules, so that the hit path's question "is everything under this block
 //! mapped?" is one ordered lookup however large the block and however many
 //! pages back it.
+//!
+//! Both maps are [`SortedMap`]s: a range of a program with many streams
+//! holds a page or two, and costs their entries, not a tree node each.
 
-use std::collections::BTreeMap;
+use crate::sorted_map::SortedMap;
 
 /// Mapped pages of one expandable segment, in granules.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct PageMap {
     /// First granule of each mapping → (handle, length in granules).
-    handles: BTreeMap<u32, (u64, u32)>,
+    handles: SortedMap<u32, (u64, u32)>,
     /// Runs of mapped granules: first granule → one past the last.
-    runs: BTreeMap<u32, u32>,
+    runs: SortedMap<u32, u32>,
     /// Granules mapped to a page another range holds and counts (a page
     /// shared by granules whose live bytes lie at different offsets; see
     /// `allocator::expandable::share`): mapped, but not this range's memory.
@@ -189,7 +192,7 @@ impl PageMap {
     /// mapping lies inside `0..limit` and has a length in `sizes`.
     pub fn check(&self, limit: u32, sizes: &[u32]) -> Result<(), String> {
         let mut expect: Vec<(u32, u32)> = Vec::new();
-        for (&at, &(_, len)) in &self.handles {
+        for (&at, &(_, len)) in self.handles.iter() {
             if !sizes.contains(&len) {
                 return Err(format!("mapping at granule {at} spans {len} granules"));
             }
@@ -225,6 +228,7 @@ impl PageMap {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::collections::BTreeMap;
 
     proptest! {
         /// Runs, gaps, `is_mapped`, `is_unmapped`, `within` and the counts agree with a

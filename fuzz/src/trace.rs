@@ -153,6 +153,57 @@ pub fn read_file(path: &std::path::Path) -> Outcome {
     }
 }
 
+/// The sizes [`many_streams`] cycles through: small-pool, large-pool and
+/// above-`large_threshold` requests.
+const STREAM_SIZES: [u64; 8] = [
+    4096,
+    100_000,
+    786_432,
+    1_500_000,
+    3 << 20,
+    12 << 20,
+    512,
+    40_000,
+];
+
+/// A trace over many streams, each holding a few blocks: the text
+/// `scripts/stream-trace.py STREAMS --blocks BLOCKS --live LIVE` writes.
+/// Stream s (ids 1..=`streams`) allocates `blocks` blocks, freed once the
+/// next `live` streams have allocated theirs.
+pub fn many_streams(streams: u64, blocks: u64, live: usize) -> Vec<u8> {
+    let mut out =
+        format!("# {streams} streams, {blocks} blocks each, {live} streams live at once\n");
+    let mut held: std::collections::VecDeque<Vec<u64>> = Default::default();
+    let (mut free_ids, mut next_id) = (Vec::new(), 0u64);
+    let mut free = |ids: Vec<u64>, out: &mut String, free_ids: &mut Vec<u64>| {
+        for i in ids {
+            out.push_str(&format!("f {i}\n"));
+            free_ids.push(i);
+        }
+    };
+    for s in 1..=streams {
+        let mut ids = Vec::new();
+        for b in 0..blocks {
+            let i = free_ids.pop().unwrap_or_else(|| {
+                next_id += 1;
+                next_id - 1
+            });
+            let size = STREAM_SIZES[((s * 3 + b * 5) % 8) as usize] + 512 * (s % 7);
+            out.push_str(&format!("a {i} {size} {s}\n"));
+            ids.push(i);
+        }
+        held.push_back(ids);
+        if held.len() > live {
+            let ids = held.pop_front().expect("more than `live` held");
+            free(ids, &mut out, &mut free_ids);
+        }
+    }
+    for ids in held {
+        free(ids, &mut out, &mut free_ids);
+    }
+    out.into_bytes()
+}
+
 fn gzip(text: &[u8]) -> Vec<u8> {
     let mut enc = GzEncoder::new(Vec::new(), Compression::fast());
     enc.write_all(text).expect("in-memory write");

@@ -42,6 +42,9 @@ use std::collections::{BTreeMap, VecDeque};
 
 mod reback;
 mod share;
+mod stale;
+
+use stale::StaleMap;
 
 /// How many times `expandable_page` the pages mapped while memory grows back
 /// after `empty_cache` may be (Note [Pages after empty_cache]); a power of
@@ -86,6 +89,19 @@ const FULL_RANGES: u64 = 64;
 /// a pool that grows needs a few ranges only.
 const FIRST_RANGE: u64 = 2 << 30;
 
+/// Ranges reserved past which a pool's first range is half of
+/// `FIRST_RANGE`, and half again at each doubling of the ranges, down to
+/// `MIN_FIRST_RANGE`: a program with a million streams (a range per stream
+/// and pool, two million in all) fits in the address space (128 TiB on an
+/// x86-64 host) without flushing the cache to free address space. At 2 GiB
+/// a range, 58,000 ranges filled it; now 44 TiB hold the first 131,072
+/// ranges and 32 MiB each of the rest.
+const MANY_RANGES: u64 = 4096;
+
+/// The smallest first range of a pool (`MANY_RANGES`): 32 MiB, four of the
+/// largest pages; a larger request still gets twice its size.
+const MIN_FIRST_RANGE: u64 = 32 << 20;
+
 /// Virtual bytes reserved per expandable range at most, per byte of device
 /// memory. Address space is cheap and holes in it cost no memory once their
 /// pages move, but a range only as large as the device would run out of
@@ -103,8 +119,9 @@ pub(super) fn range_size(total: u64, page: u64) -> u64 {
 /// The size of a pool's next range on a device of `total` bytes, with
 /// `ranges` reserved in all: the largest ([`range_size`]) while fewer than
 /// `FULL_RANGES` are; past that, twice the pool's `largest` range so far
-/// (`FIRST_RANGE` for the first), within the largest, and at least twice
-/// the request of `rounded` bytes that needs it (at least the request itself).
+/// (`FIRST_RANGE` for the first, less past `MANY_RANGES`), within the
+/// largest, and at least twice the request of `rounded` bytes that needs it
+/// (at least the request itself).
 pub(super) fn next_range_size(
     total: u64,
     page: u64,
@@ -115,8 +132,12 @@ pub(super) fn next_range_size(
     let max = range_size(total, page);
     let first = if ranges < FULL_RANGES {
         max
-    } else {
+    } else if ranges < MANY_RANGES {
         FIRST_RANGE
+    } else {
+        // Halved once from MANY_RANGES, again at each doubling.
+        let halvings = 64 - (ranges / MANY_RANGES).leading_zeros();
+        (FIRST_RANGE >> halvings).max(MIN_FIRST_RANGE)
     };
     let want = largest
         .saturating_mul(2)
@@ -225,8 +246,12 @@ pub(super) struct Expandable<E> {
     ranges: Vec<Vec<SegmentId>>,
     /// Device memory in bytes (sizes the expandable ranges and the pressure limit).
     range_size: u64,
-    /// Expandable, per stream slot: events recorded as blocks were freed there.
+    /// Expandable, per stream slot: events recorded as blocks were freed
+    /// there; made on a slot's first use (`marks_mut`).
     marks: Vec<Marks<E>>,
+    /// The operation count after the last device synchronize: blocks freed
+    /// before it are quiescent on every stream, those with no markers yet too.
+    synced_before: u64,
     /// Physical pages unmapped but kept (reserved), with the pool kind their bytes are counted under.
     page_pool: Vec<(u64, PoolKind, u64)>,
     /// Expandable: reserved bytes when the device last had no room for a new page.
@@ -239,7 +264,7 @@ pub(super) struct Expandable<E> {
     /// pages reused early (unmapped once their stream passes a marker) and,
     /// with `expandable_shadows`, of pages moved away (kept until another
     /// page is mapped there).
-    stale: BTreeMap<(u32, u32), Stale>,
+    stale: StaleMap,
     /// With `expandable_shadows`: where each page mapped in a range is
     /// (segment, first granule), to find an idle page a shadow asks back.
     mapped_at: FastMap<u64, (SegmentId, u32)>,
@@ -287,14 +312,27 @@ impl<E> Expandable<E> {
             ranges: Vec::new(),
             range_size,
             marks: Vec::new(),
+            synced_before: 0,
             page_pool: Vec::new(),
             device_full_at: None,
             regrow_to: None,
-            stale: BTreeMap::new(),
+            stale: StaleMap::default(),
             mapped_at: FastMap::default(),
             borrow_from: 0,
             shared: FastMap::default(),
         }
+    }
+
+    /// The ranges reserved in all, the stream slots that have markers
+    /// (made on first use) and the old mappings: what the per-stream cost
+    /// tests count.
+    #[cfg(test)]
+    pub(super) fn per_stream_records(&self) -> (usize, usize, usize) {
+        (
+            self.ranges.iter().map(Vec::len).sum(),
+            self.marks.len(),
+            self.stale.values().count(),
+        )
     }
 
     /// Whether pool `i` has expandable segments.
@@ -307,11 +345,20 @@ impl<E> Expandable<E> {
         self.page_pool.iter().map(|&(_, kind, size)| (kind, size))
     }
 
-    /// Room for a new stream: its markers and its pools' ranges (`pools`
-    /// pools in all now).
-    pub(super) fn add_stream(&mut self, pools: usize) {
-        self.ranges.resize_with(pools, Vec::new);
-        self.marks.push(Marks::default());
+    /// The markers of stream slot `slot`, made on its first use: a stream
+    /// costs the feature nothing until a block of it is freed (a pool's
+    /// ranges likewise wait for its first request, `reserve_range`).
+    #[inline]
+    fn marks_mut(&mut self, slot: usize) -> &mut Marks<E> {
+        if slot >= self.marks.len() {
+            // As if made with the stream and dropped at each synchronize since.
+            let before = self.synced_before;
+            self.marks.resize_with(slot + 1, || Marks {
+                quiescent_before: before,
+                ..Marks::default()
+            });
+        }
+        &mut self.marks[slot]
     }
 }
 
@@ -438,6 +485,9 @@ impl<E> Expandable<E> {
         rounded: u64,
     ) -> Result<SegmentId, AllocError> {
         let page_size = self.page_size(core, pool.kind());
+        if pool.index() >= self.ranges.len() {
+            self.ranges.resize_with(pool.index() + 1, Vec::new);
+        }
         let largest = self.ranges[pool.index()]
             .iter()
             .map(|s| core.segments.get(s.0).size)
@@ -911,7 +961,9 @@ impl<E> Expandable<E> {
             let Some(&(h, kind, size)) = self.page_pool.last() else {
                 break;
             };
-            self.clear_stale(core, dev, |st| st.handle == h)?;
+            let mut places = self.stale.of_page(h);
+            places.sort_unstable();
+            self.unmap_stale_keys(core, dev, places)?;
             dev.vmm_release_page(h)?;
             self.page_pool.pop(); // only once released: a failure keeps it pooled
             core.stats.num_page_release += 1;
@@ -1006,7 +1058,7 @@ impl<E> Expandable<E> {
     ) {
         let slot = pool.stream_slot();
         let clock = core.clock;
-        let m = &mut self.marks[slot];
+        let m = self.marks_mut(slot);
         if !m.queue.is_empty() && clock < m.last + MARKER_INTERVAL {
             return;
         }
@@ -1035,7 +1087,12 @@ impl<E> Expandable<E> {
         slot: usize,
         since: u64,
     ) -> Result<bool, AllocError> {
-        let m = &mut self.marks[slot];
+        // A stream without markers yet: quiescent up to the last synchronize
+        // (as its markers, made now, would say), and no marker is made for
+        // a look.
+        let Some(m) = self.marks.get_mut(slot) else {
+            return Ok(since < self.synced_before);
+        };
         while since >= m.quiescent_before {
             if !m.retire_front_if_done(dev)? {
                 return Ok(false);
@@ -1056,7 +1113,7 @@ impl<E> Expandable<E> {
     ) -> Result<(), AllocError> {
         let clock = core.clock;
         let stream = core.stream_list[slot];
-        let m = &mut self.marks[slot];
+        let m = self.marks_mut(slot);
         while since >= m.quiescent_before {
             let (c, e) = match m.queue.pop_front() {
                 Some(front) => front,
@@ -1112,7 +1169,7 @@ impl<E> Expandable<E> {
     ) -> Result<(), AllocError> {
         let (from, to) = (core.stream_list[slot], core.stream_list[waiter]);
         if let Some(e) = core.wait_for_stream(dev, from, to, false)? {
-            self.marks[slot].push(core.clock, e);
+            self.marks_mut(slot).push(core.clock, e);
         }
         Ok(())
     }
@@ -1120,6 +1177,7 @@ impl<E> Expandable<E> {
     /// After a device synchronize every marker has completed.
     fn drop_markers<D: Device<Event = E>>(&mut self, core: &Core<E>, dev: &D) {
         let clock = core.clock;
+        self.synced_before = clock + 1;
         for m in &mut self.marks {
             for (_, e) in m.queue.drain(..) {
                 dev.release_event(e);
@@ -1138,7 +1196,8 @@ impl<E> Expandable<E> {
     ) -> Result<(), AllocError> {
         dev.synchronize()?;
         self.drop_markers(core, dev);
-        self.clear_stale(core, dev, |_| true)
+        let places = self.stale.places();
+        self.unmap_stale_keys(core, dev, places)
     }
 
     /// Puts gathered pages back after a failure: pooled ones to the pool, new ones to the device.
@@ -1320,11 +1379,12 @@ impl<E> Expandable<E> {
             } else {
                 false
             };
-            let shadow = !all && core.config.expandable_shadows;
             let s = core.segments.get_mut(seg.0);
             let seg_addr = s.addr;
             let pages = s.pages_mut().expect("expandable");
             let (h, n) = pages.remove(at).expect("page was mapped");
+            // A page with its fill of shadows leaves none (Note [Shadows per page]).
+            let shadow = !all && core.config.expandable_shadows && self.stale.has_room(h);
             let size = u64::from(n) * g;
             self.mapped_at.remove(&h);
             if reused || shadow {
@@ -1482,7 +1542,7 @@ impl<E> Expandable<E> {
                     self.ranges[i] = kept;
                     return Err(e.into());
                 }
-                core.bins_mut(pool).remove(size, addr, head_id);
+                core.unfile_released(pool, size, addr, head_id);
                 core.idle_index.remove(&(since, head_id.0));
                 core.blocks.discard(head_id.0);
                 core.segments.remove(seg.0);
@@ -1545,6 +1605,7 @@ impl<E> Expandable<E> {
             }
         }
         // Old mappings: of a page still held, where nothing else is mapped.
+        self.stale.check()?;
         let mut prev: Option<&Stale> = None;
         for st in self.stale.values() {
             let s = core.segments.get(st.seg.0);
@@ -1599,18 +1660,24 @@ impl<E> Expandable<E> {
     }
 
     /// Unmaps the old mappings of pages reused early whose stream is past
-    /// them (with `expandable_shadows` they stay, as shadows).
+    /// them (with `expandable_shadows` they stay, as shadows, but for those
+    /// of pages past their fill: Note [Shadows per page]).
     fn retire_stale<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
     ) -> Result<(), AllocError> {
         if core.config.expandable_shadows {
+            for k in self.stale.over_limit() {
+                let st = self.stale.at(&k);
+                if self.quiescent(dev, st.slot, st.since)? {
+                    self.unmap_stale(core, dev, k)?;
+                }
+            }
             return Ok(());
         }
-        let keys: Vec<(u32, u32)> = self.stale.keys().copied().collect();
-        for k in keys {
-            let st = self.stale[&k];
+        for k in self.stale.places() {
+            let st = self.stale.at(&k);
             if self.quiescent(dev, st.slot, st.since)? {
                 self.unmap_stale(core, dev, k)?;
             }
@@ -1626,29 +1693,12 @@ impl<E> Expandable<E> {
         key: (u32, u32),
     ) -> Result<(), AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
-        let st = self.stale[&key];
+        let st = self.stale.at(&key);
         let addr = core.segments.get(st.seg.0).addr + u64::from(st.at) * g;
         dev.vmm_unmap(DevicePtr(addr), u64::from(st.len) * g)?;
         self.stale.remove(&key);
         core.stats.num_unmap += 1;
         Ok(())
-    }
-
-    /// Before page `handle` is released, or everything is: the old mappings
-    /// (of it) go, after their stream's marker if it is not past them yet.
-    fn clear_stale<D: Device<Event = E>>(
-        &mut self,
-        core: &mut Core<E>,
-        dev: &D,
-        hit: impl Fn(&Stale) -> bool,
-    ) -> Result<(), AllocError> {
-        let keys: Vec<(u32, u32)> = self
-            .stale
-            .iter()
-            .filter(|(_, st)| hit(st))
-            .map(|(k, _)| *k)
-            .collect();
-        self.unmap_stale_keys(core, dev, keys)
     }
 
     /// Before granules `first..last` of `seg` are mapped: the old mappings
@@ -1697,7 +1747,7 @@ impl<E> Expandable<E> {
         keys: Vec<(u32, u32)>,
     ) -> Result<(), AllocError> {
         for k in keys {
-            let st = self.stale[&k];
+            let st = self.stale.at(&k);
             self.wait_quiescent(core, dev, st.slot, st.since)?;
             self.unmap_stale(core, dev, k)?;
         }
@@ -1780,11 +1830,10 @@ impl<E> Expandable<E> {
                 continue;
             }
             let other = PoolId::new(slot as u32, pool.kind());
-            let Some(bins) = core.bins[other.index()].as_ref() else {
-                continue;
-            };
-            for e in bins.iter_from(rounded).take(AROUND) {
-                if e.0 > bound || best.is_some_and(|b| b.0 <= e.0) {
+            let bins = &core.bins[other.index()];
+            // (Blocks above `bound` end the look: the walk stops before them.)
+            for e in bins.iter_between(rounded, bound).take(AROUND) {
+                if best.is_some_and(|b| b.0 <= e.0) {
                     break;
                 }
                 let since = core.blocks.get(e.2 .0).freed_at;

@@ -524,7 +524,7 @@ impl<E> Core<E> {
         let (pool, mut addr, mut size) = (b.pool, b.addr, b.size);
         let (mut prev, mut next) = (b.prev, b.next);
         let mut since = b.freed_at;
-        let bins = bins[pool.index()].get_or_insert_with(Box::default);
+        let bins = &mut bins[pool.index()];
         let mut net_blocks: i64 = 0;
         let mut net_bytes: i64 = 0;
         if let Some(p) = prev {

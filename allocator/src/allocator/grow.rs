@@ -161,9 +161,7 @@ impl<E> State<E> {
         let slots = (first..first + looked).map(|s| s % streams);
         for slot in slots.filter(|&s| s != pool.stream_slot()) {
             let other = PoolId::new(slot as u32, pool.kind());
-            let Some(bins) = self.core.bins[other.index()].as_ref() else {
-                continue;
-            };
+            let bins = &self.core.bins[other.index()];
             for e in bins.iter_from(rounded).take(BORROW_LOOKS) {
                 if best.is_some_and(|(b, _)| b.0 <= e.0)
                     || (rounded < max_split && e.0 >= max_split)
@@ -251,7 +249,7 @@ impl<E> State<E> {
         if slab {
             self.slabs.drop_slab(&mut self.core, seg);
         } else {
-            self.core.bins_mut(pool).remove(size, addr, head);
+            self.core.unfile_released(pool, size, addr, head);
             self.core.blocks.discard(head.0);
         }
         self.core.segment_by_addr.remove(&addr);
@@ -310,9 +308,7 @@ impl<E> State<E> {
     ) -> Result<bool, AllocError> {
         let max_split = self.core.config.max_split_size;
         let key = rounded.max(max_split);
-        let Some(bins) = self.core.bins[pool.index()].as_ref() else {
-            return Ok(false);
-        };
+        let bins = &self.core.bins[pool.index()];
         let candidates: Vec<BlockId> = match bins.best_fit(key) {
             Some((_, _, id)) => vec![id],
             None => {
@@ -364,8 +360,7 @@ impl<E> State<E> {
         };
         let mut candidates: Vec<BlockId> = Vec::new();
         for (i, bins) in self.core.bins.iter().enumerate() {
-            if let (Some(bins), PoolKind::Large | PoolKind::Huge) = (bins, PoolId(i as u32).kind())
-            {
+            if let PoolKind::Large | PoolKind::Huge = PoolId(i as u32).kind() {
                 candidates.extend(bins.iter().map(|e| e.2).filter(|id| {
                     let b = self.core.blocks.get(id.0);
                     !b.is_split() && !self.core.segments.get(b.segment.0).is_expandable()
@@ -443,7 +438,6 @@ impl<E> Core<E> {
     fn take_mapped_fit(&mut self, pool: PoolId, rounded: u64, looks: usize) -> Option<BlockId> {
         let max_split = self.config.max_split_size;
         let (size, addr, id) = self.bins[pool.index()]
-            .as_ref()?
             .iter_from(rounded)
             .take(looks)
             .find(|e| rounded >= max_split || e.0 < max_split)?;

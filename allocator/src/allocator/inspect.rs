@@ -10,7 +10,6 @@ impl<E> State<E> {
         let mut free = 0;
         let mut largest = 0;
         for (i, bins) in self.core.bins.iter().enumerate() {
-            let Some(bins) = bins else { continue };
             match self.vmm.has_ranges(i) {
                 true => {
                     for (size, addr, id) in bins.iter() {

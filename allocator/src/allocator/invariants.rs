@@ -188,9 +188,7 @@ impl<E> Core<E> {
         let kind = s.pool.kind();
         match b.state {
             BlockState::Free => {
-                let in_bins = self.bins[b.pool.index()]
-                    .as_ref()
-                    .is_some_and(|bins| bins.contains(b.size, b.addr, id));
+                let in_bins = self.bins[b.pool.index()].contains(b.size, b.addr, id);
                 // (A slab's free blocks are checked by `check_slab`.)
                 if in_bins == b.slab {
                     return Err(format!(
@@ -293,7 +291,7 @@ impl<E> Core<E> {
     /// The bins hold exactly the free blocks of their pool.
     fn check_bins(&self, t: &Tally) -> Result<(), String> {
         for (i, bins) in self.bins.iter().enumerate() {
-            let n = bins.as_ref().map_or(0, |b| b.len());
+            let n = bins.len();
             if n != t.free_in_bins[i] {
                 return Err(format!(
                     "pool {i} bins hold {n} blocks but {} free blocks belong to it",

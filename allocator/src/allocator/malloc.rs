@@ -190,17 +190,13 @@ impl<E> State<E> {
         req: Request,
     ) -> Result<(Entry, bool), AllocError> {
         let Request { pool, rounded, .. } = req;
-        let fit = self.core.bins[pool.index()]
-            .as_ref()
-            .and_then(|b| b.best_fit(rounded));
+        let fit = self.core.bins[pool.index()].best_fit(rounded);
         // (The block, where in it the request goes, and whether its pages
         // there are all mapped.) A placement inside the block is cut only
         // once the block is taken: a borrowed block instead leaves it whole.
         let own = match fit {
             Some(fit) => {
-                let bins = self.core.bins[pool.index()]
-                    .as_ref()
-                    .expect("it gave the fit");
+                let bins = &self.core.bins[pool.index()];
                 let (e, mapped) = self.vmm.near_fit(&self.core, dev, bins, fit, rounded)?;
                 Some((e, e.1, mapped))
             }
@@ -280,7 +276,7 @@ impl<E> Core<E> {
         }
         let max_split = self.config.max_split_size;
         let slack = self.config.max_non_split_rounding;
-        let found = self.bins[pool.index()].as_ref()?.find(size)?;
+        let found = self.bins[pool.index()].find(size)?;
         let (bsize, _, id) = found.entry;
         if size < max_split && bsize >= max_split {
             return None;
@@ -288,7 +284,7 @@ impl<E> Core<E> {
         if size >= max_split && bsize >= size.saturating_add(slack) {
             return None;
         }
-        self.bins[pool.index()].as_mut()?.take(found);
+        self.bins[pool.index()].take(found);
         Some(id)
     }
 

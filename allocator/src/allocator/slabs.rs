@@ -143,7 +143,7 @@ impl SlabPools {
     /// that a new slab costs no device call while one is cached).
     fn take_free_segment<E>(&mut self, core: &mut Core<E>, pool: PoolId) -> Option<SegmentId> {
         let seg_size = core.config.small_segment;
-        let bins = core.bins[pool.index()].as_mut()?;
+        let bins = &mut core.bins[pool.index()];
         let found = bins.find(seg_size)?;
         let (size, _, id) = found.entry;
         let b = core.blocks.get(id.0);
