@@ -891,7 +891,7 @@ impl Bins {
             Form::Table(t) => t.insert(fl, sl, e),
             Form::Few(f) => {
                 if !f.insert(flat(fl, sl), e) {
-                    self.to_table().insert(fl, sl, e);
+                    self.make_table().insert(fl, sl, e);
                 }
             }
         }
@@ -902,7 +902,7 @@ impl Bins {
     /// The compact form outgrew [`FEW`] classes: its classes move to a table.
     #[cold]
     #[inline(never)]
-    fn to_table(&mut self) -> &mut Table {
+    fn make_table(&mut self) -> &mut Table {
         let mut t = Table::new();
         if let Form::Few(f) = &mut self.form {
             for (&c, class) in f.ids.iter().zip(std::mem::take(&mut f.classes)) {

@@ -85,7 +85,7 @@ impl<K: Ord + Copy, V: Copy> SortedMap<K, V> {
                 Ok(i) => Some(std::mem::replace(&mut v[i].1, val)),
                 Err(i) => {
                     if v.len() == SMALL {
-                        self.to_tree();
+                        self.make_tree();
                         return self.insert(k, val);
                     }
                     if v.capacity() == 0 {
@@ -103,7 +103,7 @@ impl<K: Ord + Copy, V: Copy> SortedMap<K, V> {
     /// The vector is full: its entries move to a tree.
     #[cold]
     #[inline(never)]
-    fn to_tree(&mut self) {
+    fn make_tree(&mut self) {
         if let SortedMap::Small(v) = self {
             *self = SortedMap::Tree(v.drain(..).collect());
         }

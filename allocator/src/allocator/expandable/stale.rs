@@ -71,7 +71,7 @@ impl StaleMap {
     pub fn has_room(&self, handle: u64) -> bool {
         self.by_page
             .get(&handle)
-            .is_none_or(|p| p.len() < MAX_SHADOWS_PER_PAGE)
+            .map_or(true, |p| p.len() < MAX_SHADOWS_PER_PAGE)
     }
 
     pub fn remove(&mut self, place: &Place) -> Option<Stale> {
