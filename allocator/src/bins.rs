@@ -319,13 +319,20 @@ impl Class {
         self.more.get_or_insert_with(Box::default)
     }
 
-    #[inline]
+    /// Files `e`: inline for an empty class (the common case: classes are
+    /// narrow), a call otherwise.
+    #[inline(always)]
     fn insert(&mut self, e: Entry) -> bool {
         if self.len == 0 {
             self.set_first(e);
             self.len = 1;
             return true;
         }
+        self.insert_more(e)
+    }
+
+    #[inline(never)]
+    fn insert_more(&mut self, e: Entry) -> bool {
         let first = self.first_entry();
         let inserted = if key(&e) < key(&first) {
             self.set_first(e);
@@ -337,8 +344,19 @@ impl Class {
         inserted
     }
 
-    #[inline]
+    /// Removes `e` if filed: inline for a class of one entry, a call otherwise.
+    #[inline(always)]
     fn remove(&mut self, e: &Entry) -> bool {
+        if self.len == 1 {
+            let first = e.1 == self.addr && *e == self.first_entry();
+            self.len -= u32::from(first);
+            return first;
+        }
+        self.remove_more(e)
+    }
+
+    #[inline(never)]
+    fn remove_more(&mut self, e: &Entry) -> bool {
         if self.len == 0 {
             return false;
         }
@@ -403,9 +421,20 @@ impl Class {
         (self.len > 0).then(|| self.first_entry())
     }
 
-    /// Removes `e`, found at `index` by [`Class::first_at_least`] with the class unchanged since.
-    #[inline]
+    /// Removes `e`, found at `index` by [`Class::first_at_least`] with the
+    /// class unchanged since: inline for a class of one entry.
+    #[inline(always)]
     fn take(&mut self, index: usize, e: &Entry) {
+        if self.len == 1 {
+            debug_assert!(index == 0 && *e == self.first_entry());
+            self.len = 0;
+            return;
+        }
+        self.take_more(index, e);
+    }
+
+    #[inline(never)]
+    fn take_more(&mut self, index: usize, e: &Entry) {
         if index == 0 && self.len > 0 && *e == self.first_entry() {
             self.pop_first();
             return;
@@ -464,10 +493,12 @@ fn remove_at(v: &mut Vec<Entry>, i: usize) {
 //   are kept, ascending, beside their indices in a 16-byte array: "the first
 //   class at or above c" is one count of the indices below c (eight
 //   compares, no branch on the data), and a class record is found at that
-//   count. A class that empties leaves the array. A pool of one block costs
-//   its `Bins` record (64 bytes, inline in the allocator's table of pools)
-//   and one class record.
-// - `Table`: past [`FEW`] classes, the two-level table: the bitmaps, and
+//   count. A class that empties keeps its slot until a new class needs it
+//   (a pair of malloc and free empties and fills the same few classes). A
+//   pool of one block costs its `Bins` record (64 bytes, inline in the
+//   allocator's table of pools) and one class record.
+// - `Table`: past [`FEW`] classes holding blocks at once, the two-level
+//   table: the bitmaps, and
 //   rows of 64 classes, one per first-level class (power of two) that has
 //   held a block, made on the first block of that range (2 KiB each, 48 at
 //   most, where a full table is 96 KiB). A class is found through its row's
@@ -477,8 +508,8 @@ fn remove_at(v: &mut Vec<Entry>, i: usize) {
 // A busy pool (a single-stream program's, within its first steps) moves to
 // `Table` once and stays there, so that a pool that fills and drains does
 // not build and drop tables. The allocator drops a pool's bins altogether
-// when the release of a segment leaves them empty (`Core::drop_empty_bins`):
-// a pool that holds nothing costs nothing.
+// when the release of a segment leaves them empty (`Core::unfile_released`):
+// a pool that holds nothing costs its inline record only.
 //
 // Both forms keep the same order and answer the same best fit, so which form
 // a pool is in never changes a decision (checked by
@@ -515,20 +546,37 @@ impl Default for Bins {
     }
 }
 
-/// The compact form: the classes that hold blocks, ascending.
+/// The compact form: the classes a pool has held blocks in, ascending (at
+/// most [`FEW`]), and which of them hold blocks now.
 #[derive(Debug)]
 struct Few {
     /// Flat class indices, ascending; unused entries are `u16::MAX`
     /// (above every class, so they never count as below one).
     ids: [u16; FEW],
-    /// The classes of `ids`, in the same order; none is empty.
+    /// Bit `p`: the class of slot `p` holds a block. A class that empties
+    /// keeps its slot (no move of records when a pool's few classes empty
+    /// and fill again, as a pair of malloc and free does), until a new
+    /// class needs the slot.
+    full: SlotMask,
+    /// The classes of `ids`, in the same order.
     classes: Vec<Class>,
+}
+
+/// One bit per slot of the compact form.
+type SlotMask = u8;
+const _: () = assert!(FEW <= SlotMask::BITS as usize);
+
+/// The slots below slot `p` (`p` up to [`FEW`]).
+#[inline(always)]
+fn slots_below(p: usize) -> SlotMask {
+    ((1u16 << p) - 1) as SlotMask
 }
 
 impl Default for Few {
     fn default() -> Self {
         Few {
             ids: [u16::MAX; FEW],
+            full: 0,
             classes: Vec::new(),
         }
     }
@@ -554,18 +602,50 @@ impl Few {
         (self.ids.get(p) == Some(&(c as u16))).then_some(p)
     }
 
+    /// The first slot at or above `p` whose class holds a block.
+    #[inline(always)]
+    fn full_from(&self, p: usize) -> Option<usize> {
+        let above = self.full & SlotMask::MAX.checked_shl(p as u32).unwrap_or(0);
+        (above != 0).then(|| above.trailing_zeros() as usize)
+    }
+
     /// Files `e` in class `c`; false (and nothing filed) if the class is new
-    /// and every slot is taken.
+    /// and every slot holds a class with blocks.
     #[inline]
     fn insert(&mut self, c: usize, e: Entry) -> bool {
         let p = self.slot(c);
         if self.ids.get(p) == Some(&(c as u16)) {
             let inserted = self.classes[p].insert(e);
             debug_assert!(inserted, "block inserted twice");
+            self.full |= 1 << p;
             return true;
         }
+        self.open(p, c, e)
+    }
+
+    /// [`Few::insert`] of a class not kept, at slot `p`: the slot of an empty
+    /// class is given up for it if every slot is taken. (Giving one up
+    /// whenever there is one would make a malloc and free pair, whose two
+    /// classes empty in turn, move records at every call.)
+    #[cold]
+    #[inline(never)]
+    fn open(&mut self, mut p: usize, c: usize, e: Entry) -> bool {
         if self.classes.len() == FEW {
-            return false;
+            let empty = !self.full & slots_below(FEW);
+            if empty == 0 {
+                return false;
+            }
+            // The empty slot nearest below `p`, else the first above it.
+            let below = empty & slots_below(p);
+            let q = if below != 0 {
+                (SlotMask::BITS - 1 - below.leading_zeros()) as usize
+            } else {
+                empty.trailing_zeros() as usize
+            };
+            self.close(q);
+            if q < p {
+                p -= 1;
+            }
         }
         let n = self.classes.len();
         self.ids.copy_within(p..n, p + 1);
@@ -575,16 +655,20 @@ impl Few {
         // One record more, not double: a pool of one block holds one record.
         self.classes.reserve_exact(1);
         self.classes.insert(p, class);
+        let low = self.full & slots_below(p);
+        self.full = low | (1 << p) | ((self.full & !slots_below(p)) << 1);
         true
     }
 
-    /// Drops slot `p`, whose class is empty.
-    #[inline]
-    fn close(&mut self, p: usize) {
+    /// Drops slot `q`, whose class is empty.
+    fn close(&mut self, q: usize) {
+        debug_assert!(self.classes[q].is_empty() && self.full & (1 << q) == 0);
         let n = self.classes.len();
-        self.ids.copy_within(p + 1..n, p);
+        self.ids.copy_within(q + 1..n, q);
         self.ids[n - 1] = u16::MAX;
-        self.classes.remove(p);
+        self.classes.remove(q);
+        let low = self.full & slots_below(q);
+        self.full = low | ((self.full >> 1) & !slots_below(q));
     }
 
     #[inline]
@@ -596,7 +680,7 @@ impl Few {
             return false;
         }
         if self.classes[p].is_empty() {
-            self.close(p);
+            self.full &= !(1 << p);
         }
         true
     }
@@ -611,12 +695,12 @@ impl Few {
             p += 1;
         }
         // Every block of a higher class is larger than every block of this one.
-        let class = self.classes.get(p)?;
+        let p = self.full_from(p)?;
         Some(Found::new(
             p,
             usize::from(self.ids[p]),
             0,
-            class.first_entry(),
+            self.classes[p].first_entry(),
         ))
     }
 
@@ -625,7 +709,7 @@ impl Few {
         let p = f.at as usize;
         self.classes[p].take(f.index as usize, &f.entry);
         if self.classes[p].is_empty() {
-            self.close(p);
+            self.full &= !(1 << p);
         }
     }
 }
@@ -905,7 +989,14 @@ impl Bins {
     fn make_table(&mut self) -> &mut Table {
         let mut t = Table::new();
         if let Form::Few(f) = &mut self.form {
-            for (&c, class) in f.ids.iter().zip(std::mem::take(&mut f.classes)) {
+            let full = f.full;
+            let classes = std::mem::take(&mut f.classes).into_iter().enumerate();
+            for (&c, (_, class)) in f
+                .ids
+                .iter()
+                .zip(classes)
+                .filter(|(_, (p, _))| full & 1 << p != 0)
+            {
                 let (fl, sl) = (usize::from(c) / SL_COUNT, usize::from(c) % SL_COUNT);
                 let at = t.row(fl) as usize + sl;
                 t.classes[at] = class;
@@ -982,7 +1073,10 @@ impl Bins {
     /// The largest free block (highest address among equals).
     pub fn largest(&self) -> Option<Entry> {
         match &self.form {
-            Form::Few(f) => f.classes.last().and_then(Class::last),
+            Form::Few(f) => {
+                let p = (SlotMask::BITS - 1).checked_sub(f.full.leading_zeros())?;
+                f.classes[p as usize].last()
+            }
             Form::Table(t) => t.largest(),
         }
     }
@@ -1030,7 +1124,7 @@ impl Bins {
     #[inline]
     fn first_at(&self, c: usize) -> Option<usize> {
         match &self.form {
-            Form::Few(f) => Some(f.slot(c)).filter(|&p| p < f.classes.len()),
+            Form::Few(f) => f.full_from(f.slot(c)),
             Form::Table(t) => t.nonempty_from(c),
         }
     }
@@ -1039,7 +1133,7 @@ impl Bins {
     #[inline]
     fn next_at(&self, p: usize) -> Option<usize> {
         match &self.form {
-            Form::Few(f) => Some(p + 1).filter(|&p| p < f.classes.len()),
+            Form::Few(f) => f.full_from(p + 1),
             Form::Table(t) => t.nonempty_from(p + 1),
         }
     }
@@ -1171,11 +1265,46 @@ mod tests {
         assert!(b.is_compact());
         assert!(b.class_records() <= 4, "{} records", b.class_records());
         assert!(b.host_bytes() <= 256, "{} bytes", b.host_bytes());
-        // A class that empties gives its slot back.
+        // A class that empties holds no block (its record stays for the next).
         assert!(b.remove(3 << 20, 0x3000_0000, BlockId(2)));
         assert_eq!(b.largest(), Some((1 << 20, 0x8000_0000, BlockId(8))));
         assert_eq!(b.best_fit(2 << 20), None);
         assert_eq!(b.iter_from(4097).count(), 2);
+    }
+
+    /// With every slot taken, a new class takes the slot of an emptied one
+    /// (the records move over by one) and the bins stay compact; with every
+    /// slot's class holding blocks, they become the table.
+    #[test]
+    fn a_new_class_takes_an_emptied_slot() {
+        let mut b = Bins::default();
+        // Eight classes: 64, 66, ..., 78 granules.
+        let size = |k: u64| (64 + 2 * k) * 512;
+        for k in 0..FEW as u64 {
+            b.insert(size(k), k << 24, BlockId(k as u32));
+        }
+        assert!(b.remove(size(2), 2 << 24, BlockId(2)));
+        assert!(b.remove(size(6), 6 << 24, BlockId(6)));
+        // Between the emptied ones, below both, above both.
+        for (k, units) in [(10u64, 73u64), (11, 63), (12, 99)] {
+            if k == 12 {
+                assert!(b.remove(size(7), 7 << 24, BlockId(7)));
+            }
+            b.insert(units * 512, k << 24, BlockId(k as u32));
+            assert!(b.is_compact(), "{units} granules");
+        }
+        let sizes: Vec<u64> = b.iter().map(|e| e.0 / 512).collect();
+        assert_eq!(sizes, [63, 64, 66, 70, 72, 73, 74, 99]);
+        assert_eq!(b.best_fit(67 * 512).map(|e| e.0 / 512), Some(70));
+        assert_eq!(b.best_fit(74 * 512).map(|e| e.0 / 512), Some(74));
+        assert_eq!(b.largest().map(|e| e.0 / 512), Some(99));
+        assert_eq!(b.iter_from(73 * 512).count(), 3);
+        assert_eq!(b.class_records(), FEW);
+        // Every slot's class holds a block: a ninth class makes the table.
+        b.insert(200 * 512, 13 << 24, BlockId(13));
+        assert!(!b.is_compact());
+        let sizes: Vec<u64> = b.iter().map(|e| e.0 / 512).collect();
+        assert_eq!(sizes, [63, 64, 66, 70, 72, 73, 74, 99, 200]);
     }
 
     /// Past `FEW` classes the bins become the table, with a row for each
