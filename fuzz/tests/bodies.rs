@@ -215,7 +215,11 @@ fn trace_many_streams_under_every_preset() {
         // Mode 3: replayed, under preset i, on time (no lag bit).
         let mut data = vec![3 | (i as u8) << 2];
         data.extend_from_slice(&text);
-        assert_eq!(cachealloc_fuzz::trace::check_counted(&data), 60_000, "{name}");
+        assert_eq!(
+            cachealloc_fuzz::trace::check_counted(&data),
+            60_000,
+            "{name}"
+        );
         let opts = ReplayOptions {
             capacity: Some(1 << 30),
             ..ReplayOptions::default()
@@ -224,7 +228,11 @@ fn trace_many_streams_under_every_preset() {
         let r = replay(|| Ok(events.iter().cloned().map(Ok)), &config, opts)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(r.events, 60_000, "{name}");
-        assert!(r.oom_events.is_empty(), "{name}: {} out of memory", r.oom_events.len());
+        assert!(
+            r.oom_events.is_empty(),
+            "{name}: {} out of memory",
+            r.oom_events.len()
+        );
     }
     // The committed seed is this trace's start, under the default preset.
     let seed = std::fs::read(
@@ -232,5 +240,8 @@ fn trace_many_streams_under_every_preset() {
     )
     .unwrap();
     assert_eq!(seed[0], 3);
-    assert_eq!(&seed[1..], &cachealloc_fuzz::trace::many_streams(40, 3, 4)[..]);
+    assert_eq!(
+        &seed[1..],
+        &cachealloc_fuzz::trace::many_streams(40, 3, 4)[..]
+    );
 }
