@@ -152,6 +152,9 @@ struct SimState {
     next_page: u64,
     /// Mappings: address → (page, bytes).
     mapped: BTreeMap<u64, (u64, u64)>,
+    /// Mappings per physical page (those in `mapped`), so that a release
+    /// asks whether a page is mapped without a walk over every mapping.
+    maps_of_page: BTreeMap<u64, u32>,
     /// The seeded schedule, with its generator's state.
     faults: Option<(FaultPlan, u64)>,
     /// Calls (bits of [`calls`]) that fail `n` times after `skip` more succeed: (calls, skip, n).
@@ -226,6 +229,7 @@ impl SimulatedDevice {
                 pages: BTreeMap::new(),
                 next_page: 1,
                 mapped: BTreeMap::new(),
+                maps_of_page: BTreeMap::new(),
                 faults: None,
                 fail_calls: Vec::new(),
             })),
@@ -719,7 +723,7 @@ impl Device for SimulatedDevice {
     fn vmm_release_page(&self, page: u64) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
         s.fault(calls::VMM_RELEASE, "vmm_release_page")?;
-        if s.mapped.values().any(|&(p, _)| p == page) {
+        if s.maps_of_page.contains_key(&page) {
             return Err(invalid("vmm_release_page (page still mapped)"));
         }
         let Some(bytes) = s.pages.remove(&page) else {
@@ -751,6 +755,7 @@ impl Device for SimulatedDevice {
             return Err(invalid("vmm_map"));
         }
         s.mapped.insert(ptr.0, (page, bytes));
+        *s.maps_of_page.entry(page).or_default() += 1;
         s.counters.vmm_maps += 1;
         Ok(())
     }
@@ -793,7 +798,14 @@ impl Device for SimulatedDevice {
         }
         s.counters.vmm_pages_unmapped += starts.len() as u64;
         for a in starts {
-            s.mapped.remove(&a);
+            if let Some((page, _)) = s.mapped.remove(&a) {
+                match s.maps_of_page.get_mut(&page) {
+                    Some(n) if *n > 1 => *n -= 1,
+                    _ => {
+                        s.maps_of_page.remove(&page);
+                    }
+                }
+            }
         }
         s.counters.vmm_unmaps += 1;
         Ok(())

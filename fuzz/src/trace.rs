@@ -175,7 +175,7 @@ pub fn many_streams(streams: u64, blocks: u64, live: usize) -> Vec<u8> {
         format!("# {streams} streams, {blocks} blocks each, {live} streams live at once\n");
     let mut held: std::collections::VecDeque<Vec<u64>> = Default::default();
     let (mut free_ids, mut next_id) = (Vec::new(), 0u64);
-    let mut free = |ids: Vec<u64>, out: &mut String, free_ids: &mut Vec<u64>| {
+    let free = |ids: Vec<u64>, out: &mut String, free_ids: &mut Vec<u64>| {
         for i in ids {
             out.push_str(&format!("f {i}\n"));
             free_ids.push(i);
