@@ -166,11 +166,16 @@ fn smaller_page(big: u32) -> u32 {
 /// A big page of `big` granules, made smaller ([`smaller_page`]) down to
 /// the peak allocated bytes (counting `bytes` about to be mapped) over
 /// `expandable_page_divisor`.
-pub(super) fn scaled_granules<E>(core: &Core<E>, mut big: u32, bytes: u64) -> u32 {
+pub(super) fn scaled_granules<E>(core: &Core<E>, big: u32, bytes: u64) -> u32 {
+    scaled_granules_by(core, big, bytes, core.config.expandable_page_divisor)
+}
+
+/// [`scaled_granules`] with the divisor given (0: no scaling).
+fn scaled_granules_by<E>(core: &Core<E>, mut big: u32, bytes: u64, divisor: u64) -> u32 {
     let g = core.granularity.expect("expandable mode has a granularity");
     let alloc = core.stats.allocated_bytes.all();
     let scale = alloc.peak.max(alloc.current.saturating_add(bytes));
-    if let Some(most) = scale.checked_div(core.config.expandable_page_divisor) {
+    if let Some(most) = scale.checked_div(divisor) {
         while big > 1 && u64::from(big) * g > most {
             big = smaller_page(big);
         }
@@ -425,9 +430,12 @@ impl<E> Expandable<E> {
     /// level before an `empty_cache` (Note [Pages after empty_cache]).
     #[inline]
     fn regrowing(&self, core: &Core<E>, bytes: u64) -> bool {
-        if !core.config.expandable_regrow_pages {
+        let Some(to) = self
+            .regrow_to
+            .filter(|_| core.config.expandable_regrow_pages)
+        else {
             return false;
-        }
+        };
         // Below where recycling starts, too: the larger pages never make
         // the allocator recycle (or wait) sooner.
         let peak = core.stats.allocated_bytes.all().peak as f64;
@@ -435,11 +443,9 @@ impl<E> Expandable<E> {
         // And only with room to spare: growing all the way back, with a
         // sixteenth more for what larger pages may strand at blocks' edges,
         // stays clear of the cap or the device's memory.
-        self.regrow_to.is_some_and(|to| {
-            let back = to.saturating_sub(core.reserved()).saturating_add(to / 16);
-            core.reserved().saturating_add(bytes) <= to.min(slack)
-                && !self.under_pressure(core, back.max(bytes))
-        })
+        let back = to.saturating_sub(core.reserved()).saturating_add(to / 16);
+        core.reserved().saturating_add(bytes) <= to.min(slack)
+            && !self.under_pressure(core, back.max(bytes))
     }
 
     /// The big page of range `s` for mapping `bytes` now, in granules:
@@ -455,14 +461,8 @@ impl<E> Expandable<E> {
             return scaled_granules(core, max, bytes);
         }
         if self.regrowing(core, bytes) {
-            let alloc = core.stats.allocated_bytes.all();
-            let scale = alloc.peak.max(alloc.current.saturating_add(bytes));
-            let most = scale / (core.config.expandable_page_divisor / REGROW_PAGE_FACTOR).max(1);
-            let mut big = max;
-            while big > 1 && u64::from(big) * g > most {
-                big = smaller_page(big);
-            }
-            return big;
+            let divisor = (core.config.expandable_page_divisor / REGROW_PAGE_FACTOR).max(1);
+            return scaled_granules_by(core, max, bytes, divisor);
         }
         // `expandable_page`: the range's largest page halved (it divides it).
         let mut big = max;
