@@ -9,7 +9,8 @@
 # and total.json (the sum), which is also printed as the last line.
 # Environment: STABLE_FUZZ_BIN (default: fuzz/target/release/examples/stable_fuzz,
 # built by `cd fuzz && cargo build --release --example stable_fuzz`),
-# SEED_BASE (default 0), STABLE_FUZZ_CORPUS (see the driver).
+# SEED_BASE (default 0), STABLE_FUZZ_CORPUS and STABLE_FUZZ_PRESET (see the
+# driver; total.json names the preset).
 set -euo pipefail
 
 if [ $# -ne 3 ]; then
@@ -53,6 +54,7 @@ for path in sorted(glob.glob(os.path.join(out, "seed-*.json"))):
     except (ValueError, OSError):
         continue  # a process that died before its final line counts as failed
     total["processes_reported"] += 1
+    total["preset"] = r.get("preset")
     for k in ("runs", "ops", "crashes", "ops_per_s"):
         total[k] += r[k]
     for t, v in r["targets"].items():

@@ -77,6 +77,11 @@ impl PageMap {
         self.aliases.contains(&at)
     }
 
+    /// The aliased granules, in order.
+    pub fn aliased(&self) -> impl Iterator<Item = u32> + '_ {
+        self.aliases.iter().copied()
+    }
+
     /// Aliased granules in `first..last`.
     pub fn aliases_in(&self, first: u32, last: u32) -> u32 {
         self.aliases.range(first..last.max(first)).count() as u32

@@ -58,3 +58,38 @@ fn the_owning_stream_alone_needs_no_event() {
         assert_eq!(a.malloc(4096, StreamId(1)).unwrap(), p, "{conf}");
     }
 }
+
+/// A block its user freed is no allocation while it awaits its events: a
+/// pointer into it is unknown (not an interior pointer), its start a double
+/// free, under every preset, and neither changes anything.
+#[test]
+fn a_freed_block_awaiting_events_is_not_live() {
+    use cachealloc_core::AllocError;
+    for conf in ["default", "segments", "pytorch"] {
+        let dev = SimulatedDevice::new(1 << 36).with_auto_complete(false);
+        let a = CachingAllocator::new(dev.clone(), Config::parse(conf).unwrap());
+        let p = a.malloc(4096, StreamId(1)).unwrap();
+        a.record_stream(p, StreamId(0)).unwrap();
+        a.free(p).unwrap();
+        let inside = cachealloc_core::DevicePtr(p.0 + 512);
+        assert!(
+            matches!(a.free(inside), Err(AllocError::UnknownPointer(q)) if q == inside),
+            "{conf}: {:?}",
+            a.free(inside)
+        );
+        assert!(
+            matches!(a.free(p), Err(AllocError::DoubleFree(q)) if q == p),
+            "{conf}: {:?}",
+            a.free(p)
+        );
+        // A live block's interior is still reported as one.
+        let live = a.malloc(4096, StreamId(1)).unwrap();
+        let into = cachealloc_core::DevicePtr(live.0 + 512);
+        assert!(
+            matches!(a.free(into), Err(AllocError::InteriorPointer { block, .. }) if block == live),
+            "{conf}"
+        );
+        dev.complete_all_events();
+        a.free(live).unwrap();
+    }
+}

@@ -18,12 +18,17 @@
 //!   the allocator operations executed and the crashes, their totals, and
 //!   the seeds found per target.
 //!
+//! - `STABLE_FUZZ_PRESET=NAME` runs every `ops` input under that preset
+//!   (e.g. `default`) instead of the configuration its first byte picks;
+//!   the final line names it as `"preset"`.
+//!
 //! Allocator operations: for `ops`, the decoded operations of each input
 //! (each one a step the model checker judges); for `trace`, the events of
 //! each trace replayed; for `config`, the fixed sequence's operations, once
 //! per configuration the parser accepted.
 
 use cachealloc_core::sample::XorShift64;
+use cachealloc_core::Config;
 use cachealloc_model as model;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -129,13 +134,13 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Runs one input of `target`; returns its allocator operations, or the crash message.
-fn run_one(target: usize, d: &[u8]) -> Result<u64, String> {
+fn run_one(target: usize, d: &[u8], only: Option<&Config>) -> Result<u64, String> {
     let r = catch_unwind(AssertUnwindSafe(|| match target {
         0 => {
             let n = d
                 .split_first()
                 .map_or(0, |(_, rest)| model::decode(rest).1.len() as u64);
-            cachealloc_fuzz::ops::run(d).map(|()| n)
+            cachealloc_fuzz::ops::run_under(d, only).map(|()| n)
         }
         1 => Ok(cachealloc_fuzz::trace::check_counted(d)),
         _ => Ok(cachealloc_fuzz::config::check_counted(d)),
@@ -157,6 +162,14 @@ fn main() {
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("STABLE_FUZZ_CRASH_DIR").map(PathBuf::from))
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("artifacts/stable"));
+    let preset = std::env::var("STABLE_FUZZ_PRESET").ok();
+    let only = preset.as_deref().map(|n| match Config::preset(n) {
+        Some(c) => c,
+        None => {
+            eprintln!("STABLE_FUZZ_PRESET: unknown preset {n:?}");
+            std::process::exit(2);
+        }
+    });
     let mut rng = XorShift64::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let corpus = corpus_dir();
     let all_seeds: Vec<Vec<Vec<u8>>> = TARGETS.iter().map(|t| seeds(&corpus, t)).collect();
@@ -173,7 +186,7 @@ fn main() {
                 break 'run;
             }
             let d = input(&mut rng, &all_seeds[t], max_len[t]);
-            match run_one(t, &d) {
+            match run_one(t, &d, only.as_ref()) {
                 Ok(n) => ops[t] += n,
                 Err(e) => {
                     crashes[t] += 1;
@@ -198,7 +211,8 @@ fn main() {
         .collect();
     let total_ops: u64 = ops.iter().sum();
     println!(
-        "{{\"seed\":{seed},\"seconds\":{seconds},\"elapsed_s\":{elapsed:.3},\"ops_per_s\":{:.0},\"targets\":{{{}}},\"runs\":{},\"ops\":{total_ops},\"crashes\":{}}}",
+        "{{\"seed\":{seed},\"preset\":{},\"seconds\":{seconds},\"elapsed_s\":{elapsed:.3},\"ops_per_s\":{:.0},\"targets\":{{{}}},\"runs\":{},\"ops\":{total_ops},\"crashes\":{}}}",
+        preset.map_or("null".into(), |p| format!("\"{p}\"")),
         total_ops as f64 / elapsed.max(1e-9),
         per_target.join(","),
         runs.iter().sum::<u64>(),

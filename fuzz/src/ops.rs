@@ -32,11 +32,20 @@ pub fn options() -> Options {
 /// default, no-caching, expandable and variants).
 /// 128 and above: one of the named presets ([`presets`]).
 pub fn run(data: &[u8]) -> Result<(), String> {
+    run_under(data, None)
+}
+
+/// [`run`], or with `only` every input under that configuration whatever
+/// its first byte (a long run aimed at one preset: the stable driver's
+/// `STABLE_FUZZ_PRESET`).
+pub fn run_under(data: &[u8], only: Option<&Config>) -> Result<(), String> {
     let Some((&choice, rest)) = data.split_first() else {
         return Ok(());
     };
     let (mut setup, ops) = model::decode(rest);
-    if choice >= 128 {
+    if let Some(c) = only {
+        setup.config = c.clone();
+    } else if choice >= 128 {
         let presets = presets();
         setup.config = presets[usize::from(choice) % presets.len()].clone();
     }

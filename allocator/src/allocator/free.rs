@@ -15,7 +15,7 @@ impl<E> State<E> {
         self.core.clock += 1;
         // One map operation on the common path; a parked block goes back in.
         let Some(id) = self.core.live.remove(ptr.0) else {
-            return Err(self.core.classify_bad_pointer(ptr));
+            return Err(self.bad_pointer(ptr));
         };
         // One read of the record: taking the block back from a thread cache
         // or parking it changes neither its size, its pool nor its streams.
@@ -189,13 +189,24 @@ impl<E> State<E> {
         }
     }
 
+    /// The error for a pointer that is no live allocation's start. The
+    /// thread caches are synced first: a block a thread cache holds is
+    /// parked (freed) or handed out again by that thread without the
+    /// allocator's lock, and only its slot knows which, so an interior
+    /// pointer into a parked block is told from one into a live block.
+    #[cold]
+    fn bad_pointer(&mut self, ptr: DevicePtr) -> AllocError {
+        self.caches.sync_thread_caches(&mut self.core);
+        self.core.classify_bad_pointer(ptr)
+    }
+
     pub(super) fn record_stream(
         &mut self,
         ptr: DevicePtr,
         stream: StreamId,
     ) -> Result<(), AllocError> {
         let Some(id) = self.core.live.get(ptr.0) else {
-            return Err(self.core.classify_bad_pointer(ptr));
+            return Err(self.bad_pointer(ptr));
         };
         if let Some(holder) = self.core.blocks.get(id.0).holder {
             // A block another stream uses must not be parked: the allocator keeps it.
@@ -404,10 +415,10 @@ impl<E> Core<E> {
         while let Some(id) = cur {
             let b = self.blocks.get(id.0);
             if ptr.0 >= b.addr && ptr.0 < b.addr + b.size {
-                // (A parked block may be live again: a thread cache hands
-                // its blocks out without the allocator's lock.)
+                // (The thread caches were synced by the caller: a parked
+                // block is one a thread cache holds freed.)
                 return match (b.state, ptr.0 == b.addr) {
-                    (BlockState::Allocated | BlockState::Parked, false) => {
+                    (BlockState::Allocated, false) => {
                         AllocError::InteriorPointer {
                             ptr,
                             block: DevicePtr(b.addr),

@@ -398,8 +398,10 @@ impl<E> Expandable<E> {
         for &seg in self.ranges.iter().flatten() {
             let s = core.segments.get(seg.0);
             let Some(pages) = s.pages() else { continue };
-            let n = (s.size / g) as u32;
-            for x in (0..n).filter(|&x| pages.is_alias(x)) {
+            // (The aliased granules, not every granule of the range: a
+            // range spans the device's memory and this runs after every
+            // operation under the model.)
+            for x in pages.aliased() {
                 if !members.contains(&(seg.0, x)) {
                     return Err(format!(
                         "aliased granule {x} of {:#x} is no shared page's member",

@@ -49,6 +49,37 @@ fn an_interior_pointer_into_a_block_served_from_a_cache_is_named() {
     a.check_invariants().unwrap();
 }
 
+/// A pointer into a block parked (freed) in a thread cache names no
+/// allocation, as without thread caches: unknown, and its start a double
+/// free; once the cache hands the block out again, an interior pointer.
+#[test]
+fn an_interior_pointer_into_a_parked_block_is_unknown() {
+    let (_dev, a) = new("segments,thread_cache:8", 1 << 30);
+    let p = a.malloc(4096, S0).unwrap();
+    a.free(p).unwrap();
+    assert!(states(&a).contains(&BlockState::Parked), "the block is parked");
+    let inside = DevicePtr(p.0 + 512);
+    assert_eq!(
+        a.free(inside).unwrap_err(),
+        AllocError::UnknownPointer(inside)
+    );
+    assert_eq!(
+        a.record_stream(inside, S1).unwrap_err(),
+        AllocError::UnknownPointer(inside)
+    );
+    let q = a.malloc(4096, S0).unwrap();
+    assert_eq!(q, p, "served by the thread's cache");
+    assert_eq!(
+        a.free(inside).unwrap_err(),
+        AllocError::InteriorPointer {
+            ptr: inside,
+            block: q
+        }
+    );
+    a.free(q).unwrap();
+    a.check_invariants().unwrap();
+}
+
 #[test]
 fn a_repeated_size_is_served_without_the_allocator_lock() {
     let (dev, a) = new("segments,thread_cache:8", 1 << 30);
