@@ -47,5 +47,5 @@ pub fn run(data: &[u8]) -> Result<(), String> {
 pub fn run_setup(setup: &Setup, ops: &[Op]) -> Result<(), String> {
     model::run_with(setup, ops, options())
         .map(|_| ())
-        .map_err(|e| format!("config {}: {e}", setup.config.name))
+        .map_err(|e| format!("config {}: {e}", setup.config.name()))
 }
