@@ -48,7 +48,7 @@ mod pages;
 pub mod pytorch_conf;
 pub mod replay;
 mod report;
-pub mod rounding;
+mod rounding;
 #[cfg(feature = "testing")]
 pub mod sample;
 mod simulated;
@@ -57,11 +57,10 @@ mod stats;
 mod thread_slot;
 mod trace;
 
-// Note [Public surface]: each public item has one path. The modules whose
-// items are all re-exported here are private; `pytorch_conf`, `replay`,
-// `rounding`, `sample` (feature `testing`) and `keys` (the configuration
-// key table) are modules of their own because their items are used by
-// path. `docs/ARCHITECTURE.md` ("Public surface") has the item count and
+// Note [Public surface]: each public item has one path. The modules are
+// private and their public items re-exported here, except `pytorch_conf`,
+// `replay`, `sample` (feature `testing`) and `keys` (the configuration key
+// table), whose items are used by their module's path. `docs/ARCHITECTURE.md` ("Public surface") has the item count and
 // the command that measures it.
 pub use allocator::{CachingAllocator, Released, TraceSink, Usage};
 pub use block::{BlockState, PoolKind};
@@ -74,7 +73,10 @@ pub use error::{AllocError, OomReport};
 pub use report::{
     human_bytes, BlockSnapshot, FragmentationReport, SegmentSnapshot, SegmentUse, Snapshot,
 };
-pub use rounding::{round_size, MAX_REQUEST, MIN_BLOCK};
+pub use rounding::{round_size, Power2Divisions, MAX_REQUEST, MIN_BLOCK, POWER2_INTERVALS};
+/// Feature `testing`: the slab size classes, for the lab's slab studies.
+#[cfg(feature = "testing")]
+pub use rounding::{round_size_plain, slab_class, SLAB_CLASSES, SLAB_MAX};
 pub use simulated::{calls as sim_calls, FaultPlan, SimCounters, SimulatedDevice};
 pub use stats::{MemoryStats, Stat, StatArray, STAT_GROUPS};
 pub use trace::{TraceError, TraceEvent, TraceReader, TraceWriter};
