@@ -7,7 +7,8 @@
 //!
 //! One static table, [`KEYS`], describes every key (its kind, its bounds,
 //! whether it is stable, a line of documentation). Parsing, printing
-//! ([`Config::to_conf_string`]), the error messages and the key table of
+//! ([`Config::to_conf_string`]), [`Config::set`] / [`Config::get`], the
+//! checks of [`ConfigBuilder`], the error messages and the key table of
 //! `docs/POLICY.md` ([`keys_markdown`]) are all driven by it, so they cannot
 //! disagree. Every number a key accepts is bounded there, so that no accepted
 //! value can overflow a size computation or divide by zero.
@@ -129,6 +130,14 @@ choice_words!(EdgePages, WORDS:
 );
 
 /// How the allocator carves segments and blocks. See `docs/POLICY.md`.
+///
+/// A configuration comes from a preset ([`Config::default`],
+/// [`Config::preset`] by name), a configuration string ([`Config::parse`]),
+/// or [`Config::builder`] / [`Config::into_builder`]; [`Config::set`] and
+/// [`Config::get`] change and read any key of [`crate::keys::KEYS`] by
+/// name. Each way checks values with that table, so every `Config` holds
+/// values a configuration string could set (the feature `testing` aside;
+/// Note [Config's fields are the crate's]).
 #[derive(Clone, PartialEq, Debug)]
 #[non_exhaustive]
 pub struct Config {
