@@ -227,7 +227,7 @@ fn main() {
     // Cache-hit alloc + free pairs, plain and expandable.
     let iters = if quick { 20_000 } else { 200_000 };
     for config in [Config::segments(), Config::default()] {
-        let name = config.name.clone();
+        let name = config.name().to_string();
         let alloc = CachingAllocator::new(CudaDevice::new(0).unwrap(), config);
         if name == "expandable" {
             assert!(alloc.is_expandable(), "{:?}", alloc.notices());

@@ -493,14 +493,19 @@ pub use exports::*;
 /// (nothing records stream events behind a capture, and a block the graph
 /// freed stays where its stream left it), nothing given back on its own (no
 /// garbage collection, no release on out-of-memory).
-pub fn pool_config(mut config: Config) -> Config {
-    config.thread_cache = 0;
-    config.slab_max = 0;
-    config.expandable_segments = false;
-    config.borrow_holes = false;
-    config.garbage_collection_threshold = None;
-    config.oom_flush = false;
+pub fn pool_config(config: Config) -> Config {
     config
+        .into_builder()
+        .thread_cache(0)
+        .slab_max(0)
+        .expandable_segments(false)
+        .borrow_holes(false)
+        .garbage_collection_threshold(None)
+        .set("oom_flush", "False")
+        .build()
+        // Each value is its key's "off", inside the key table's bounds, and
+        // no slabs meet every limit between keys: `build` cannot refuse it.
+        .expect("a private pool's settings are valid for every configuration")
 }
 
 #[cfg(feature = "cuda")]
@@ -1063,11 +1068,12 @@ mod tests {
     fn a_private_pool_keeps_pytorchs_segment_sizes_and_its_segments() {
         let c = pool_config(Config::default());
         assert_eq!(
-            (c.thread_cache, c.slab_max, c.expandable_segments),
+            (c.thread_cache(), c.slab_max(), c.expandable_segments()),
             (0, 0, false)
         );
-        assert!(!c.oom_flush && !c.borrow_holes);
-        assert!(c.garbage_collection_threshold.is_none());
+        assert_eq!(c.get("oom_flush").unwrap().as_deref(), Some("False"));
+        assert!(!c.borrow_holes());
+        assert!(c.garbage_collection_threshold().is_none());
         // A fresh pool's first medium request takes a 20 MiB segment, as
         // PyTorch's graph pools do (`default` alone would make it 4 MiB).
         let dev = SimulatedDevice::new(1 << 30);
@@ -1317,8 +1323,8 @@ mod tests {
             }
         );
         let c = a.config();
-        assert_eq!(c.garbage_collection_threshold, Some(0.5));
-        assert_eq!(c.max_non_split_rounding, 64 << 20);
+        assert_eq!(c.garbage_collection_threshold(), Some(0.5));
+        assert_eq!(c.max_non_split_rounding(), 64 << 20);
         assert_eq!(a.memory_cap(), Some(512 << 20), "half of 1 GiB");
         // The new cap is in force: 600 MiB no longer fits.
         assert_eq!(alloc(&a, 600 << 20, 0).code(), 1);
@@ -1334,12 +1340,12 @@ mod tests {
             done.notice
         );
         assert_eq!(done.fraction, None);
-        assert_eq!(a.config().max_split_size, before.max_split_size);
+        assert_eq!(a.config().max_split_size(), before.max_split_size());
         let e =
             apply_settings(&a, "garbage_collection_threshold:0.2,max_split_size_mb:1").unwrap_err();
         assert!(e.contains("max_split_size_mb too small"), "{e}");
         assert_eq!(
-            a.config().garbage_collection_threshold,
+            a.config().garbage_collection_threshold(),
             Some(0.5),
             "a refused string changes nothing"
         );

@@ -29,7 +29,7 @@ fn empty_cache_with(config: Config) {
     // One test at a time: each compares the driver's free memory before and after.
     let _serial = serial();
     let Some(dev) = gpu_device() else { return };
-    println!("device: {}; config {}", dev.name(), config.name);
+    println!("device: {}; config {}", dev.name(), config.name());
     dev.bind_thread().unwrap();
     let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
     // Warm up everything the driver sets up lazily (memset kernels, stream
@@ -41,7 +41,7 @@ fn empty_cache_with(config: Config) {
     b.synchronize().unwrap();
     // SAFETY: allocated above, both streams idle.
     unsafe { driver::mem_free(warm) }.unwrap();
-    if let (true, Ok(g)) = (config.expandable_segments, dev.vmm_support()) {
+    if let (true, Ok(g)) = (config.expandable_segments(), dev.vmm_support()) {
         // And the virtual memory API's own lazy set-up (one page, mapped and used).
         let range = dev.vmm_reserve(64 * g).unwrap();
         let page = dev.vmm_create_page(g).unwrap();
@@ -52,7 +52,7 @@ fn empty_cache_with(config: Config) {
         dev.vmm_release_page(page).unwrap();
         dev.vmm_free_range(range, 64 * g).unwrap();
     }
-    let expandable = config.expandable_segments;
+    let expandable = config.expandable_segments();
     let alloc = CachingAllocator::new(dev, config);
     if expandable && !alloc.is_expandable() {
         println!(

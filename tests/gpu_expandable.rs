@@ -34,11 +34,12 @@ use common::{
 /// `config` under a cap, with 2 MiB pages in every pool (the arithmetic of
 /// these tests counts 2 MiB pages; the preset's large-pool pages are 8 MiB).
 fn capped(config: Config, cap: u64) -> Config {
-    Config {
-        memory_cap: Some(MemoryCap::Bytes(cap)),
-        expandable_page: 2 * MIB,
-        ..config
-    }
+    config
+        .into_builder()
+        .memory_cap(Some(MemoryCap::Bytes(cap)))
+        .expandable_page(2 * MIB)
+        .build()
+        .unwrap()
 }
 
 #[test]
@@ -152,10 +153,11 @@ fn shifting_sizes_under_a_tight_cap_with(shadows: bool) {
     // replay of the same sequence on the simulated device: round 1); here
     // idle pages are recycled round after round.
     let cap = 128 * MIB;
-    let config = Config {
-        expandable_shadows: shadows,
-        ..Config::expandable()
-    };
+    let config = Config::expandable()
+        .into_builder()
+        .set("expandable_shadows", &shadows.to_string())
+        .build()
+        .unwrap();
     let alloc = CachingAllocator::new(dev, capped(config, cap));
     assert!(alloc.is_expandable(), "{:?}", alloc.notices());
     let mut live: Vec<(DevicePtr, u64, u32)> = Vec::new();
@@ -258,10 +260,11 @@ fn a_pinned_big_page_gives_its_free_part_back_and_the_block_keeps_its_data() {
             "expandable,expandable_page_divisor:0,expandable_reback:{reback}"
         ))
         .unwrap();
-        let config = Config {
-            memory_cap: Some(MemoryCap::Bytes(64 * MIB)),
-            ..config
-        };
+        let config = config
+            .into_builder()
+            .memory_cap(Some(MemoryCap::Bytes(64 * MIB)))
+            .build()
+            .unwrap();
         let alloc = CachingAllocator::new(CudaDevice::new(0).unwrap(), config);
         // A 6 MiB and a 2 MiB block under one 8 MiB page; the 6 MiB one freed.
         let x = alloc.malloc(6 * MIB, s.id()).unwrap();

@@ -43,10 +43,11 @@ fn ladder_under_a_memory_cap() {
     dev.bind_thread().unwrap();
     let s = Stream::new(&dev).unwrap();
     let cap = 256 * MIB;
-    let config = Config {
-        memory_cap: Some(MemoryCap::Bytes(cap)),
-        ..Config::pytorch()
-    };
+    let config = Config::pytorch()
+        .into_builder()
+        .memory_cap(Some(MemoryCap::Bytes(cap)))
+        .build()
+        .unwrap();
     let alloc = CachingAllocator::new(dev, config);
     assert_eq!(alloc.memory_cap(), Some(cap));
 
@@ -108,11 +109,12 @@ fn other_kinds_under_a_memory_cap() {
     dev.bind_thread().unwrap();
     let s = Stream::new(&dev).unwrap();
     // The huge segment takes the whole cap: no segment of any kind fits beside it.
-    let config = Config {
-        memory_cap: Some(MemoryCap::Bytes(300 * MIB)),
-        ..Config::segments()
-    };
-    assert!(config.oom_other_kinds);
+    let config = Config::segments()
+        .into_builder()
+        .memory_cap(Some(MemoryCap::Bytes(300 * MIB)))
+        .build()
+        .unwrap();
+    assert!(config.oom_other_kinds());
     let alloc = CachingAllocator::new(dev, config);
     let h = alloc.malloc(300 * MIB, s.id()).unwrap();
     alloc.free(h).unwrap();

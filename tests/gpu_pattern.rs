@@ -71,21 +71,22 @@ fn pattern_two_streams_slabs() {
 /// pattern checks.
 #[test]
 fn pattern_two_streams_expandable_capped() {
-    let config = Config {
-        memory_cap: Some(MemoryCap::Bytes(160 << 20)),
-        ..Config::expandable()
-    };
+    let config = Config::expandable()
+        .into_builder()
+        .memory_cap(Some(MemoryCap::Bytes(160 << 20)))
+        .build()
+        .unwrap();
     pattern_two_streams_with(config);
 }
 
 fn pattern_two_streams_with(config: Config) {
     let Some(dev) = gpu_device() else { return };
-    println!("device: {}; config {}", dev.name(), config.name);
+    println!("device: {}; config {}", dev.name(), config.name());
     dev.bind_thread().unwrap();
     let streams = [Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap()];
     let ids = [streams[0].id(), streams[1].id()];
-    let expandable = config.expandable_segments;
-    let config_capped = config.memory_cap.is_some();
+    let expandable = config.expandable_segments();
+    let config_capped = config.memory_cap().is_some();
     let alloc = CachingAllocator::new(dev, config);
     if expandable && !alloc.is_expandable() {
         println!(

@@ -29,7 +29,7 @@ fn long_work(ptr: cachealloc::DevicePtr, bytes: u64, stream: StreamId, n: u32, l
 /// The allocator under test, or `None` (with a printed reason) where the
 /// configuration asks for expandable segments and the device has no VMM API.
 fn allocator_with(dev: CudaDevice, config: Config) -> Option<CachingAllocator<CudaDevice>> {
-    let expandable = config.expandable_segments;
+    let expandable = config.expandable_segments();
     let alloc = CachingAllocator::new(dev, config);
     if expandable && !alloc.is_expandable() {
         println!(
@@ -71,7 +71,7 @@ fn borrowed_hole_with(config: Config, size: u64) {
     println!(
         "device: {}; config {}, blocks of {size} bytes",
         dev.name(),
-        config.name
+        config.name()
     );
     dev.bind_thread().unwrap();
     let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
@@ -174,7 +174,7 @@ fn cross_stream_slab_chunk_not_reused_before_work_completes() {
 fn cross_stream_with(config: Config) {
     let _serial = serial();
     let Some(dev) = gpu_device() else { return };
-    println!("device: {}; config {}", dev.name(), config.name);
+    println!("device: {}; config {}", dev.name(), config.name());
     dev.bind_thread().unwrap();
     let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
     let Some(alloc) = allocator_with(dev, config) else {
@@ -367,7 +367,7 @@ fn calls_from_threads_with(config: Config) {
     let Some(dev) = gpu_device() else { return };
     // Deliberately no bind_thread anywhere: every driver call (the VMM ones
     // of expandable segments included) must set the primary context itself.
-    let expandable = config.expandable_segments;
+    let expandable = config.expandable_segments();
     let Some(alloc) = allocator_with(dev, config) else {
         return;
     };
@@ -388,7 +388,7 @@ fn calls_from_threads_with(config: Config) {
     let released = alloc.empty_cache().unwrap();
     println!(
         "threads ({}): released {} segments ({} MiB); device {} MiB free of {} MiB",
-        alloc.config().name,
+        alloc.config().name(),
         released.segments,
         released.bytes / MIB,
         info.free / MIB,

@@ -7,7 +7,8 @@
 //!
 //! One static table, [`KEYS`], describes every key (its kind, its bounds,
 //! whether it is stable, a line of documentation). Parsing, printing
-//! ([`Config::to_conf_string`]), the error messages and the key table of
+//! ([`Config::to_conf_string`]), [`Config::set`] / [`Config::get`], the
+//! checks of [`ConfigBuilder`], the error messages and the key table of
 //! `docs/POLICY.md` ([`keys_markdown`]) are all driven by it, so they cannot
 //! disagree. Every number a key accepts is bounded there, so that no accepted
 //! value can overflow a size computation or divide by zero.
@@ -15,7 +16,9 @@
 use crate::rounding::{Power2Divisions, POWER2_INTERVALS, SLAB_MAX};
 use std::fmt;
 
-mod keys;
+mod builder;
+pub mod keys;
+pub use builder::ConfigBuilder;
 pub use keys::*;
 
 const MIB: u64 = 1 << 20;
@@ -127,124 +130,133 @@ choice_words!(EdgePages, WORDS:
 );
 
 /// How the allocator carves segments and blocks. See `docs/POLICY.md`.
+///
+/// A configuration comes from a preset ([`Config::default`],
+/// [`Config::preset`] by name), a configuration string ([`Config::parse`]),
+/// or [`Config::builder`] / [`Config::into_builder`]; [`Config::set`] and
+/// [`Config::get`] change and read any key of [`crate::keys::KEYS`] by
+/// name. Each way checks values with that table, so every `Config` holds
+/// values a configuration string could set (the feature `testing` aside;
+/// Note [Config's fields are the crate's]).
 #[derive(Clone, PartialEq, Debug)]
+#[non_exhaustive]
 pub struct Config {
     /// Name of the preset this config started from (for reports).
-    pub name: String,
+    pub(crate) name: String,
     /// Cache freed blocks at all; `false` frees every block's segment at once.
-    pub caching: bool,
+    pub(crate) caching: bool,
     /// Size of small-pool segments.
-    pub small_segment: u64,
+    pub(crate) small_segment: u64,
     /// Large requests at or above this get a segment of their own size (rounded);
     /// below it, a segment of [`MEDIUM_SEGMENT`].
-    pub large_threshold: u64,
+    pub(crate) large_threshold: u64,
     /// Granule that own-size large segments are rounded up to.
-    pub segment_round: u64,
+    pub(crate) segment_round: u64,
     /// Plain segments: requests at or above this size go to the huge pool,
     /// whose blocks only huge requests may take (`u64::MAX`: no huge pool).
-    pub huge_size: u64,
+    pub(crate) huge_size: u64,
     /// Large blocks are split only when the remainder is larger than this.
-    pub large_split_remainder: u64,
+    pub(crate) large_split_remainder: u64,
     /// PyTorch's `max_split_size`: blocks this large are never split, and
     /// smaller requests never take them. `u64::MAX` means unlimited.
-    pub max_split_size: u64,
+    pub(crate) max_split_size: u64,
     /// PyTorch's `max_non_split_rounding_size`: a request of at least
     /// `max_split_size` takes a cached block only if the block is less than
     /// this much larger ([`OVERSIZE_SLACK`] by default).
-    pub max_non_split_rounding: u64,
+    pub(crate) max_non_split_rounding: u64,
     /// `roundup_power2_divisions` per interval.
-    pub roundup_power2_divisions: Power2Divisions,
+    pub(crate) roundup_power2_divisions: Power2Divisions,
     /// Fraction of the cap above which unused cached segments are garbage-collected.
-    pub garbage_collection_threshold: Option<f64>,
+    pub(crate) garbage_collection_threshold: Option<f64>,
     /// Limit on reserved memory.
-    pub memory_cap: Option<MemoryCap>,
+    pub(crate) memory_cap: Option<MemoryCap>,
     /// On a device out-of-memory, release cached segments (those that make
     /// room, then every entirely free one) and retry before failing (plain
     /// segments). Off for a CUDA graph's private pool: a
     /// captured graph still uses the pool's free blocks, so only the pool's
     /// owner may give them back.
-    pub oom_flush: bool,
+    pub(crate) oom_flush: bool,
     /// Expandable segments: [`IDLE_SLACK`]; the key `expandable_slack` sets
     /// it, and `idle_slack_hard` to twice it.
-    pub idle_slack: f64,
+    pub(crate) idle_slack: f64,
     /// Expandable segments: [`IDLE_SLACK_HARD`] (set with `idle_slack`
     /// through `expandable_slack`; a field of its own so that tests can vary it).
-    pub idle_slack_hard: f64,
+    pub(crate) idle_slack_hard: f64,
     /// Expandable segments: idle pages move to where they are needed once
     /// reserved memory passes `1 + idle_slack` times the peak allocated
     /// bytes (off: pages stay where they were mapped until `empty_cache`,
     /// as PyTorch's expandable segments).
-    pub expandable_recycle: bool,
+    pub(crate) expandable_recycle: bool,
     /// Expandable segments: [`RECYCLE_BATCH`] (a field, with no key, so that
     /// tests can vary it).
-    pub recycle_batch: f64,
+    pub(crate) recycle_batch: f64,
     /// Expandable segments: while reserved memory grows back after an
     /// `empty_cache` that gave pages back, map pages of up to four times
     /// `expandable_page` (a field with no key; off in the `pytorch` preset,
     /// whose pages are PyTorch's).
-    pub expandable_regrow_pages: bool,
+    pub(crate) expandable_regrow_pages: bool,
     /// Expandable segments: page size of the large pools (a multiple of the
     /// device granularity; the small pool always uses the granularity).
-    pub expandable_page: u64,
+    pub(crate) expandable_page: u64,
     /// Expandable segments: large-pool pages are at most the peak allocated
     /// bytes divided by this (halving `expandable_page` down to the device's
     /// granularity), so a small workload's pages stay small next to its
     /// blocks (0: always `expandable_page`).
-    pub expandable_page_divisor: u64,
+    pub(crate) expandable_page_divisor: u64,
     /// Expandable segments: page size at the edges of a block, where a big
     /// page would lie only partly under it.
-    pub expandable_edges: EdgePages,
+    pub(crate) expandable_edges: EdgePages,
     /// Expandable segments: a page moved away keeps its old mapping (a
     /// *shadow*, no unmap call) until that address needs another page; a
     /// block carved over a shadow whose page is idle takes the page back
     /// with no driver call.
-    pub expandable_shadows: bool,
+    pub(crate) expandable_shadows: bool,
     /// Expandable segments: before an allocation fails, each page larger
     /// than the device's granularity that lies partly under live blocks
     /// gives back its free part: the live granules are copied to new
     /// granule-sized pages mapped at the same addresses, and the page goes
     /// back to the device (no tensor moves; the device is synchronized).
-    pub expandable_reback: bool,
+    pub(crate) expandable_reback: bool,
     /// Expandable segments: before an allocation fails (after
     /// `expandable_reback`), granules partly under live blocks whose live
     /// bytes lie at disjoint offsets share one page, mapped at each of their
     /// addresses, and the others go back (no tensor moves; the device is
     /// synchronized).
-    pub expandable_share: bool,
+    pub(crate) expandable_share: bool,
     /// Expandable segments: past the hard limit, idle pages another stream
     /// freed and may still use are taken at once, the requesting stream made
     /// to wait for that stream's work on the device, not the host.
-    pub expandable_cross_stream: bool,
+    pub(crate) expandable_cross_stream: bool,
     /// Expandable segments: a stream whose fit would need pages mapped takes
     /// another stream's free block over mapped pages instead (no page moves);
     /// its free then waits for the requesting stream's work, as after
     /// `record_stream`. With `expandable_cross_stream`, a block that stream
     /// may still use is taken too, the requesting stream waiting for that
     /// stream's work on the device.
-    pub expandable_borrow: bool,
+    pub(crate) expandable_borrow: bool,
     /// Plain segments: before a new segment is created, take a free block
     /// inside another stream's partly used segment (the requesting stream
     /// waits on the device for that stream's queued work unless it is
     /// done; the block's free waits for the requesting stream's work, as
     /// after `record_stream`).
-    pub borrow_holes: bool,
+    pub(crate) borrow_holes: bool,
     /// Plain segments: the last rung before an allocation fails (after the
     /// flush): a free block in the requesting stream's segments of another
     /// kind (a small request in a large or huge segment, a large one in a
     /// huge segment).
-    pub oom_other_kinds: bool,
+    pub(crate) oom_other_kinds: bool,
     /// Page-backed growable segments (CUDA virtual memory API).
-    pub expandable_segments: bool,
+    pub(crate) expandable_segments: bool,
     /// Freed blocks each thread keeps for its own next request of the same
     /// rounded size and stream, served without the allocator's lock (0: off;
     /// ignored with expandable segments or without caching). See `docs/POLICY.md`.
-    pub thread_cache: u32,
+    pub(crate) thread_cache: u32,
     /// Small requests up to this many bytes (rounded) take a chunk of their
     /// size class from a small-pool segment that holds only that class (a
     /// slab): no best-fit search, no split, no merge (0: off; at most
     /// [`SLAB_MAX`]; ignored with expandable segments or without caching).
     /// See `docs/POLICY.md`, "Slabs".
-    pub slab_max: u64,
+    pub(crate) slab_max: u64,
 }
 
 impl Config {
@@ -427,7 +439,13 @@ impl Config {
         let (name, value) = item
             .split_once(':')
             .ok_or_else(|| ConfigError::Syntax(item.to_string()))?;
-        let (name, value) = (name.trim(), value.trim());
+        self.apply_pair(name.trim(), value.trim())
+    }
+
+    /// Applies one key's value, written as in a configuration string;
+    /// returns the key's table entry. The keys' limits between each other
+    /// are left to [`Config::validate`].
+    fn apply_pair(&mut self, name: &str, value: &str) -> Result<&'static Key, ConfigError> {
         let key = find_key(name).ok_or_else(|| ConfigError::UnknownKey(name.to_string()))?;
         let v = key.kind.parse(value).map_err(|why| ConfigError::BadValue {
             key: name.to_string(),
@@ -574,15 +592,18 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     Ok(bytes.round() as u64)
 }
 
+/// One interval's divisions: 0, 1 or a power of two up to 65536.
+fn check_division(d: u64) -> Result<u32, String> {
+    if d == 0 || d == 1 || (d.is_power_of_two() && d <= 1 << 16) {
+        Ok(d as u32)
+    } else {
+        Err(format!("{d} divisions: must be a power of two"))
+    }
+}
+
 /// `4` (every interval) or `[256:1,512:2,1024:4,>:8]` (interval starts in MiB).
 fn parse_divisions(v: &str) -> Result<Power2Divisions, String> {
-    let check = |d: u64| -> Result<u32, String> {
-        if d == 0 || d == 1 || (d.is_power_of_two() && d <= 1 << 16) {
-            Ok(d as u32)
-        } else {
-            Err(format!("{d} divisions: must be a power of two"))
-        }
-    };
+    let check = check_division;
     if let Some(list) = v.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
         let mut out = [0u32; POWER2_INTERVALS];
         let mut last_set: Option<usize> = None;

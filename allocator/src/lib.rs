@@ -39,33 +39,44 @@ mod allocator;
 mod arena;
 mod bins;
 mod block;
-pub mod config;
-pub mod device;
-pub mod error;
+mod config;
+mod device;
+mod error;
 mod fasthash;
 mod ids;
 mod pages;
 pub mod pytorch_conf;
 pub mod replay;
-pub mod report;
-pub mod rounding;
+mod report;
+mod rounding;
 #[cfg(feature = "testing")]
 pub mod sample;
-pub mod simulated;
+mod simulated;
 mod sorted_map;
-pub mod stats;
+mod stats;
 mod thread_slot;
-pub mod trace;
+mod trace;
 
+// Note [Public surface]: each public item has one path. The modules are
+// private and their public items re-exported here, except `pytorch_conf`,
+// `replay`, `sample` (feature `testing`) and `keys` (the configuration key
+// table), whose items are used by their module's path. `docs/ARCHITECTURE.md` ("Public surface") has the item count and
+// the command that measures it.
 pub use allocator::{CachingAllocator, Released, TraceSink, Usage};
 pub use block::{BlockState, PoolKind};
-pub use config::{parse_size, Config, ConfigError, EdgePages, MemoryCap};
+pub use config::{
+    keys, parse_size, with_pytorch_conf, Config, ConfigBuilder, ConfigError, MemoryCap,
+    MEDIUM_SEGMENT, SMALL_SIZE,
+};
 pub use device::{Device, DeviceError, DevicePtr, MemInfo, StreamId};
 pub use error::{AllocError, OomReport};
 pub use report::{
     human_bytes, BlockSnapshot, FragmentationReport, SegmentSnapshot, SegmentUse, Snapshot,
 };
-pub use rounding::{round_size, MAX_REQUEST, MIN_BLOCK};
-pub use simulated::{FaultPlan, SimCounters, SimulatedDevice};
-pub use stats::{MemoryStats, Stat, StatArray};
+pub use rounding::{round_size, Power2Divisions, MAX_REQUEST, MIN_BLOCK, POWER2_INTERVALS};
+/// Feature `testing`: the slab size classes, for the lab's slab studies.
+#[cfg(feature = "testing")]
+pub use rounding::{round_size_plain, slab_class, SLAB_CLASSES, SLAB_MAX};
+pub use simulated::{calls as sim_calls, FaultPlan, SimCounters, SimulatedDevice};
+pub use stats::{MemoryStats, Stat, StatArray, STAT_GROUPS};
 pub use trace::{TraceError, TraceEvent, TraceReader, TraceWriter};

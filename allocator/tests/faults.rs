@@ -23,7 +23,7 @@
 //! `FAULT_CASES=N` sets the number of sequences per preset (default 24).
 
 use cachealloc_core::sample::XorShift64;
-use cachealloc_core::simulated::calls;
+use cachealloc_core::sim_calls as calls;
 use cachealloc_core::{
     AllocError, CachingAllocator, Config, DevicePtr, FaultPlan, MemoryCap, SimulatedDevice,
     StreamId,
@@ -45,7 +45,7 @@ fn check(a: &Alloc, dev: &SimulatedDevice, step: usize, what: &str) -> Result<()
     let at = |e: String| format!("step {step} ({what}): {e}");
     a.check_invariants().map_err(at)?;
     let snap = a.snapshot();
-    let max_split = a.config().max_split_size;
+    let max_split = a.config().max_split_size();
     if a.is_expandable() {
         // Pages reused early, pooled with only their old mapping left, are pooled too.
         let early: u64 = a.stale_mappings().iter().filter(|m| m.2).map(|m| m.1).sum();

@@ -75,10 +75,11 @@ fn expandable_failed_mapping_merges_neighbours_freed_meanwhile() {
 fn expandable_split_remainder_merges_neighbour_freed_meanwhile() {
     let dev = SimulatedDevice::new(6 * MIB);
     // 2 MiB pages in every pool (the preset's large-pool pages are 8 MiB).
-    let config = Config {
-        expandable_page: 2 * MIB,
-        ..Config::expandable()
-    };
+    let config = Config::expandable()
+        .into_builder()
+        .expandable_page(2 * MIB)
+        .build()
+        .unwrap();
     let alloc = CachingAllocator::new(dev.clone(), config);
     // Three 2 MiB blocks tile the first 6 MiB of stream 0's large range.
     let a = alloc.malloc(2 * MIB, S0).unwrap();
@@ -157,16 +158,15 @@ fn expandable_range_reservation_failure_is_not_a_bare_device_error() {
 /// overflow for requests up to `MAX_REQUEST`). Fix: `saturating_mul`.
 /// The key table now bounds `segment_round_mb` to 1024, so the parser
 /// refuses the value; the model is still checked on such a configuration,
-/// built field by field.
+/// built with the `testing` feature's unchecked setter.
 #[test]
 fn model_oom_bound_does_not_overflow_for_a_huge_segment_round() {
     use cachealloc_model::{self as model, Op, Setup};
     assert!(Config::parse("segment_round_mb:16661974306881").is_err());
+    let mut config = Config::default();
+    config.testing_set_segment_round_unchecked(16661974306881 * MIB);
     let setup = Setup {
-        config: Config {
-            segment_round: 16661974306881 * MIB,
-            ..Config::default()
-        },
+        config,
         capacity: 1 << 30,
         streams: 2,
     };

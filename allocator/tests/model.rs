@@ -347,7 +347,7 @@ fn model_from_bytes() {
             let (setup, ops) = model::decode(&data);
             model::run(&setup, &ops)
                 .map(|_| ())
-                .map_err(|e| TestCaseError::fail(format!("config {}: {e}", setup.config.name)))
+                .map_err(|e| TestCaseError::fail(format!("config {}: {e}", setup.config.name())))
         })
         .unwrap();
 }

@@ -4,7 +4,7 @@
 //! test checks the simulated device's mappings and copies and the
 //! allocator's invariants, page map included.
 
-use cachealloc_core::simulated::calls;
+use cachealloc_core::sim_calls as calls;
 use cachealloc_core::{
     AllocError, CachingAllocator, Config, DevicePtr, MemoryCap, SimulatedDevice, StreamId,
 };
@@ -151,8 +151,11 @@ fn under_a_cap_the_swap_stays_within_it() {
     // for a moment, 64 MiB, which a 64 MiB cap allows and a 63 MiB one not.
     for (cap, served) in [(64 * MIB, true), (63 * MIB, false)] {
         let dev = SimulatedDevice::new(1 << 40);
-        let mut config = config(true);
-        config.memory_cap = Some(MemoryCap::Bytes(cap));
+        let config = config(true)
+            .into_builder()
+            .memory_cap(Some(MemoryCap::Bytes(cap)))
+            .build()
+            .unwrap();
         let a = CachingAllocator::new(dev.clone(), config);
         let (pin, big) = pin_a_page(&a, &dev, 54 * MIB);
         let q = a.malloc(6 * MIB + MIB / 2, S0);

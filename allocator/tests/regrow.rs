@@ -30,10 +30,9 @@ fn step(a: &CachingAllocator<SimulatedDevice>) {
 }
 
 fn regrow(on: bool) -> Config {
-    Config {
-        expandable_regrow_pages: on,
-        ..Config::default()
-    }
+    let mut config = Config::default();
+    config.testing_set_regrow_pages(on);
+    config
 }
 
 #[test]
@@ -97,7 +96,7 @@ fn without_empty_cache_nothing_changes() {
 
 #[test]
 fn the_pytorch_preset_keeps_its_page_size() {
-    assert!(!Config::pytorch().expandable_regrow_pages);
-    assert!(Config::default().expandable_regrow_pages);
-    assert!(Config::segments().expandable_regrow_pages);
+    assert!(!Config::pytorch().testing_regrow_pages());
+    assert!(Config::default().testing_regrow_pages());
+    assert!(Config::segments().testing_regrow_pages());
 }

@@ -5,7 +5,7 @@
 //! checks the simulated device's mappings and copies, that no two live
 //! blocks reach the same byte of a page, and the allocator's invariants.
 
-use cachealloc_core::simulated::calls;
+use cachealloc_core::sim_calls as calls;
 use cachealloc_core::{
     AllocError, BlockState, CachingAllocator, Config, DevicePtr, SimulatedDevice, StreamId,
 };
@@ -222,10 +222,11 @@ fn a_refused_map_puts_the_members_own_page_back() {
 #[test]
 fn under_a_cap_pages_are_shared_as_on_a_full_device() {
     let dev = SimulatedDevice::new(1 << 40);
-    let config = Config {
-        memory_cap: Some(cachealloc_core::MemoryCap::Bytes(10 * MIB)),
-        ..config(true)
-    };
+    let config = config(true)
+        .into_builder()
+        .memory_cap(Some(cachealloc_core::MemoryCap::Bytes(10 * MIB)))
+        .build()
+        .unwrap();
     let a = CachingAllocator::new(dev.clone(), config);
     let (x, c) = two_partial_granules(&a);
     let e = a.malloc(4 * MIB, S0).unwrap();
@@ -243,10 +244,11 @@ fn under_a_cap_pages_are_shared_as_on_a_full_device() {
 #[test]
 fn random_requests_under_a_cap_share_pages_without_overlap() {
     let dev = SimulatedDevice::new(1 << 40);
-    let config = Config {
-        memory_cap: Some(cachealloc_core::MemoryCap::Bytes(160 * MIB)),
-        ..Config::expandable()
-    };
+    let config = Config::expandable()
+        .into_builder()
+        .memory_cap(Some(cachealloc_core::MemoryCap::Bytes(160 * MIB)))
+        .build()
+        .unwrap();
     let a = CachingAllocator::new(dev.clone(), config);
     let mut x: u64 = 0x5EED_CAFE;
     let mut next = move |n: u64| {

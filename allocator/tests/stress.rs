@@ -135,7 +135,7 @@ fn stress(name: &str, config: Config, capacity: u64, seed: u64) {
     remaining.extend(handoff.lock().drain(..));
     alloc.check_invariants().unwrap();
     let snap = alloc.snapshot();
-    let max_split = alloc.config().max_split_size;
+    let max_split = alloc.config().max_split_size();
     if alloc.is_expandable() {
         // Pages reused early, pooled with only their old mapping left, are pooled too.
         let early: u64 = alloc

@@ -47,7 +47,7 @@ fn main() {
         }
         inputs += 1;
         total += decoded.len();
-        *configs.entry(setup.config.name.clone()).or_default() += 1;
+        *configs.entry(setup.config.name().to_string()).or_default() += 1;
         for op in &decoded {
             *ops.entry(kind(op)).or_default() += 1;
         }

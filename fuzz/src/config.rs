@@ -5,6 +5,9 @@
 //! - a parsed configuration's `to_conf_string()` parses back to an equal
 //!   configuration, and writes the same string again;
 //! - `parse_size` answers any string with a size or a message quoting it;
+//! - [`Config::set`] of one key on a preset agrees with the parser on
+//!   `preset,key:value` (the same configuration or the same error), and
+//!   [`Config::get`] prints a value that `set` reads back to it;
 //! - an allocator built with any configuration the parser accepts serves a
 //!   fixed sequence of requests (small, large, huge, absurd; two streams,
 //!   a cross-stream use, `empty_cache`) on a 1 GiB simulated device (larger
@@ -13,7 +16,7 @@
 //!   everything is freed.
 
 use crate::ops::run_setup;
-use cachealloc_core::config::{KeyKind, KEYS};
+use cachealloc_core::keys::{KeyKind, KEYS};
 use cachealloc_core::{parse_size, Config, ConfigError};
 use cachealloc_model::{Op, Setup};
 
@@ -61,10 +64,32 @@ pub fn check(data: &[u8]) {
 /// sequence's ops, once per configuration the parser accepted).
 pub fn check_counted(data: &[u8]) -> u64 {
     let mut ops = check_text(data);
-    if let Some(text) = numeric_conf(data) {
-        ops += check_text(text.as_bytes());
+    if let Some((preset, key, value)) = numeric_parts(data) {
+        check_set(preset, key, &value);
+        ops += check_text(format!("{preset},{key}:{value}").as_bytes());
     }
     ops
+}
+
+/// [`Config::set`] agrees with [`Config::parse`] on one key of a preset,
+/// and what [`Config::get`] prints sets the same value again.
+fn check_set(preset: &str, key: &str, value: &str) {
+    let parsed = Config::parse(&format!("{preset},{key}:{value}"));
+    let mut config = Config::preset(preset).expect("a preset of the list");
+    let set = config.set(key, value).map(|()| config);
+    assert_eq!(
+        set, parsed,
+        "set({key:?}, {value:?}) on {preset} and the parser disagree"
+    );
+    if let Ok(config) = set {
+        if let Some(printed) = config.get(key).expect("a key of the table") {
+            let mut again = config.clone();
+            again.set(key, &printed).unwrap_or_else(|e| {
+                panic!("{key}: get printed {printed:?}, which set refuses: {e}")
+            });
+            assert_eq!(again, config, "{key}: {printed:?} sets another value");
+        }
+    }
 }
 
 /// The bounds of a numeric key, in the units its text is written in.
@@ -198,6 +223,11 @@ pub fn value_in(bounds: Bounds, mode: u8, n: u64) -> String {
 /// inside it at any magnitude, inside with a unit, outside), so that every
 /// numeric key is tried across its whole range whatever its bounds.
 pub fn numeric_conf(data: &[u8]) -> Option<String> {
+    numeric_parts(data).map(|(preset, key, value)| format!("{preset},{key}:{value}"))
+}
+
+/// [`numeric_conf`]'s preset, key and value.
+fn numeric_parts(data: &[u8]) -> Option<(&'static str, &'static str, String)> {
     let raw: [u8; 8] = data.get(2..10)?.try_into().ok()?;
     let n = u64::from_le_bytes(raw);
     let preset = Config::PRESETS[usize::from(data[0]) % Config::PRESETS.len()];
@@ -212,7 +242,7 @@ pub fn numeric_conf(data: &[u8]) -> Option<String> {
         (m, Some(b)) => value_in(b, m - 4, n),
         (_, None) => (n >> shift).to_string(),
     };
-    Some(format!("{preset},{}:{value}", key.name))
+    Some((preset, key.name, value))
 }
 
 /// Checks one configuration string; returns the allocator operations run.
@@ -278,11 +308,11 @@ fn check_text(data: &[u8]) -> u64 {
     // table bounds every segment and page size to 1 GiB, so no accepted
     // configuration is skipped.
     let mut largest = config
-        .small_segment
-        .max(cachealloc_core::config::MEDIUM_SEGMENT)
-        .max(config.segment_round);
-    if config.expandable_segments {
-        largest = largest.max(config.expandable_page);
+        .small_segment()
+        .max(cachealloc_core::MEDIUM_SEGMENT)
+        .max(config.segment_round());
+    if config.expandable_segments() {
+        largest = largest.max(config.expandable_page());
     }
     let setup = Setup {
         config,

@@ -56,5 +56,5 @@ pub fn run_under(data: &[u8], only: Option<&Config>) -> Result<(), String> {
 pub fn run_setup(setup: &Setup, ops: &[Op]) -> Result<(), String> {
     model::run_with(setup, ops, options())
         .map(|_| ())
-        .map_err(|e| format!("config {}: {e}", setup.config.name))
+        .map_err(|e| format!("config {}: {e}", setup.config.name()))
 }

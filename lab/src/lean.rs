@@ -25,12 +25,11 @@
 //! is [`crate::slab_study`]'s question.
 
 use cachealloc_core::{
-    rounding::round_size_plain, CachingAllocator, Config, Device, DevicePtr, SimulatedDevice,
-    StreamId,
+    round_size_plain, CachingAllocator, Config, Device, DevicePtr, SimulatedDevice, StreamId,
 };
 use parking_lot::Mutex;
 
-use cachealloc_core::rounding::{slab_class, SLAB_CLASSES, SLAB_MAX};
+use cachealloc_core::{slab_class, SLAB_CLASSES, SLAB_MAX};
 
 /// Bytes of one slab (the small pool's segment size).
 pub const SLAB_BYTES: u64 = 2 << 20;

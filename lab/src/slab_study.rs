@@ -14,12 +14,12 @@
 //! The slab operations count on the core's operation clock, as they would
 //! inside the allocator.
 
-use cachealloc_core::rounding::round_size_plain;
+use cachealloc_core::round_size_plain;
 use cachealloc_core::TraceEvent;
 use cachealloc_core::{CachingAllocator, Config, Device, DevicePtr, SimulatedDevice, StreamId};
 use std::collections::HashMap;
 
-use cachealloc_core::rounding::{slab_class, SLAB_CLASSES};
+use cachealloc_core::{slab_class, SLAB_CLASSES};
 
 use crate::lean::SLAB_BYTES;
 

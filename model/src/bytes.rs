@@ -108,5 +108,5 @@ pub fn run_bytes(data: &[u8]) -> Result<(), String> {
     let (setup, ops) = decode(data);
     run(&setup, &ops)
         .map(|_| ())
-        .map_err(|e| format!("config {}: {e}", setup.config.name))
+        .map_err(|e| format!("config {}: {e}", setup.config.name()))
 }

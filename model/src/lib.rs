@@ -165,28 +165,21 @@ pub fn configs() -> Vec<(&'static str, Config)> {
         // for small requests.
         (
             "expandable-big-edges",
-            Config {
-                expandable_edges: cachealloc_core::EdgePages::Big,
-                expandable_page_divisor: 0,
-                ..parse("expandable,expandable_page_mb:4,slab_max_kb:64")
-            },
+            parse(
+                "expandable,expandable_page_mb:4,slab_max_kb:64,\
+                 expandable_edges:big,expandable_page_divisor:0",
+            ),
         ),
         // Pages scaled to the workload where the model's peaks cross the
         // steps: 2 MiB below 40 MiB, 10 MiB below 80 MiB, then 20 MiB.
         (
             "expandable-scaled-pages",
-            Config {
-                expandable_page_divisor: 4,
-                ..parse("expandable,expandable_page_mb:20")
-            },
+            parse("expandable,expandable_page_mb:20,expandable_page_divisor:4"),
         ),
         // Granule pages everywhere.
         (
             "expandable-small-pages",
-            Config {
-                expandable_edges: cachealloc_core::EdgePages::Small,
-                ..parse("expandable,expandable_page_mb:2")
-            },
+            parse("expandable,expandable_page_mb:2,expandable_edges:small"),
         ),
         // A CUDA graph pool's allocator: never gives segments back on its own.
         ("graph-pool", parse("segments,oom_flush:false")),

@@ -93,7 +93,7 @@ impl Model {
         let dev = SimulatedDevice::new(setup.capacity);
         let alloc = CachingAllocator::new(dev.clone(), setup.config.clone());
         let expandable = alloc.is_expandable();
-        let cap = setup.config.memory_cap.map(|c| c.bytes(setup.capacity));
+        let cap = setup.config.memory_cap().map(|c| c.bytes(setup.capacity));
         let n = setup.streams.clamp(1, STREAMS.len());
         Model {
             dev,
@@ -116,6 +116,12 @@ impl Model {
             mallocs: 0,
             coverage: BTreeMap::new(),
         }
+    }
+
+    /// Whether an experimental key has the value `value` (as written in a
+    /// configuration string): such keys have no typed accessor.
+    fn key_is(&self, key: &str, value: &str) -> bool {
+        self.config.get(key).ok().flatten().as_deref() == Some(value)
     }
 
     fn saw(&mut self, what: &'static str) {
@@ -150,9 +156,9 @@ impl Model {
     /// `rounded` bytes.
     fn max_segment(&self, rounded: u64) -> u64 {
         let c = &self.config;
-        let own = rounded.div_ceil(c.segment_round) * c.segment_round;
-        c.small_segment
-            .max(cachealloc_core::config::MEDIUM_SEGMENT)
+        let own = rounded.div_ceil(c.segment_round()) * c.segment_round();
+        c.small_segment()
+            .max(cachealloc_core::MEDIUM_SEGMENT)
             .max(own.saturating_mul(2))
     }
 
@@ -161,15 +167,17 @@ impl Model {
     /// device, the cap or an injected failure left no room for a segment.
     fn check_other_kind_fit(&mut self, before: &Before, size: u64) -> Result<(), String> {
         let st = self.alloc.stats();
-        if self.expandable || !self.config.caching || !self.config.oom_other_kinds {
+        if self.expandable || !self.config.caching() || !self.config.oom_other_kinds() {
             return Err(format!("malloc({size}) took a block of another kind"));
         }
-        if self.config.oom_flush && st.num_alloc_retries != before.stats.num_alloc_retries + 1 {
+        if self.key_is("oom_flush", "True")
+            && st.num_alloc_retries != before.stats.num_alloc_retries + 1
+        {
             return Err(format!(
                 "malloc({size}) took a block of another kind without the flush"
             ));
         }
-        let rounded = round_size(size, &self.config.roundup_power2_divisions)
+        let rounded = round_size(size, self.config.roundup_power2_divisions())
             .ok_or("model: round_size failed")?;
         let free = self.dev.mem_info().map_err(|e| e.to_string())?.free;
         let reserved = st.reserved_bytes.all().current;

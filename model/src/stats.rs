@@ -152,7 +152,7 @@ pub(crate) fn check_stats(
     }
     for (i, (name, got)) in stats.arrays().iter().enumerate() {
         let groups = got.stats();
-        for (g, group) in cachealloc_core::stats::STAT_GROUPS.iter().enumerate() {
+        for (g, group) in cachealloc_core::STAT_GROUPS.iter().enumerate() {
             let s = groups[g];
             let (c, w) = (s.current, expect[i][g]);
             // Pooled (unmapped) pages count under some pool: each group

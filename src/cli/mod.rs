@@ -78,7 +78,7 @@ fn parse_config(text: &str) -> Result<ConfigArg, String> {
     }
     let config = Config::parse(text).map_err(|e| e.to_string())?;
     let label = if text.trim().is_empty() {
-        config.name.clone()
+        config.name().to_string()
     } else {
         text.trim().to_string()
     };
@@ -315,7 +315,7 @@ mod tests {
     fn configs_keep_their_label() {
         let c = parse_config("pytorch,max_split_size_mb:64").unwrap();
         assert_eq!(c.label, "pytorch,max_split_size_mb:64");
-        assert_eq!(c.config.max_split_size, 64 << 20);
+        assert_eq!(c.config.max_split_size(), 64 << 20);
         assert_eq!(parse_config("no-caching").unwrap().label, "no-caching");
         assert!(parse_config("bogus").is_err());
         assert!(parse_config("max_split_size_mb:1").is_err());

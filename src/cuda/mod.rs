@@ -177,7 +177,7 @@ pub fn config_from_env() -> Result<Config, CudaError> {
         })?,
     };
     let pytorch = pytorch_conf_from_env();
-    cachealloc_core::config::with_pytorch_conf(
+    cachealloc_core::with_pytorch_conf(
         config,
         own.as_deref(),
         pytorch.as_ref().map(|(_, v)| v.as_str()),
@@ -243,7 +243,7 @@ fn create_allocator(device: i32) -> Result<&'static CachingAllocator<CudaDevice>
     // notices (`info_json`). Nothing is printed here: `eprintln!` panics on
     // a closed stderr, and a write that may fail is no way to report; the
     // reason goes to stderr only where the write cannot panic.
-    if alloc.config().expandable_segments && !alloc.is_expandable() {
+    if alloc.config().expandable_segments() && !alloc.is_expandable() {
         if let Err(why) = alloc.device().vmm_support() {
             use std::io::Write;
             let _ = writeln!(

@@ -1,5 +1,8 @@
-//! The key table ([`KEYS`]): every key's kind, bounds, stability and
-//! documentation, and what is generated from it (lookup, the docs table).
+//! The configuration key table ([`KEYS`]): every key's kind, bounds,
+//! stability and documentation, and what is generated from it (lookup, the
+//! docs table). A program may list the keys (for a help text, or to check
+//! a configuration string before it starts); [`Config::set`] and
+//! [`Config::get`] read and write any of them by name.
 
 use super::*;
 
@@ -70,7 +73,7 @@ pub enum KeyKind {
 
 /// A parsed value, before it is stored in a [`Config`].
 #[derive(Clone, PartialEq, Debug)]
-pub enum Value {
+pub(crate) enum Value {
     /// Of [`KeyKind::Bool`].
     Bool(bool),
     /// Of [`KeyKind::Count`], [`KeyKind::Bytes`] (in bytes) and [`KeyKind::Size`].
@@ -85,23 +88,24 @@ pub enum Value {
 
 impl KeyKind {
     /// Reads `text` as a value of this kind, within its bounds; the error says why not.
-    pub fn parse(&self, text: &str) -> Result<Value, String> {
+    pub(crate) fn parse(&self, text: &str) -> Result<Value, String> {
+        let v = self.read(text)?;
+        self.check(&v)?;
+        Ok(v)
+    }
+
+    /// Reads `text` as a value of this kind, not yet checked against the
+    /// bounds (except where the value would not fit: a count of units past
+    /// `u64::MAX` bytes).
+    fn read(&self, text: &str) -> Result<Value, String> {
         match *self {
             KeyKind::Bool => parse_bool(text)
                 .map(Value::Bool)
                 .ok_or_else(|| "expected True or False".into()),
-            KeyKind::Count { min, max, pow2 } => {
-                let n: u64 = text
-                    .parse()
-                    .map_err(|_| format!("expected a whole number from {min} to {max}"))?;
-                if !(min..=max).contains(&n) {
-                    return Err(format!("must be from {min} to {max}"));
-                }
-                if pow2 && n > 1 && !n.is_power_of_two() {
-                    return Err("must be 0, 1 or a power of two".into());
-                }
-                Ok(Value::U64(n))
-            }
+            KeyKind::Count { min, max, .. } => text
+                .parse()
+                .map(Value::U64)
+                .map_err(|_| format!("expected a whole number from {min} to {max}")),
             KeyKind::Bytes {
                 unit,
                 unit_name,
@@ -112,21 +116,71 @@ impl KeyKind {
                 if unlimited && text == "unlimited" {
                     return Ok(Value::U64(u64::MAX));
                 }
-                let or_unlimited = if unlimited { " or unlimited" } else { "" };
                 let n: u64 = text.parse().map_err(|_| {
                     format!(
-                        "expected a whole number of {unit_name} from {min} to {max}{or_unlimited}"
+                        "expected a whole number of {unit_name} from {min} to {max}{}",
+                        or_unlimited(unlimited)
                     )
                 })?;
+                n.checked_mul(unit)
+                    .filter(|&b| b != u64::MAX)
+                    .map(Value::U64)
+                    .ok_or_else(|| self.bytes_range_error())
+            }
+            KeyKind::Size { .. } => parse_size(text).map(Value::U64),
+            KeyKind::Number { .. } => text
+                .parse()
+                .map(Value::F64)
+                .map_err(|_| "expected a number".to_string()),
+            KeyKind::Choice(words) => words
+                .iter()
+                .find(|&&w| w == text)
+                .map(|&w| Value::Word(w))
+                .ok_or_else(|| format!("expected {}", words.join(", "))),
+            KeyKind::Divisions => parse_divisions(text).map(Value::Divisions),
+        }
+    }
+
+    /// Checks a value of this kind against its bounds, with the messages of
+    /// [`KeyKind::parse`]: the one check behind the parser, [`Config::set`]
+    /// and the typed setters of [`ConfigBuilder`].
+    pub(crate) fn check(&self, v: &Value) -> Result<(), String> {
+        match (*self, v) {
+            (KeyKind::Bool, Value::Bool(_)) => Ok(()),
+            (KeyKind::Count { min, max, pow2 }, &Value::U64(n)) => {
                 if !(min..=max).contains(&n) {
+                    return Err(format!("must be from {min} to {max}"));
+                }
+                if pow2 && n > 1 && !n.is_power_of_two() {
+                    return Err("must be 0, 1 or a power of two".into());
+                }
+                Ok(())
+            }
+            (
+                KeyKind::Bytes {
+                    unit,
+                    unit_name,
+                    min,
+                    max,
+                    unlimited,
+                },
+                &Value::U64(b),
+            ) => {
+                if b == u64::MAX && unlimited {
+                    return Ok(());
+                }
+                if b % unit != 0 {
                     return Err(format!(
-                        "must be from {min} to {max} {unit_name}{or_unlimited}"
+                        "expected a whole number of {unit_name} from {min} to {max}{}",
+                        or_unlimited(unlimited)
                     ));
                 }
-                Ok(Value::U64(n * unit))
+                if !(min..=max).contains(&(b / unit)) {
+                    return Err(self.bytes_range_error());
+                }
+                Ok(())
             }
-            KeyKind::Size { min, max } => {
-                let b = parse_size(text)?;
+            (KeyKind::Size { min, max }, &Value::U64(b)) => {
                 if !(min..=max).contains(&b) {
                     return Err(format!(
                         "must be from {} to {}",
@@ -134,21 +188,49 @@ impl KeyKind {
                         crate::human_bytes(max)
                     ));
                 }
-                Ok(Value::U64(b))
+                Ok(())
             }
-            KeyKind::Number { .. } => {
-                let f: f64 = text.parse().map_err(|_| "expected a number".to_string())?;
+            (KeyKind::Number { .. }, &Value::F64(f)) => {
                 if !self.number_in_range(f) {
                     return Err(format!("must be in {}", self.range_text()));
                 }
-                Ok(Value::F64(f))
+                Ok(())
             }
-            KeyKind::Choice(words) => words
+            (KeyKind::Choice(words), Value::Word(w)) if words.contains(w) => Ok(()),
+            (KeyKind::Choice(words), _) => Err(format!("expected {}", words.join(", "))),
+            (KeyKind::Divisions, Value::Divisions(d)) => d
                 .iter()
-                .find(|&&w| w == text)
-                .map(|&w| Value::Word(w))
-                .ok_or_else(|| format!("expected {}", words.join(", "))),
-            KeyKind::Divisions => parse_divisions(text).map(Value::Divisions),
+                .try_for_each(|&d| check_division(u64::from(d)).map(drop)),
+            _ => Err(format!("expected {}", self.range_text())),
+        }
+    }
+
+    /// The error of a count of units out of [`KeyKind::Bytes`]'s bounds.
+    fn bytes_range_error(&self) -> String {
+        match *self {
+            KeyKind::Bytes {
+                unit_name,
+                min,
+                max,
+                unlimited,
+                ..
+            } => format!(
+                "must be from {min} to {max} {unit_name}{}",
+                or_unlimited(unlimited)
+            ),
+            _ => unreachable!("only byte keys count units"),
+        }
+    }
+
+    /// `v` as the text of an error message: [`KeyKind::format`], except
+    /// that a byte value that is not a whole number of units shows its
+    /// fraction rather than being rounded down.
+    pub(crate) fn error_text(&self, v: &Value) -> String {
+        match (*self, v) {
+            (KeyKind::Bytes { unit, .. }, &Value::U64(b)) if b != u64::MAX && b % unit != 0 => {
+                (b as f64 / unit as f64).to_string()
+            }
+            _ => self.format(v),
         }
     }
 
@@ -165,7 +247,7 @@ impl KeyKind {
     }
 
     /// Writes `v` the way [`KeyKind::parse`] reads it.
-    pub fn format(&self, v: &Value) -> String {
+    pub(crate) fn format(&self, v: &Value) -> String {
         match (self, v) {
             (KeyKind::Bytes { .. }, Value::U64(u64::MAX)) => "unlimited".into(),
             (KeyKind::Bytes { unit, .. }, Value::U64(b)) => (b / unit).to_string(),
@@ -260,6 +342,14 @@ impl fmt::Debug for Key {
     }
 }
 
+fn or_unlimited(unlimited: bool) -> &'static str {
+    if unlimited {
+        " or unlimited"
+    } else {
+        ""
+    }
+}
+
 fn u(v: Value) -> u64 {
     match v {
         Value::U64(n) => n,
@@ -308,8 +398,10 @@ const DIVISOR: KeyKind = KeyKind::Count {
 /// `MAX_SIZE` in MiB.
 const MAX_MIB: u64 = MAX_SIZE / MIB;
 
-/// Every configuration key. Parsing, [`Config::to_conf_string`], the error
-/// messages and [`keys_markdown`] all read this table.
+/// Every configuration key. Parsing, [`Config::to_conf_string`],
+/// [`Config::set`] and [`Config::get`], the typed setters of
+/// [`ConfigBuilder`], the error messages and the key table of
+/// `docs/POLICY.md` all read this table.
 pub static KEYS: &[Key] = &[
     Key {
         name: "max_split_size_mb",
@@ -660,14 +752,15 @@ pub static KEYS: &[Key] = &[
 ];
 
 /// The table entry of `name` (or of a key it is an alias of).
-pub fn find_key(name: &str) -> Option<&'static Key> {
+pub(crate) fn find_key(name: &str) -> Option<&'static Key> {
     KEYS.iter()
         .find(|k| k.name == name || k.aliases.contains(&name))
 }
 
 /// The key table of `docs/POLICY.md`, generated from [`KEYS`]: each key,
 /// what it accepts, its value in `default` and in the presets that differ.
-pub fn keys_markdown() -> String {
+#[cfg(test)]
+pub(crate) fn keys_markdown() -> String {
     let presets: Vec<Config> = Config::PRESETS
         .iter()
         .filter_map(|p| Config::preset(p))
@@ -724,6 +817,7 @@ pub fn keys_markdown() -> String {
 }
 
 /// A value for the docs table: a long divisions list of zeros reads `0`.
+#[cfg(test)]
 fn short(v: &str) -> String {
     if v.starts_with('[')
         && v.split(',')

@@ -290,3 +290,18 @@ fn sizes() {
     assert!(parse_size("1e30").is_err());
     assert!(parse_size("99999999999TiB").is_err());
 }
+
+/// Every stable key has a typed setter on the builder, and only stable keys
+/// do (Note [Config's fields are the crate's]).
+#[test]
+fn typed_setters_are_the_stable_keys() {
+    let mut stable: Vec<&str> = KEYS
+        .iter()
+        .filter(|k| k.stability == Stability::Stable)
+        .map(|k| k.name)
+        .collect();
+    let mut typed = builder::TYPED_KEYS.to_vec();
+    stable.sort_unstable();
+    typed.sort_unstable();
+    assert_eq!(typed, stable);
+}

@@ -13,7 +13,7 @@
 //! at the same address, with the same device calls. `slab:KIB` is the lean
 //! path with slabs for requests of at most KIB (at most 1024).
 
-use cachealloc_core::rounding::SLAB_MAX;
+use cachealloc_core::SLAB_MAX;
 use cachealloc_core::{CachingAllocator, Config, DevicePtr, SimulatedDevice, StreamId};
 use lab::lean::{check, Lean, GRANULE};
 use lab::{arg, random_plan, MIB};

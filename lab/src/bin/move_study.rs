@@ -63,7 +63,7 @@ fn run(events: &[TraceEvent], config: &Config, probe: Option<&Mapping>) -> Mappi
         match *e {
             TraceEvent::Alloc { id, bytes, stream } => {
                 if let Some(&(maps, rounded)) = probe.and_then(|p| p.get(&i)) {
-                    let small = rounded <= cachealloc_core::config::SMALL_SIZE;
+                    let small = rounded <= cachealloc_core::SMALL_SIZE;
                     let side = match longest_mapped_run(&a, stream, small) >= rounded {
                         true => &mut with,
                         false => &mut without,

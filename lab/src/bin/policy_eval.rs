@@ -84,7 +84,7 @@ fn main() {
                 let minc = hi as f64 / r.peak_allocated as f64;
                 let calls = r.device_calls() as f64 / py.device_calls() as f64;
                 line += &format!(" | {ratio:.3} {minc:.3} {calls:.2}x");
-                if config.expandable_segments {
+                if config.expandable_segments() {
                     let st = &r.stats;
                     line += &format!(
                         " (map {} unmap {} create {} sync {})",

@@ -10,8 +10,8 @@
 //! slabs took. `FOREIGN_OPS=0` leaves the slab operations off the core's
 //! operation clock.
 
-use cachealloc_core::rounding::SLAB_MAX;
 use cachealloc_core::Config;
+use cachealloc_core::SLAB_MAX;
 use lab::slab_study::{bins_default, replay, Study};
 
 fn main() {

@@ -44,7 +44,7 @@ impl Model {
             check_expandable_stats_against_snapshot(
                 &stats,
                 &snap,
-                self.config.max_split_size,
+                self.config.max_split_size(),
                 pooled,
             )?;
         } else {
@@ -52,7 +52,7 @@ impl Model {
                 return Err("plain segments, yet the device holds physical pages".into());
             }
             let unmapped = self.dev.unmapped_page_bytes();
-            check_stats_against_snapshot(&stats, &snap, self.config.max_split_size, unmapped)?;
+            check_stats_against_snapshot(&stats, &snap, self.config.max_split_size(), unmapped)?;
         }
         let reserved = stats.reserved_bytes.all().current;
         if reserved != self.dev.used() {
@@ -107,7 +107,7 @@ impl Model {
             ),
         > = BTreeMap::new();
         for s in &snap.segments {
-            if !self.config.caching && (s.blocks.len() != 1 || is_free_segment(s)) {
+            if !self.config.caching() && (s.blocks.len() != 1 || is_free_segment(s)) {
                 return Err(format!(
                     "no-caching: segment {} holds {} blocks (free: {})",
                     s.address,
@@ -158,9 +158,9 @@ impl Model {
                     l.addr, self.streams[l.stream], s.stream
                 ));
             }
-            let kind = if l.rounded <= cachealloc_core::config::SMALL_SIZE {
+            let kind = if l.rounded <= cachealloc_core::SMALL_SIZE {
                 PoolKind::Small
-            } else if l.rounded >= self.config.huge_size && !self.expandable {
+            } else if l.rounded >= self.config.huge_size() && !self.expandable {
                 PoolKind::Huge
             } else {
                 PoolKind::Large

@@ -33,7 +33,7 @@ impl Model {
                     return Err(format!("malloc({size}) succeeded with {p}"));
                 }
                 self.mallocs += 1;
-                let rounded = round_size(size, &self.config.roundup_power2_divisions)
+                let rounded = round_size(size, self.config.roundup_power2_divisions())
                     .ok_or("model: round_size failed")?;
                 if p.0 % MIN_BLOCK != 0 {
                     return Err(format!("malloc({size}) returned {p}, not 512-aligned"));
@@ -100,7 +100,7 @@ impl Model {
                 // stream, used on the requesting one.
                 let (mut owner, mut uses) = (stream, BTreeSet::new());
                 if st.num_blocks_borrowed > before.stats.num_blocks_borrowed {
-                    if !(self.config.expandable_borrow || self.config.borrow_holes) {
+                    if !(self.key_is("expandable_borrow", "True") || self.config.borrow_holes()) {
                         return Err(format!("malloc({size}) borrowed with borrowing off"));
                     }
                     let snap = self.alloc.snapshot();
@@ -148,14 +148,14 @@ impl Model {
             }
             Err(AllocError::OutOfMemory(r)) if valid => {
                 self.ooms += 1;
-                let rounded = round_size(size, &self.config.roundup_power2_divisions)
+                let rounded = round_size(size, self.config.roundup_power2_divisions())
                     .ok_or("model: round_size failed")?;
                 // The segment size is policy; the report names it, within sane bounds.
                 let seg = r.segment_size;
                 let c = &self.config;
                 let max_seg = self.max_segment(rounded);
                 if seg < rounded
-                    || ((!c.caching || self.expandable) && seg != rounded)
+                    || ((!c.caching() || self.expandable) && seg != rounded)
                     || seg > max_seg
                 {
                     return Err(format!(
@@ -166,7 +166,7 @@ impl Model {
                 if st.num_ooms != before.stats.num_ooms + 1 {
                     return Err("an OOM was not counted in num_ooms".into());
                 }
-                if !self.config.oom_flush && !self.expandable {
+                if !self.key_is("oom_flush", "True") && !self.expandable {
                     // A graph pool's allocator: nothing cached is given back
                     // (the key concerns plain segments).
                     if st.num_alloc_retries != before.stats.num_alloc_retries
@@ -195,8 +195,8 @@ impl Model {
                 // holds and can move under it (pooled pages, idle pages).
                 let (need, largest_page) = if self.expandable {
                     let g = self.dev.vmm_granularity().ok_or("no granularity")?;
-                    let page = self.config.expandable_page.div_ceil(g).max(1) * g;
-                    let edge = if self.config.expandable_edges == cachealloc_core::EdgePages::Big {
+                    let page = self.config.expandable_page().div_ceil(g).max(1) * g;
+                    let edge = if self.key_is("expandable_edges", "big") {
                         page
                     } else {
                         g
