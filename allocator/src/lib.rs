@@ -54,6 +54,7 @@ pub mod sample;
 pub mod simulated;
 mod sorted_map;
 pub mod stats;
+pub mod supply;
 mod thread_slot;
 pub mod trace;
 
@@ -68,4 +69,5 @@ pub use report::{
 pub use rounding::{round_size, MAX_REQUEST, MIN_BLOCK};
 pub use simulated::{FaultPlan, SimCounters, SimulatedDevice};
 pub use stats::{MemoryStats, Stat, StatArray};
+pub use supply::{CapGroup, SegmentSource};
 pub use trace::{TraceError, TraceEvent, TraceReader, TraceWriter};
