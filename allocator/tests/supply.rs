@@ -274,6 +274,21 @@ fn no_split_takes_a_cached_block_whole() {
     a.check_invariants().unwrap();
 }
 
+/// Expandable segments keep carving their ranges under `no_split` (a free
+/// block there spans unmapped pages; private pools never map pages).
+#[test]
+fn no_split_leaves_expandable_ranges_carved() {
+    let a = CachingAllocator::new(SimulatedDevice::new(1 << 30), Config::default());
+    assert!(a.is_expandable());
+    a.set_no_split(true);
+    let p = a.malloc(4 * MIB, S0).unwrap();
+    let q = a.malloc(4 * MIB, S0).unwrap();
+    assert_eq!(a.stats().allocated_bytes.all().current, 8 * MIB);
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+    a.check_invariants().unwrap();
+}
+
 #[test]
 fn malloc_cached_serves_only_from_cached_blocks() {
     let device = SimulatedDevice::new(1 << 30);

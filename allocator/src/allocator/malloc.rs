@@ -282,13 +282,11 @@ impl<E> Core<E> {
     }
 
     pub(super) fn should_split(&self, kind: PoolKind, rounded: u64, remaining: u64) -> bool {
-        if self.supply.no_split {
-            return false;
-        }
         if self.granularity.is_some() {
             return remaining >= crate::rounding::MIN_BLOCK;
         }
         match kind {
+            _ if self.supply.no_split => false,
             PoolKind::Small => remaining >= crate::rounding::MIN_BLOCK,
             PoolKind::Large | PoolKind::Huge => {
                 rounded < self.config.max_split_size

@@ -145,7 +145,9 @@ impl<D: Device> CachingAllocator<D> {
     /// Hands blocks out whole from now on, never splitting a free block for
     /// a smaller request (PyTorch's `MemPool(no_split=True)`): every
     /// allocation takes a cached block or a segment of its own. Blocks split
-    /// already stay as they are.
+    /// already stay as they are. Plain segments only: an allocator of
+    /// expandable segments (never a private pool's) keeps carving its
+    /// ranges, whose free blocks span unmapped pages.
     pub fn set_no_split(&self, no_split: bool) {
         self.state.lock().core.supply.no_split = no_split;
     }
