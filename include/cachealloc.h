@@ -157,6 +157,18 @@
 // Block state: freed by the caller, waiting for other streams' events.
 #define CACHEALLOC_BLOCK_STATE_PENDING_FREE 2
 
+// A segment source's allocation function: a segment of `size` bytes on
+// `device` for `stream` (a `cudaStream_t`), or NULL when it has none (out
+// of memory, or any failure). `ctx` is the context given with it. It must
+// not unwind (a C++ implementation catches every exception).
+typedef void *(*CacheallocSegmentAlloc)(void *ctx, size_t size, int device, void *stream);
+
+// A segment source's free function: gives back `ptr`, a segment of `size`
+// bytes its allocation function returned for `device` and `stream`; 0 on
+// success, anything else on failure (the segment is then kept). It must
+// not unwind.
+typedef int (*CacheallocSegmentFree)(void *ctx, void *ptr, size_t size, int device, void *stream);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -240,6 +252,9 @@ void *cachealloc_torch_device(int device);
 // all it holds), or NULL. It never gives segments back on its own (no release before
 // growing, no garbage collection, no release on out-of-memory): a captured graph keeps using the pool's free blocks, so only
 // `empty_cache` or dropping the pool, once nobody uses it, releases them.
+// Its segments count against the device's memory fraction (the cap of
+// `cachealloc_torch_device`'s allocator), and the device allocator's
+// room shrinks by them (Note [Shared cap] in `cachealloc_core::supply`).
 void *cachealloc_torch_pool_new(int device);
 
 // Drops a pool allocator after releasing its segments: 0; -1 (nothing
@@ -376,6 +391,42 @@ int64_t cachealloc_torch_apply_settings(const void *h,
 // # Safety
 // `buf` points at `cap` writable bytes (or is NULL with `cap` 0).
 size_t cachealloc_torch_last_error(char *buf, size_t cap);
+
+// A new private pool allocator on `device` whose plain segments come
+// from `alloc` and go back through `free`, called with `ctx` (PyTorch's
+// `MemPool(allocator=...)`), or NULL (last error set; also when `alloc`
+// or `free` is NULL). Otherwise as `cachealloc_torch_pool_new`; drop it
+// with `cachealloc_torch_pool_drop`, which gives every cached segment
+// back through `free`.
+//
+// # Safety
+// `alloc` and `free` follow the contracts of their types and may be
+// called with `ctx` from any thread (one call at a time) until the pool
+// is dropped; they must not call into this pool.
+void *cachealloc_torch_pool_new_sourced(int device,
+                                        CacheallocSegmentAlloc alloc,
+                                        CacheallocSegmentFree free,
+                                        void *ctx);
+
+// Makes the allocator `h` hand its blocks out whole, never split
+// (`no_split` non-zero; PyTorch's `MemPool(no_split=True)`), or split
+// them again (0): 0, or -1.
+//
+// # Safety
+// `h` is NULL or a live handle (`cachealloc_torch_device`, or a pool
+// handle not yet dropped).
+int cachealloc_torch_pool_set_no_split(const void *h, int no_split);
+
+// `size` bytes for `stream` from the blocks `h` has cached, without
+// asking for a segment or releasing one (a `MemPool(use_on_oom=True)`
+// lending its memory to an allocation that ran out). NULL with `*kind`
+// 1 when no cached block fits, or 2 on misuse (last error set); `*kind`
+// 0 with the address. The block is freed with `cachealloc_torch_free`
+// on `h`.
+//
+// # Safety
+// `h` is NULL or a live handle; `kind` is NULL or points at a writable int.
+void *cachealloc_torch_alloc_cached(const void *h, size_t size, void *stream, int *kind);
 
 #ifdef __cplusplus
 }  // extern "C"

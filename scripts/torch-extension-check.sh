@@ -4,8 +4,9 @@
 # as PyTorch's CUDA allocator through cachealloc_torch.enable(mode="cpp"),
 # and drives what needs no device: the run-time settings hook, PyTorch's
 # refusals, backend:native in the environment, and enable() staying out
-# under backend:cudaMallocAsync. A check of C++ changes before the GPU run
-# (python/test_gpu.py covers the rest there).
+# under backend:cudaMallocAsync; and compiles the allocator that
+# python/test_gpu_mempool.py gives MemPool. A check of C++ changes before
+# the GPU run (python/test_gpu.py and test_gpu_mempool.py cover the rest there).
 #
 # Usage: scripts/torch-extension-check.sh
 #
@@ -106,6 +107,16 @@ except ValueError as e:
 run "backend:cudaMallocAsync: enable() stays out, saying so" \
   'asks for backend:cudaMallocAsync;;^None False cudaMallocAsync$' PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync -- '
 print(ca.enable(sys.argv[1]), ca.is_enabled(), torch.cuda.get_allocator_backend())'
+
+# The CUDAPluggableAllocator of python/test_gpu_mempool.py, compiled as the
+# GPU run will compile it (torch.utils.cpp_extension.load_inline).
+if out="$("$VENV/bin/python" python/test_gpu_mempool.py --build-only 2>&1)"; then
+  echo "ok   the MemPool checks' allocator compiles with load_inline"
+else
+  echo "FAIL the MemPool checks' allocator compiles with load_inline"
+  echo "$out" | tail -15
+  failed=1
+fi
 
 if [ "$failed" -ne 0 ]; then
   echo "torch-extension-check: FAILED" >&2

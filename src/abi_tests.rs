@@ -1,5 +1,6 @@
 //! One definition of the C ABI, checked: `include/cachealloc.h` is what
-//! cbindgen makes of `src/capi.rs` and `src/capi_torch.rs` today, the
+//! cbindgen makes of `src/capi.rs`, `src/capi_torch.rs` and
+//! `src/capi_torch/*.rs` today, the
 //! Python package's generated table (`_abi.py`: the header's constants and
 //! the name of every statistics slot) is what the header and
 //! [`stat_names`](crate::capi_torch::stat_names) give, and every entry of
@@ -25,12 +26,20 @@ const PY_INIT: &str = "python/cachealloc_torch/__init__.py";
 /// The header cbindgen writes from the two ABI modules with `cbindgen.toml`.
 fn generate_header() -> String {
     let config = cbindgen::Config::from_file(root().join("cbindgen.toml")).expect("cbindgen.toml");
-    let bindings = cbindgen::Builder::new()
+    let mut builder = cbindgen::Builder::new()
         .with_config(config)
         .with_src(root().join("src/capi.rs"))
-        .with_src(root().join("src/capi_torch.rs"))
-        .generate()
-        .expect("cbindgen reads the ABI modules");
+        .with_src(root().join("src/capi_torch.rs"));
+    // The PyTorch ABI's functions of one feature each (`src/capi_torch/*.rs`).
+    let mut parts: Vec<PathBuf> = std::fs::read_dir(root().join("src/capi_torch"))
+        .map(|d| d.filter_map(|e| Some(e.ok()?.path())).collect())
+        .unwrap_or_default();
+    parts.retain(|p| p.extension().is_some_and(|x| x == "rs"));
+    parts.sort();
+    for p in parts {
+        builder = builder.with_src(p);
+    }
+    let bindings = builder.generate().expect("cbindgen reads the ABI modules");
     let mut out = Vec::new();
     bindings.write(&mut out);
     String::from_utf8(out).expect("the header is UTF-8")

@@ -487,6 +487,8 @@ pub fn apply_settings<D: Device>(
 #[cfg(feature = "cuda")]
 pub use exports::*;
 
+pub mod mempool;
+
 /// The configuration of a private pool's allocator, from the device's
 /// `config` (see `cachealloc_torch_pool_new`): no thread caches, slabs,
 /// expandable segments or holes borrowed from another stream's segments
@@ -502,6 +504,9 @@ pub fn pool_config(config: Config) -> Config {
         .borrow_holes(false)
         .garbage_collection_threshold(None)
         .set("oom_flush", "False")
+        // The device's cap (its memory fraction) applies through the cap
+        // group the pool joins (Note [Shared cap] in `cachealloc_core::supply`).
+        .memory_cap(None)
         .build()
         // Each value is its key's "off", inside the key table's bounds, and
         // no slabs meet every limit between keys: `build` cannot refuse it.
@@ -518,13 +523,13 @@ mod exports {
     use std::ffi::{c_char, c_int, c_void};
     use std::panic::{catch_unwind, AssertUnwindSafe};
 
-    type Alloc = CachingAllocator<CudaDevice>;
+    pub(super) type Alloc = CachingAllocator<CudaDevice>;
 
     /// Addresses of the pool allocators alive (handles `pool_drop` accepts).
-    static POOLS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+    pub(super) static POOLS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 
     /// Runs `f`, turning a panic into `fallback` with the last error set.
-    fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
+    pub(super) fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
         catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
             let msg = crate::capi::panic_text(p);
             set_error(&format!("cachealloc: internal error (panic): {msg}"));
@@ -537,7 +542,7 @@ mod exports {
     /// # Safety
     /// `h` is NULL, a handle from `cachealloc_torch_device`, or a pool handle
     /// from `cachealloc_torch_pool_new` not yet dropped.
-    unsafe fn handle<'a>(h: *const c_void) -> Option<&'a Alloc> {
+    pub(super) unsafe fn handle<'a>(h: *const c_void) -> Option<&'a Alloc> {
         if h.is_null() {
             set_error("cachealloc: NULL allocator handle");
             return None;
@@ -569,26 +574,13 @@ mod exports {
     /// all it holds), or NULL. It never gives segments back on its own (no release before
     /// growing, no garbage collection, no release on out-of-memory): a captured graph keeps using the pool's free blocks, so only
     /// `empty_cache` or dropping the pool, once nobody uses it, releases them.
+    /// Its segments count against the device's memory fraction (the cap of
+    /// `cachealloc_torch_device`'s allocator), and the device allocator's
+    /// room shrinks by them (Note [Shared cap] in `cachealloc_core::supply`).
     #[no_mangle]
     pub extern "C" fn cachealloc_torch_pool_new(device: c_int) -> *mut c_void {
         guard(std::ptr::null_mut(), || {
-            let made = crate::cuda::config_from_env().and_then(|config| {
-                Ok(CachingAllocator::new(
-                    CudaDevice::new(device)?,
-                    pool_config(config),
-                ))
-            });
-            match made {
-                Ok(a) => {
-                    let p = Box::into_raw(Box::new(a));
-                    POOLS.lock().push(p as usize);
-                    p as *mut c_void
-                }
-                Err(e) => {
-                    set_error(&format!("cachealloc: private pool on device {device}: {e}"));
-                    std::ptr::null_mut()
-                }
-            }
+            super::mempool::pool_on(device, None)
         })
     }
 

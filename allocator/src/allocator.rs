@@ -151,6 +151,9 @@ pub(super) struct Core<E> {
     /// Expandable segments: free blocks in the bins that hold a whole mapped
     /// page, as (idle since, block), longest idle first.
     pub(super) idle_index: std::collections::BTreeSet<(u64, u32)>,
+    /// Where segments come from, the cap shared with other allocators, and
+    /// a private pool's terms (`supply.rs`).
+    pub(super) supply: supply::Supply,
 }
 
 /// An allocator's state under its lock: the shared records and the
@@ -244,6 +247,7 @@ mod invariants;
 mod layout;
 mod malloc;
 mod slabs;
+mod supply;
 mod thread_cache;
 
 #[cfg(test)]

@@ -54,6 +54,7 @@ pub mod sample;
 mod simulated;
 mod sorted_map;
 mod stats;
+mod supply;
 mod thread_slot;
 mod trace;
 
@@ -79,4 +80,5 @@ pub use rounding::{round_size, Power2Divisions, MAX_REQUEST, MIN_BLOCK, POWER2_I
 pub use rounding::{round_size_plain, slab_class, SLAB_CLASSES, SLAB_MAX};
 pub use simulated::{calls as sim_calls, FaultPlan, SimCounters, SimulatedDevice};
 pub use stats::{MemoryStats, Stat, StatArray, STAT_GROUPS};
+pub use supply::{CapGroup, SegmentSource};
 pub use trace::{TraceError, TraceEvent, TraceReader, TraceWriter};

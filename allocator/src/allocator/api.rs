@@ -76,6 +76,7 @@ impl<D: Device> CachingAllocator<D> {
                     notices,
                     granularity,
                     idle_index: Default::default(),
+                    supply: Default::default(),
                     config,
                 },
                 vmm: expandable::Expandable::<D::Event>::new(range_size),
@@ -174,6 +175,7 @@ impl<D: Device> CachingAllocator<D> {
     fn locked<R>(&self, op: impl FnOnce(&mut State<D::Event>) -> R) -> R {
         let mut st = self.state.lock();
         let r = op(&mut st);
+        st.core.publish_reserved();
         if let Some(on) = st.review_thread_caches() {
             if st.core.recorder.is_none() {
                 self.thread_cache_on.store(on, Ordering::Relaxed);
@@ -247,7 +249,10 @@ impl<D: Device> CachingAllocator<D> {
     /// Polls pending events and recycles the blocks whose events completed.
     /// (Every `malloc` does this first.)
     pub fn process_events(&self) -> Result<(), AllocError> {
-        self.state.lock().process_events(&self.device)
+        let st = &mut *self.state.lock();
+        let r = st.process_events(&self.device);
+        st.core.publish_reserved();
+        r
     }
 
     /// Waits for pending events, then releases every entirely free segment to
@@ -259,7 +264,9 @@ impl<D: Device> CachingAllocator<D> {
             (r.sink)(&TraceEvent::EmptyCache);
         }
         st.flush_thread_caches();
-        st.release_cached(&self.device)
+        let r = st.release_cached(&self.device);
+        st.core.publish_reserved();
+        r
     }
 
     /// Sets (or lifts, with `None`) the cap on reserved memory. If reserved
@@ -269,9 +276,12 @@ impl<D: Device> CachingAllocator<D> {
         let st = &mut *self.state.lock();
         st.core.config.memory_cap = cap;
         st.core.cap = cap.map(|c| c.bytes(total));
-        if st.core.cap.is_some_and(|c| st.core.reserved() > c) {
+        st.core.publish_cap();
+        if st.core.cap_now().is_some_and(|c| st.core.reserved() > c) {
             st.flush_thread_caches();
-            st.release_cached(&self.device)?;
+            let r = st.release_cached(&self.device);
+            st.core.publish_reserved();
+            r?;
         }
         Ok(())
     }
@@ -367,7 +377,7 @@ impl<D: Device> CachingAllocator<D> {
         st.flush_thread_caches();
         let cached = st.fragmentation_totals().1;
         let free = self.device.mem_info()?.free;
-        let headroom = match st.core.cap {
+        let headroom = match st.core.cap_now() {
             Some(cap) => free.min(cap.saturating_sub(st.core.reserved())),
             None => free,
         };

@@ -516,7 +516,7 @@ impl<E> Expandable<E> {
         } else {
             (u64::MAX, u64::MAX)
         };
-        (soft, hard, core.cap.unwrap_or(u64::MAX))
+        (soft, hard, core.cap_now().unwrap_or(u64::MAX))
     }
 
     /// Maps every unmapped granule under `[start, end)` of `seg`. The block

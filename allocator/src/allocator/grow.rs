@@ -217,7 +217,7 @@ impl<E> State<E> {
             segment_size: seg_size,
             device_free: info.free,
             device_total: info.total,
-            cap: self.core.cap,
+            cap: self.core.cap_now(),
             allocated: self.core.stats.allocated_bytes.all().current,
             reserved: self.core.reserved(),
             largest_free_block: frag.1,
@@ -245,7 +245,8 @@ impl<E> State<E> {
         debug_assert!(self.core.segment_is_free(seg));
         let s = self.core.segments.get(seg.0);
         let (addr, size, pool, head, slab) = (s.addr, s.size, s.pool, s.head, s.is_slab());
-        dev.free(DevicePtr(addr), size)?;
+        let stream = s.stream;
+        self.core.segment_free(dev, DevicePtr(addr), size, stream)?;
         if slab {
             self.slabs.drop_slab(&mut self.core, seg);
         } else {
@@ -491,13 +492,13 @@ impl<E> Core<E> {
         size: u64,
     ) -> Result<Option<BlockId>, AllocError> {
         if self
-            .cap
+            .cap_now()
             .is_some_and(|cap| self.reserved().saturating_add(size) > cap)
         {
             return Ok(None);
         }
         let kind = pool.kind();
-        let ptr = match dev.allocate(size) {
+        let ptr = match self.segment_alloc(dev, size, stream) {
             Ok(p) => p,
             Err(DeviceError::OutOfMemory) => {
                 return Ok(None);

@@ -25,14 +25,7 @@ impl<E> State<E> {
             self.process_events(dev)?;
         }
         self.core.clock += 1;
-        let kind = if rounded <= SMALL_SIZE {
-            PoolKind::Small
-        } else if rounded >= self.core.config.huge_size && self.core.granularity.is_none() {
-            // (A plain-segment rule: expandable segments have no huge pool.)
-            PoolKind::Huge
-        } else {
-            PoolKind::Large
-        };
+        let kind = self.core.request_kind(rounded);
         let pool = PoolId::new(self.stream_slot(stream), kind);
         let req = Request {
             pool,
@@ -293,6 +286,7 @@ impl<E> Core<E> {
             return remaining >= crate::rounding::MIN_BLOCK;
         }
         match kind {
+            _ if self.supply.no_split => false,
             PoolKind::Small => remaining >= crate::rounding::MIN_BLOCK,
             PoolKind::Large | PoolKind::Huge => {
                 rounded < self.config.max_split_size

@@ -169,8 +169,8 @@ void* CacheallocAllocator::alloc_on(c10::DeviceIndex dev, size_t size, cudaStrea
   }
   if (C10_UNLIKELY(ptr == nullptr)) {
     if (kind == 1) {
-      if (Pool* p = oom_pool(dev)) {
-        return alloc_pool(p, dev, size, stream);
+      if (void* lent = oom_loan(dev, size, stream)) {
+        return lent;
       }
     }
     fail(dev, size, kind);
@@ -188,15 +188,47 @@ void* CacheallocAllocator::alloc_on(c10::DeviceIndex dev, size_t size, cudaStrea
   return ptr;
 }
 
-// A pool of the device marked use_on_oom, or nullptr.
-Pool* CacheallocAllocator::oom_pool(c10::DeviceIndex dev) {
-  std::lock_guard<std::mutex> g(pools_mutex_);
-  for (auto& [key, p] : pools_) {
-    if (p->device == dev && p->use_on_oom) {
-      return p.get();
+// MemPool(use_on_oom=True): a cached block of a pool of the device that is
+// in use and lends its memory to an allocation the device's allocator had
+// no memory for, or nullptr. As PyTorch's allocator: only the pool's free
+// blocks serve (the pool does not grow for it), and a deleted pool (use
+// count 0, kept for its live blocks) lends nothing. The block is the
+// pool's: its free goes back there.
+void* CacheallocAllocator::oom_loan(c10::DeviceIndex dev, size_t size, cudaStream_t stream) {
+  void* ptr = nullptr;
+  MempoolId_t id = kNoPool;
+  {
+    std::lock_guard<std::mutex> g(pools_mutex_);
+    RelaxedCapture rc(captures_.load() > 0);
+    for (auto& [key, p] : pools_) {
+      if (p->device != dev || !p->use_on_oom || p->use_count == 0) {
+        continue;
+      }
+      int kind = 0;
+      ptr = cachealloc_torch_alloc_cached(p->handle, size, stream, &kind);
+      if (ptr != nullptr) {
+        track(p.get(), ptr);
+        id = p->id;
+        break;
+      }
+      if (kind == 2) {
+        debugf("pool (%llu,%llu) cannot lend: %s", (unsigned long long)p->id.first,
+               (unsigned long long)p->id.second, last_error().c_str());
+      }
     }
   }
-  return nullptr;
+  if (ptr == nullptr) {
+    return nullptr;
+  }
+  debugf("pool (%llu,%llu) lends %p size %zu on out of memory",
+         (unsigned long long)id.first, (unsigned long long)id.second, ptr, size);
+  if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
+    record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, id, true);
+  }
+  if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+    report_to_profiler(dev, ptr, static_cast<int64_t>(size));
+  }
+  return ptr;
 }
 
 // Registers `ptr` as a live block of private pool `p`, so that a free
@@ -221,11 +253,15 @@ void* CacheallocAllocator::alloc_pool(Pool* p, c10::DeviceIndex dev, size_t size
   void* ptr;
   {
     RelaxedCapture rc(true);
+    clear_source_error();
     ptr = cachealloc_torch_alloc(p->handle, size, stream, &kind);
   }
   if (ptr == nullptr) {
+    // What the MemPool's allocator threw, as PyTorch's allocator lets it through.
+    rethrow_source_error();
     fail(dev, size, kind);
   }
+  clear_source_error();
   debugf("pool (%llu,%llu) alloc %p size %zu stream %p",
          (unsigned long long)p->id.first, (unsigned long long)p->id.second,
          ptr, size, (void*)stream);

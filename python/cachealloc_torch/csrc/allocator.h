@@ -41,6 +41,7 @@
 #include <cuda_runtime_api.h>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 
 #include <algorithm>
 #include <array>
@@ -113,6 +114,16 @@ struct RelaxedCapture {
   }
 };
 
+// MemPool(allocator=...): the CUDAAllocator a pool's segments come from,
+// called by the segment source functions of pools.cpp (the core asks them
+// for every segment of the pool and gives every segment back to them).
+// The pool owns it: the Python MemPool and allocator objects may be gone
+// before the pool's last block is freed.
+struct SegmentSource {
+  std::shared_ptr<CCA::CUDAAllocator> allocator;
+  c10::DeviceIndex device;
+};
+
 // A private pool: its own core allocator (own segments), used while a
 // route to it is active (graph capture, use_mem_pool), freed when its use
 // count is 0 and nothing allocated from it is alive.
@@ -122,10 +133,21 @@ struct Pool {
   void* handle;
   int use_count = 0;
   std::unordered_set<void*> live;
-  // MemPool(use_on_oom=True): the device's allocations may come from here
-  // when the device's own allocator is out of memory.
+  // MemPool(use_on_oom=True): while the pool is in use, its cached blocks
+  // may serve the device's allocations that ran out of memory.
   bool use_on_oom = false;
+  // MemPool(allocator=...): where its segments come from; null for the
+  // device's memory.
+  std::unique_ptr<SegmentSource> source;
 };
+
+// Rethrows, once, the exception a MemPool's allocator threw inside a
+// segment source call on this thread (the call returned failure to the
+// core instead: nothing unwinds through the Rust library). pools.cpp.
+void rethrow_source_error();
+
+// Forgets a pending segment source exception (before a call into the core).
+void clear_source_error();
 
 // CACHEALLOC_TORCH_DEBUG=1: trace the out-of-memory path and private-pool
 // events (routes, pool allocations and frees, drops) on stderr.
@@ -183,7 +205,7 @@ class CacheallocAllocator final
   void* main_handle(c10::DeviceIndex dev);
   Pool* route(c10::DeviceIndex dev, cudaStream_t stream);
   void* alloc_on(c10::DeviceIndex dev, size_t size, cudaStream_t stream);
-  Pool* oom_pool(c10::DeviceIndex dev);
+  void* oom_loan(c10::DeviceIndex dev, size_t size, cudaStream_t stream);
   void track(Pool* p, void* ptr);
   void untrack(Pool* p, void* ptr);
   void* alloc_pool(Pool* p, c10::DeviceIndex dev, size_t size,
@@ -242,7 +264,8 @@ class CacheallocAllocator final
     return PoolKey(static_cast<int>(dev), id);
   }
   Pool* find_pool(c10::DeviceIndex dev, MempoolId_t id);
-  Pool* incref(c10::DeviceIndex dev, MempoolId_t id);
+  Pool* incref(c10::DeviceIndex dev, MempoolId_t id,
+               std::shared_ptr<CCA::CUDAAllocator> allocator = nullptr);
   void maybe_drop(Pool* p);
   bool drop_unused_pools();
   void beginAllocateToPool(c10::DeviceIndex dev, MempoolId_t id,
@@ -254,7 +277,7 @@ class CacheallocAllocator final
       std::shared_ptr<CCA::CUDAAllocator> allocator) override;
   void setUseOnOOM(c10::DeviceIndex dev, MempoolId_t id,
                    bool use_on_oom) override;
-  void setNoSplit(c10::DeviceIndex, MempoolId_t) override;
+  void setNoSplit(c10::DeviceIndex dev, MempoolId_t id) override;
   int getPoolUseCount(c10::DeviceIndex dev, MempoolId_t id) override;
   bool checkPoolLiveAllocations(
       c10::DeviceIndex dev, MempoolId_t id,

@@ -1,5 +1,6 @@
 // Private pools (CUDA graphs, torch.cuda.MemPool): each its own core
-// allocator, routed to while a capture or use_mem_pool is under way; and their
+// allocator, routed to while a capture or use_mem_pool is under way; a
+// MemPool's options (allocator=..., use_on_oom, no_split); and their
 // checkpoints (CUDA graph trees).
 // (The class and what the parts share: allocator.h.)
 
@@ -7,19 +8,84 @@
 
 namespace cachealloc {
 
+// ---- MemPool(allocator=...): the pool's segment source --------------------
+//
+// The core asks these two functions for each segment of such a pool and
+// gives each back through them (cachealloc_torch_pool_new_sourced), while
+// it holds the pool's lock. They call the pool's CUDAAllocator as PyTorch's
+// allocator does (raw_alloc_with_stream, raw_delete: a
+// CUDAPluggableAllocator calls the user's functions with the size, device
+// and stream) and never throw: an exception is kept for the caller to
+// rethrow once the core has returned (rethrow_source_error).
+
+namespace {
+
+thread_local std::exception_ptr source_error;
+
+void* source_alloc(void* ctx, size_t size, int device, void* stream) noexcept {
+  auto* src = static_cast<SegmentSource*>(ctx);
+  try {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    void* p = src->allocator->raw_alloc_with_stream(size, static_cast<cudaStream_t>(stream));
+    debugf("device %d segment %p size %zu from the MemPool allocator", device, p, size);
+    return p;
+  } catch (...) {
+    source_error = std::current_exception();
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+}
+
+int source_free(void* ctx, void* ptr, size_t size, int device, void*) noexcept {
+  auto* src = static_cast<SegmentSource*>(ctx);
+  try {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    src->allocator->raw_delete(ptr);
+    debugf("device %d segment %p size %zu back to the MemPool allocator", device, ptr, size);
+    return 0;
+  } catch (...) {
+    source_error = std::current_exception();
+    (void)cudaGetLastError();
+    return -1;
+  }
+}
+
+}  // namespace
+
+void rethrow_source_error() {
+  if (source_error) {
+    std::exception_ptr e = source_error;
+    source_error = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+void clear_source_error() {
+  source_error = nullptr;
+}
+
 // pools_mutex_ held.
 Pool* CacheallocAllocator::find_pool(c10::DeviceIndex dev, MempoolId_t id) {
   auto it = pools_.find(key(dev, id));
   return it == pools_.end() ? nullptr : it->second.get();
 }
 
-// pools_mutex_ held.
-Pool* CacheallocAllocator::incref(c10::DeviceIndex dev, MempoolId_t id) {
+// pools_mutex_ held. A new pool's segments come from `allocator` when one
+// is given (MemPool(allocator=...)), else from the device.
+Pool* CacheallocAllocator::incref(c10::DeviceIndex dev, MempoolId_t id,
+                                  std::shared_ptr<CCA::CUDAAllocator> allocator) {
   Pool* p = find_pool(dev, id);
   if (p == nullptr) {
-    void* h = cachealloc_torch_pool_new(dev);
-    TORCH_CHECK(h != nullptr, last_error());
     auto owned = std::make_unique<Pool>();
+    void* h;
+    if (allocator != nullptr) {
+      owned->source = std::make_unique<SegmentSource>(SegmentSource{std::move(allocator), dev});
+      h = cachealloc_torch_pool_new_sourced(dev, &source_alloc, &source_free,
+                                            owned->source.get());
+    } else {
+      h = cachealloc_torch_pool_new(dev);
+    }
+    TORCH_CHECK(h != nullptr, last_error());
     owned->device = dev;
     owned->id = id;
     owned->handle = h;
@@ -53,10 +119,14 @@ void CacheallocAllocator::maybe_drop(Pool* p) {
   if (cachealloc_torch_stats(p->handle, v.data(), kStatsLen) != 0) {
     return;
   }
+  clear_source_error();
   if (cachealloc_torch_pool_drop(p->handle) != 0) {
-    debugf("pool (%llu,%llu) kept: the core still uses it",
-           (unsigned long long)p->id.first, (unsigned long long)p->id.second);
-    return;  // still in use according to the core: keep it
+    // Still in use according to the core, or its allocator's free function
+    // failed: keep it (emptyCache tries again).
+    debugf("pool (%llu,%llu) kept: %s", (unsigned long long)p->id.first,
+           (unsigned long long)p->id.second, last_error().c_str());
+    clear_source_error();
+    return;
   }
   debugf("pool (%llu,%llu) dropped", (unsigned long long)p->id.first,
          (unsigned long long)p->id.second);
@@ -129,17 +199,25 @@ void CacheallocAllocator::releasePool(c10::DeviceIndex dev, MempoolId_t id) {
   maybe_drop(p);
 }
 
+// MemPool(allocator=...) makes the pool with the allocator its segments
+// come from; a pool that exists already takes no allocator (as PyTorch's).
 void CacheallocAllocator::createOrIncrefPool(
     c10::DeviceIndex dev, MempoolId_t id,
     std::shared_ptr<CCA::CUDAAllocator> allocator) {
-  TORCH_CHECK(allocator == nullptr,
-              "cachealloc does not support MemPool(allocator=...): a pool "
-              "with its own allocator; use torch.cuda.MemPool() without one");
   main_handle(dev);
   std::lock_guard<std::mutex> g(pools_mutex_);
-  Pool* p = incref(dev, id);
-  debugf("pool (%llu,%llu) incref, use count %d", (unsigned long long)id.first,
-         (unsigned long long)id.second, p->use_count);
+  if (allocator != nullptr) {
+    TORCH_CHECK(find_pool(dev, id) == nullptr, "cachealloc: createOrIncrefPool with an "
+                "allocator for the pool " + pool_name(id) + ", which exists already");
+    TORCH_CHECK(allocator.get() != static_cast<CCA::CUDAAllocator*>(this),
+                "cachealloc: MemPool(allocator=...) given cachealloc's own allocator; "
+                "leave allocator out for a pool of cachealloc's memory");
+  }
+  bool sourced = allocator != nullptr;
+  Pool* p = incref(dev, id, std::move(allocator));
+  debugf("pool (%llu,%llu) incref, use count %d%s", (unsigned long long)id.first,
+         (unsigned long long)id.second, p->use_count,
+         sourced ? ", segments from the MemPool allocator" : "");
 }
 
 void CacheallocAllocator::setUseOnOOM(c10::DeviceIndex dev, MempoolId_t id,
@@ -153,10 +231,12 @@ void CacheallocAllocator::setUseOnOOM(c10::DeviceIndex dev, MempoolId_t id,
   }
 }
 
-void CacheallocAllocator::setNoSplit(c10::DeviceIndex, MempoolId_t) {
-  TORCH_CHECK(false,
-              "cachealloc does not support MemPool(no_split=True): its "
-              "pools split blocks like the device's allocator");
+// MemPool(no_split=True): the pool hands its blocks out whole.
+void CacheallocAllocator::setNoSplit(c10::DeviceIndex dev, MempoolId_t id) {
+  std::lock_guard<std::mutex> g(pools_mutex_);
+  Pool* p = find_pool(dev, id);
+  TORCH_CHECK(p != nullptr, "cachealloc: setNoSplit of an unknown pool " + pool_name(id));
+  TORCH_CHECK(cachealloc_torch_pool_set_no_split(p->handle, 1) == 0, last_error());
 }
 
 int CacheallocAllocator::getPoolUseCount(c10::DeviceIndex dev, MempoolId_t id) {
@@ -193,7 +273,11 @@ void CacheallocAllocator::emptyCache(MempoolId_t mempool_id) {
     for (int d = 0; d < kMaxDevices; ++d) {
       Pool* p = find_pool(d, mempool_id);
       if (p != nullptr && p->use_count == 0) {
-        TORCH_CHECK(cachealloc_torch_empty_cache(p->handle) >= 0, last_error());
+        clear_source_error();
+        if (cachealloc_torch_empty_cache(p->handle) < 0) {
+          rethrow_source_error();  // what the MemPool's allocator threw
+          TORCH_CHECK(false, last_error());
+        }
         maybe_drop(p);
       }
     }
@@ -217,6 +301,7 @@ void CacheallocAllocator::emptyCache(MempoolId_t mempool_id) {
     cachealloc_torch_empty_cache(p->handle);
     maybe_drop(p);
   }
+  clear_source_error();
 }
 
 std::shared_ptr<CCA::AllocatorState> CacheallocAllocator::getCheckpointState(
