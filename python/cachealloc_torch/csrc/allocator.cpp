@@ -524,11 +524,35 @@ void install() {
   (void)c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::instance();
   a = std::make_shared<CacheallocAllocator>();
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
+  // Note [The device allocator registry]: PyTorch's device-generic API
+  // (torch.accelerator.memory_stats and its relatives, at::accelerator::*)
+  // asks c10::GetAllocator(kCUDA), not the CUDA allocator pointer that
+  // changeCurrentAllocator sets (torch 2.11 sets only that pointer). PyTorch's
+  // own allocator registers itself there at load time with priority 0
+  // (BackendStaticInitializer); registering with the same priority replaces
+  // it, exactly as that registration made it, so both routes reach the same
+  // allocator. There is no uninstall: the allocator is never destroyed, so
+  // the registration stays valid for the life of the process.
+  c10::SetAllocator(c10::DeviceType::CUDA, a.get(), /*priority=*/0);
+  if (c10::GetAllocator(c10::DeviceType::CUDA) != a.get()) {
+    TORCH_WARN("cachealloc: another allocator is registered for CUDA with a higher "
+               "priority; torch.accelerator's memory functions will not reach cachealloc");
+  }
   register_settings_hook();
 }
 
+// Whether PyTorch's CUDA allocator is cachealloc's (the pointer that
+// torch.cuda's functions use).
 bool installed() {
   return instance() != nullptr && CCA::get() == instance().get();
+}
+
+// Whether PyTorch's device-generic allocator for CUDA (what torch.accelerator
+// asks) is cachealloc's: Note [The device allocator registry].
+bool device_allocator_installed() {
+  return instance() != nullptr &&
+         c10::GetAllocator(c10::DeviceType::CUDA) == instance().get() &&
+         c10::getDeviceAllocator(c10::DeviceType::CUDA) == instance().get();
 }
 
 }  // namespace cachealloc
@@ -539,6 +563,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Install cachealloc as PyTorch's CUDA allocator (before CUDA is used)");
   m.def("installed", &cachealloc::installed,
         "Whether PyTorch's current CUDA allocator is cachealloc's");
+  m.def("device_allocator_installed", &cachealloc::device_allocator_installed,
+        "Whether PyTorch's device allocator for CUDA (torch.accelerator) is cachealloc's");
   m.def("cache_info", [](int64_t dev) {
           size_t largest = 0;
           c10::cuda::CUDACachingAllocator::cacheInfo(static_cast<c10::DeviceIndex>(dev), &largest);

@@ -219,6 +219,7 @@ class CacheallocAllocator final
   static std::vector<uint64_t> words_of(void* h);
   void add_segments(std::vector<CDA::SegmentInfo>& out, void* h,
                     c10::DeviceIndex dev, MempoolId_t owner, bool expandable);
+  std::vector<CDA::SegmentInfo> segments_of(MempoolId_t mempool_id);
   CCA::SnapshotInfo snapshot(MempoolId_t mempool_id,
                              bool include_traces = true) override;
   void* getBaseAllocation(void* ptr, size_t* size) override;
@@ -233,6 +234,16 @@ class CacheallocAllocator final
               bool keep_context);
   void record_free(c10::DeviceIndex dev, void* ptr, MempoolId_t pool,
                    size_t size);
+  // Memory-viz metadata (snapshot.cpp): record_function annotations,
+  // torch.compile's region markers and the user's metadata string, as
+  // PyTorch's allocator keeps them (Note [History metadata]).
+  void recordAnnotation(
+      const std::vector<std::pair<std::string, std::string>>& md) override;
+  void pushCompileContext(std::string& md) override;
+  void popCompileContext() override;
+  void setUserMetadata(const std::string& metadata) override;
+  std::string getUserMetadata() override;
+  CCA::AllocatorConfigInfo config_info(uint64_t devs);
   void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override;
   void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker) override;
 
@@ -325,7 +336,13 @@ class CacheallocAllocator final
   std::array<std::vector<CDA::TraceEntry>, kMaxDevices> traces_;
   std::array<size_t, kMaxDevices> ring_next_{};
   std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> contexts_;
-  // Sizes of the allocations made while recording (a free's entry carries its size).
+  // record_function annotations while history is on: a ring of
+  // max_entries_, as PyTorch's (history_mutex_).
+  std::vector<CDA::AnnotationEntry> annotations_;
+  size_t annotations_next_ = 0;
+  // Converts the entries' TSC times to microseconds since the epoch in
+  // snapshots (PyTorch's time_us).
+  c10::ApproximateClockToUnixTimeConverter clock_converter_;
 };
 
 // The installed allocator. Never destroyed: tensors may be freed during

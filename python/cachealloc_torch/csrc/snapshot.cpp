@@ -7,6 +7,35 @@
 
 namespace cachealloc {
 
+// Note [History metadata]: every history entry carries two strings, as
+// PyTorch's allocator records them (torch 2.11, CUDACachingAllocator.cpp
+// record_trace) and as its snapshot and pickle write them under the keys
+// "compile_context" and "user_metadata":
+//
+// - compile_context: the innermost torch.compile region the allocating
+//   thread is in ("Torch-Compiled Region: 0/0"), or "N/A" outside one.
+//   PyTorch's record_function callback (registered by
+//   _record_memory_history(..., compile_context=True)) calls
+//   pushCompileContext / popCompileContext around each region; as in
+//   PyTorch, they change the thread's stack only while history is on.
+// - user_metadata: the thread's string from
+//   torch.cuda.memory._set_memory_metadata (kept whether history is on or
+//   not; "" clears it).
+//
+// Both are per thread, as PyTorch keeps them (its static thread_locals are
+// shared by all devices), so an entry carries what the thread that
+// allocated or freed had set. record_function annotations (recordAnnotation,
+// _record_memory_history's annotation callback) go to a ring of their own,
+// snapshot's external_annotations, while history is on.
+namespace {
+thread_local std::vector<std::string> tl_compile_context;
+thread_local std::string tl_user_metadata;
+
+std::string compile_context_now() {
+  return tl_compile_context.empty() ? std::string("N/A") : tl_compile_context.back();
+}
+}  // namespace
+
 std::vector<uint64_t> CacheallocAllocator::words_of(void* h) {
   std::vector<uint64_t> w(256);
   for (;;) {
@@ -60,9 +89,9 @@ void CacheallocAllocator::add_segments(std::vector<CDA::SegmentInfo>& out, void*
   }
 }
 
-CCA::SnapshotInfo CacheallocAllocator::snapshot(MempoolId_t mempool_id,
-                                                bool include_traces) {
-  CCA::SnapshotInfo info{};
+// The segments of the devices in use, of every pool or only `mempool_id`'s.
+std::vector<CDA::SegmentInfo> CacheallocAllocator::segments_of(MempoolId_t mempool_id) {
+  std::vector<CDA::SegmentInfo> out;
   uint64_t devs = devices_in_use_.load();
   for (int d = 0; d < kMaxDevices; ++d) {
     if (!(devs & (1ull << d))) {
@@ -70,8 +99,7 @@ CCA::SnapshotInfo CacheallocAllocator::snapshot(MempoolId_t mempool_id,
     }
     void* h = main_[d].load();
     if (mempool_id == kNoPool) {
-      add_segments(info.segments, h, d, kNoPool,
-                   cachealloc_torch_is_expandable(h) == 1);
+      add_segments(out, h, d, kNoPool, cachealloc_torch_is_expandable(h) == 1);
     }
     std::vector<std::pair<MempoolId_t, void*>> ps;
     {
@@ -83,11 +111,27 @@ CCA::SnapshotInfo CacheallocAllocator::snapshot(MempoolId_t mempool_id,
       }
     }
     for (auto& [id, ph] : ps) {
-      add_segments(info.segments, ph, d, id, false);
+      add_segments(out, ph, d, id, false);
     }
   }
+  return out;
+}
+
+CCA::SnapshotInfo CacheallocAllocator::snapshot(MempoolId_t mempool_id,
+                                                bool include_traces) {
+  CCA::SnapshotInfo info{};
+  uint64_t devs = devices_in_use_.load();
+  info.segments = segments_of(mempool_id);
+  info.config_metadata = config_info(devs);
+  // Entries and annotations carry TSC times; a snapshot gives microseconds
+  // since the epoch, as PyTorch's does.
+  auto tsc_to_us = clock_converter_.makeConverter();
+  auto to_us = [&](CDA::trace_time_& t) {
+    auto approx = t.approx_t_;
+    t.t_ = tsc_to_us(approx) / 1000;
+  };
+  std::lock_guard<std::mutex> g(history_mutex_);
   if (include_traces) {
-    std::lock_guard<std::mutex> g(history_mutex_);
     int n = std::max(device_count_, 1);
     info.device_traces.resize(n);
     for (int d = 0; d < n && d < kMaxDevices; ++d) {
@@ -96,16 +140,67 @@ CCA::SnapshotInfo CacheallocAllocator::snapshot(MempoolId_t mempool_id,
       size_t start = ring.size() < max_entries_ ? 0 : ring_next_[d];
       for (size_t k = 0; k < ring.size(); ++k) {
         out.push_back(ring[(start + k) % ring.size()]);
+        to_us(out.back().time_);
+      }
+    }
+    size_t start = annotations_.size() < max_entries_ ? 0 : annotations_next_;
+    for (size_t k = 0; k < annotations_.size(); ++k) {
+      info.external_annotations.push_back(
+          annotations_[(start + k) % annotations_.size()]);
+      to_us(info.external_annotations.back().time_);
+    }
+  }
+  // As PyTorch's allocator, each device's history gets a `snapshot` entry
+  // (the active bytes the snapshot saw), after the entries it returned.
+  if (history_on_.load() &&
+      !skip_.count(static_cast<int>(CDA::TraceEntry::SNAPSHOT))) {
+    std::array<size_t, kMaxDevices> active{};
+    for (const auto& s : info.segments) {
+      active[s.device] += s.active_size;
+    }
+    for (int d = 0; d < kMaxDevices; ++d) {
+      if (devs & (1ull << d)) {
+        push_trace(CDA::TraceEntry(CDA::TraceEntry::SNAPSHOT,
+                                   static_cast<c10::DeviceIndex>(d), 0, active[d],
+                                   nullptr, mempool_id, c10::getApproximateTime(),
+                                   nullptr, compile_context_now(), tl_user_metadata));
       }
     }
   }
   return info;
 }
 
+// PyTorch's allocator settings as a snapshot reports them
+// (snapshot["allocator_settings"]): PyTorch's parsed configuration, with
+// what cachealloc applies where it decides (max_split_size and
+// expandable_segments of the first device in use).
+CCA::AllocatorConfigInfo CacheallocAllocator::config_info(uint64_t devs) {
+  using Config = c10::CachingAllocator::AcceleratorAllocatorConfig;
+  using CudaConfig = CCA::CUDAAllocatorConfig;
+  CCA::AllocatorConfigInfo c{};
+  c.garbage_collection_threshold = Config::garbage_collection_threshold();
+  c.max_split_size = Config::max_split_size();
+  c.pinned_num_register_threads = CudaConfig::pinned_num_register_threads();
+  c.expandable_segments = Config::use_expandable_segments();
+  c.release_lock_on_malloc = CudaConfig::release_lock_on_cudamalloc();
+  c.pinned_use_host_register = CudaConfig::pinned_use_cuda_host_register();
+  c.graph_capture_record_stream_reuse = CudaConfig::graph_capture_record_stream_reuse();
+  c.last_allocator_settings = Config::last_allocator_settings();
+  c.roundup_power2_divisions = Config::roundup_power2_divisions();
+  if (devs != 0) {
+    auto d = static_cast<c10::DeviceIndex>(__builtin_ctzll(devs));
+    void* h = main_[d].load();
+    int64_t split = raw_stats(d)[CACHEALLOC_STATS_MAX_SPLIT_SIZE];
+    c.max_split_size = split < 0 ? std::numeric_limits<size_t>::max()
+                                 : static_cast<size_t>(split);
+    c.expandable_segments = cachealloc_torch_is_expandable(h) == 1;
+  }
+  return c;
+}
+
 void* CacheallocAllocator::getBaseAllocation(void* ptr, size_t* size) {
   auto addr = reinterpret_cast<uint64_t>(ptr);
-  auto snap = snapshot(kNoPool, false);
-  for (auto& s : snap.segments) {
+  for (auto& s : segments_of(kNoPool)) {
     if (addr >= s.address && addr < s.address + s.total_size) {
       if (size) {
         *size = s.total_size;
@@ -135,6 +230,8 @@ void CacheallocAllocator::recordHistory(bool enabled, CCA::CreateContextFn conte
       t.clear();
     }
     ring_next_.fill(0);
+    annotations_.clear();
+    annotations_next_ = 0;
   }
   if (!enabled) {
     contexts_.clear();
@@ -184,7 +281,8 @@ void CacheallocAllocator::record(CDA::TraceEntry::Action action, c10::DeviceInde
     push_trace(CDA::TraceEntry(
         action, dev, reinterpret_cast<size_t>(ptr), size, stream, pool,
         c10::getApproximateTime(),
-        when_ >= CCA::RecordContext::ALLOC ? ctx : nullptr));
+        when_ >= CCA::RecordContext::ALLOC ? ctx : nullptr,
+        compile_context_now(), tl_user_metadata));
   }
 }
 
@@ -209,10 +307,51 @@ void CacheallocAllocator::record_free(c10::DeviceIndex dev, void* ptr, MempoolId
       if (!skip_.count(static_cast<int>(a))) {
         push_trace(CDA::TraceEntry(a, dev, reinterpret_cast<size_t>(ptr),
                                    size, nullptr, pool,
-                                   c10::getApproximateTime(), ctx));
+                                   c10::getApproximateTime(), ctx,
+                                   compile_context_now(), tl_user_metadata));
       }
     }
   }
+}
+
+// ---- memory-viz metadata: Note [History metadata] -----------------------
+
+void CacheallocAllocator::recordAnnotation(
+    const std::vector<std::pair<std::string, std::string>>& md) {
+  if (!history_on_.load(std::memory_order_relaxed)) {
+    return;
+  }
+  CDA::AnnotationEntry ae(c10::cuda::current_device(), c10::getApproximateTime());
+  for (const auto& [name, value] : md) {
+    ae.recordUserMetadata(name, value);
+  }
+  std::lock_guard<std::mutex> g(history_mutex_);
+  if (annotations_.size() < max_entries_) {
+    annotations_.push_back(std::move(ae));
+  } else {
+    annotations_[annotations_next_] = std::move(ae);
+    annotations_next_ = (annotations_next_ + 1) % max_entries_;
+  }
+}
+
+void CacheallocAllocator::pushCompileContext(std::string& md) {
+  if (history_on_.load(std::memory_order_relaxed)) {
+    tl_compile_context.push_back(md);
+  }
+}
+
+void CacheallocAllocator::popCompileContext() {
+  if (history_on_.load(std::memory_order_relaxed) && !tl_compile_context.empty()) {
+    tl_compile_context.pop_back();
+  }
+}
+
+void CacheallocAllocator::setUserMetadata(const std::string& metadata) {
+  tl_user_metadata = metadata;
+}
+
+std::string CacheallocAllocator::getUserMetadata() {
+  return tl_user_metadata;
 }
 
 void CacheallocAllocator::attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) {
