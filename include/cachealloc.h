@@ -377,6 +377,18 @@ int64_t cachealloc_torch_apply_settings(const void *h,
 // `buf` points at `cap` writable bytes (or is NULL with `cap` 0).
 size_t cachealloc_torch_last_error(char *buf, size_t cap);
 
+// Hands back the block at `ptr` that a free held behind a CUDA graph
+// capture: it joins its pool's free blocks at once, with no guarding
+// event (the caller has checked in the graph being captured that its
+// last uses come before anything the block's stream does next).
+// Returns 1 when such a block was there, 0 when not (nothing changes),
+// -1 on a NULL handle or a panic (the last error says which).
+//
+// # Safety
+// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+// `cachealloc_torch_pool_new` not yet dropped).
+int cachealloc_torch_reclaim(const void *h, void *ptr);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -22,13 +22,24 @@ const HEADER: &str = "include/cachealloc.h";
 const PY_TABLE: &str = "python/cachealloc_torch/_abi.py";
 const PY_INIT: &str = "python/cachealloc_torch/__init__.py";
 
-/// The header cbindgen writes from the two ABI modules with `cbindgen.toml`.
+/// The header cbindgen writes from the two ABI modules with `cbindgen.toml`:
+/// `src/capi.rs`, `src/capi_torch.rs` and the files of `src/capi_torch/`
+/// (one per feature, in name order; cbindgen does not follow `mod` lines).
 fn generate_header() -> String {
     let config = cbindgen::Config::from_file(root().join("cbindgen.toml")).expect("cbindgen.toml");
-    let bindings = cbindgen::Builder::new()
+    let mut builder = cbindgen::Builder::new()
         .with_config(config)
         .with_src(root().join("src/capi.rs"))
-        .with_src(root().join("src/capi_torch.rs"))
+        .with_src(root().join("src/capi_torch.rs"));
+    let mut parts: Vec<_> = std::fs::read_dir(root().join("src/capi_torch"))
+        .map(|d| d.filter_map(|e| Some(e.ok()?.path())).collect())
+        .unwrap_or_default();
+    parts.retain(|p| p.extension().is_some_and(|e| e == "rs"));
+    parts.sort();
+    for p in parts {
+        builder = builder.with_src(p);
+    }
+    let bindings = builder
         .generate()
         .expect("cbindgen reads the ABI modules");
     let mut out = Vec::new();

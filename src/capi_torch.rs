@@ -487,6 +487,10 @@ pub fn apply_settings<D: Device>(
 #[cfg(feature = "cuda")]
 pub use exports::*;
 
+mod reclaim;
+#[cfg(feature = "cuda")]
+pub use reclaim::*;
+
 /// The configuration of a private pool's allocator, from the device's
 /// `config` (see `cachealloc_torch_pool_new`): no thread caches, slabs,
 /// expandable segments or holes borrowed from another stream's segments
@@ -513,13 +517,13 @@ mod exports {
     use std::ffi::{c_char, c_int, c_void};
     use std::panic::{catch_unwind, AssertUnwindSafe};
 
-    type Alloc = CachingAllocator<CudaDevice>;
+    pub(super) type Alloc = CachingAllocator<CudaDevice>;
 
     /// Addresses of the pool allocators alive (handles `pool_drop` accepts).
     static POOLS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 
     /// Runs `f`, turning a panic into `fallback` with the last error set.
-    fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
+    pub(super) fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
         catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
             let msg = crate::capi::panic_text(p);
             set_error(&format!("cachealloc: internal error (panic): {msg}"));
@@ -532,7 +536,7 @@ mod exports {
     /// # Safety
     /// `h` is NULL, a handle from `cachealloc_torch_device`, or a pool handle
     /// from `cachealloc_torch_pool_new` not yet dropped.
-    unsafe fn handle<'a>(h: *const c_void) -> Option<&'a Alloc> {
+    pub(super) unsafe fn handle<'a>(h: *const c_void) -> Option<&'a Alloc> {
         if h.is_null() {
             set_error("cachealloc: NULL allocator handle");
             return None;

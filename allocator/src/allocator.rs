@@ -236,6 +236,7 @@ impl<E> Core<E> {
 }
 
 mod api;
+mod capture_reuse;
 mod expandable;
 mod free;
 mod grow;

@@ -130,3 +130,4 @@ mod expandable_moves;
 mod expandable_pages;
 mod policy;
 mod slabs_and_borrowing;
+mod capture_reuse;
