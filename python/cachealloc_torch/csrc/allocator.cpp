@@ -219,6 +219,15 @@ void* CacheallocAllocator::alloc_pool(Pool* p, c10::DeviceIndex dev, size_t size
                                       cudaStream_t stream) {
   int kind = 0;
   void* ptr;
+  const bool reuse = C10_UNLIKELY(reuse_on());
+  if (reuse) {
+    // Note [Reuse during a capture]
+    std::lock_guard<std::mutex> g(pools_mutex_);
+    if (!reuse_.held.empty()) {
+      RelaxedCapture rc(true);
+      reuse_reclaim(stream);
+    }
+  }
   {
     RelaxedCapture rc(true);
     ptr = cachealloc_torch_alloc(p->handle, size, stream, &kind);
@@ -232,6 +241,9 @@ void* CacheallocAllocator::alloc_pool(Pool* p, c10::DeviceIndex dev, size_t size
   {
     std::lock_guard<std::mutex> g(pools_mutex_);
     track(p, ptr);
+    if (reuse) {
+      reuse_note_alloc(p, ptr, stream);
+    }
   }
   if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
     record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, p->id, true);
@@ -317,6 +329,10 @@ void CacheallocAllocator::free_ptr(void* ptr) {
         rc = cachealloc_torch_free(p->handle, ptr, &size);
       }
       TORCH_CHECK(rc == 0, "cachealloc: free in private pool: ", last_error());
+      if (C10_UNLIKELY(!reuse_.blocks.empty())) {
+        RelaxedCapture r(true);
+        reuse_note_free(p, ptr);
+      }
       debugf("pool (%llu,%llu) free %p (%zu live)",
              (unsigned long long)p->id.first, (unsigned long long)p->id.second,
              ptr, p->live.size());
@@ -480,6 +496,9 @@ void CacheallocAllocator::recordStream(const c10::DataPtr& ptr,
       TORCH_CHECK(cachealloc_torch_record_stream(it->second->handle, p,
                                                  stream.stream()) == 0,
                   "cachealloc: record_stream: ", last_error());
+      if (C10_UNLIKELY(!reuse_.blocks.empty())) {
+        reuse_note_use(p, stream.stream());
+      }
       return;
     }
   }

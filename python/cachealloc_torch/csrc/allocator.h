@@ -271,6 +271,14 @@ class CacheallocAllocator final
       c10::DeviceIndex dev, MempoolId_t id,
       const std::unordered_set<void*>& expected) override;
   void emptyCache(MempoolId_t mempool_id = {0, 0}) override;
+  // graph_capture_record_stream_reuse: Note [Reuse during a capture]
+  // (pools_mutex_ held for each).
+  static bool reuse_on();
+  void reuse_note_alloc(Pool* p, void* ptr, cudaStream_t stream);
+  void reuse_note_use(void* ptr, cudaStream_t stream);
+  void reuse_note_free(Pool* p, void* ptr);
+  void reuse_reclaim(cudaStream_t stream);
+  void reuse_forget(Pool* p);
   // A private pool's layout (its snapshot words) at a point CUDA graph
   // trees may come back to.
   struct PoolState : CCA::AllocatorState {
@@ -319,6 +327,27 @@ class CacheallocAllocator final
   std::atomic<int> captures_{0};
   std::unordered_map<void*, Pool*> pool_of_;
   std::atomic<int64_t> pool_live_{0};
+  // Note [Reuse during a capture] (pools_mutex_).
+  struct CaptureReuse {
+    struct Block {
+      Pool* pool;
+      cudaStream_t stream;  // where it was allocated
+      std::vector<cudaStream_t> uses;  // record_stream during the capture
+    };
+    struct Held {
+      Pool* pool;
+      cudaStream_t stream;
+      std::vector<cudaGraphNode_t> markers;  // the last uses, in the graph
+    };
+    std::unordered_map<void*, Block> blocks;
+    std::unordered_map<void*, Held> held;
+    // Nodes known to precede a stream's current terminal nodes, per
+    // (capture id, stream): each walk starts where the last one stopped.
+    std::map<std::pair<unsigned long long, cudaStream_t>,
+             std::unordered_set<cudaGraphNode_t>>
+        visited;
+  };
+  CaptureReuse reuse_;
 
   std::mutex stats_mutex_;
   std::array<std::array<int64_t, kStatsLen>, kMaxDevices> base_{};
