@@ -15,7 +15,13 @@ history and the CLI"):
   since the epoch, as PyTorch's allocator records them;
 - a snapshot has the keys PyTorch's own allocator gives (compared with a run
   on PyTorch's allocator), and PyTorch's memory-viz functions and CLI run on
-  a dumped one.
+  a dumped one;
+- with graph_capture_record_stream_reuse:True, a block used on side streams
+  and freed during a CUDA graph capture is reused during it exactly where
+  PyTorch's allocator reuses it (after the side streams are joined back, not
+  before), with 2 and 4 side streams, and without the setting it is not
+  (the intent of PyTorch's test_graph_capture_reclaim_2_streams /
+  _4_streams: addresses compared with a run on PyTorch's allocator).
 
 Each group runs in a child process of its own (cachealloc must be enabled
 before CUDA is first used).
@@ -416,6 +422,72 @@ def viz_checks():
           res["cli"][0] == 0 and res["cli"][1] > 1000, str(res["cli"]))
 
 
+RECLAIM = """
+n = int(os.environ["SIDE_STREAMS"])
+size = 1 << 20
+sides = [torch.cuda.Stream() for _ in range(n)]
+g = torch.cuda.CUDAGraph()
+torch.cuda.synchronize()
+with torch.cuda.graph(g):
+    cur = torch.cuda.current_stream()
+    x = torch.ones(size, device="cuda")
+    outs = []
+    for s in sides:
+        s.wait_stream(cur)
+        with torch.cuda.stream(s):
+            outs.append(x * 2)
+        x.record_stream(s)
+    for s in sides:
+        cur.wait_stream(s)
+    x_ptr = x.data_ptr()
+    del x
+    y = torch.empty(size, device="cuda")
+    joined = y.data_ptr() == x_ptr
+    y.fill_(5)
+    # Freed while a side stream's use is not yet joined back.
+    z = torch.ones(size, device="cuda")
+    sides[0].wait_stream(cur)
+    with torch.cuda.stream(sides[0]):
+        w = z * 3
+    z.record_stream(sides[0])
+    z_ptr = z.data_ptr()
+    del z
+    v = torch.empty(size, device="cuda")
+    unjoined = v.data_ptr() == z_ptr
+    v.fill_(7)
+    cur.wait_stream(sides[0])
+for _ in range(3):
+    g.replay()
+torch.cuda.synchronize()
+out["reuse"] = [joined, unjoined]
+out["values"] = [all(bool((o == 2).all()) for o in outs), bool((w == 3).all()),
+                 bool((y == 5).all()), bool((v == 7).all())]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def reclaim_checks():
+    for n in (2, 4):
+        for setting in (True, False):
+            env = {"SIDE_STREAMS": str(n)}
+            if setting:
+                env["PYTORCH_CUDA_ALLOC_CONF"] = "graph_capture_record_stream_reuse:True"
+            mine, tail = child(RECLAIM, env)
+            native, ntail = child(RECLAIM, dict(env, NATIVE="1"))
+            name = f"capture with {n} side streams, graph_capture_record_stream_reuse:{setting}"
+            if not (check(f"{name}: ran (cachealloc)", mine is not None, tail)
+                    and check(f"{name}: ran (PyTorch's allocator)", native is not None, ntail)):
+                continue
+            check(f"{name}: blocks reused where PyTorch's allocator reuses them "
+                  "(after the join, before it)", mine["reuse"] == native["reuse"],
+                  f"cachealloc {mine['reuse']}, PyTorch {native['reuse']}")
+            if setting:
+                check(f"{name}: the freed block is reused after the join, not before",
+                      mine["reuse"] == [True, False], str(mine["reuse"]))
+            check(f"{name}: replays compute the right values", all(mine["values"]),
+                  str(mine["values"]))
+
+
 def main():
     global SO
     ap = argparse.ArgumentParser()
@@ -441,6 +513,7 @@ def main():
     annotation_checks()
     key_checks()
     viz_checks()
+    reclaim_checks()
     print(f"\n{'FAILED: ' + ', '.join(FAILED) if FAILED else 'all checks passed'}", flush=True)
     sys.exit(1 if FAILED else 0)
 
