@@ -39,9 +39,7 @@ fn generate_header() -> String {
     for p in parts {
         builder = builder.with_src(p);
     }
-    let bindings = builder
-        .generate()
-        .expect("cbindgen reads the ABI modules");
+    let bindings = builder.generate().expect("cbindgen reads the ABI modules");
     let mut out = Vec::new();
     bindings.write(&mut out);
     String::from_utf8(out).expect("the header is UTF-8")

@@ -1,6 +1,6 @@
 //! Reuse during a CUDA graph capture: a block freed while a stream it was
 //! used on is being captured waits for the capture to end
-//! ([`Core::defer_guard`]), unless the caller, who can read the graph being
+//! (`Core::defer_guard`), unless the caller, who can read the graph being
 //! captured, knows the block's last uses are behind everything the
 //! allocating stream does next, and hands it back early.
 //!

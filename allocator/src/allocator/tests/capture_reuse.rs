@@ -21,9 +21,17 @@ fn a_reclaimed_block_is_reused_at_once_without_events() {
     ok(&a);
     assert!(a.reclaim_deferred(p));
     ok(&a);
-    assert_eq!(a.stats().active.all().current, 2, "the held block is free again");
+    assert_eq!(
+        a.stats().active.all().current,
+        2,
+        "the held block is free again"
+    );
     assert_eq!(a.malloc(4096, S0).unwrap(), p, "the best fit again");
-    assert_eq!(dev.counters().events_recorded, recorded, "no event recorded");
+    assert_eq!(
+        dev.counters().events_recorded,
+        recorded,
+        "no event recorded"
+    );
     assert_eq!(dev.counters().events_in_capture, 0);
     ok(&a);
     // Once the capture ends there is nothing left to guard.

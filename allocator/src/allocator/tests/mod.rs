@@ -126,8 +126,8 @@ fn granule_pages() -> Config {
     }
 }
 
+mod capture_reuse;
 mod expandable_moves;
 mod expandable_pages;
 mod policy;
 mod slabs_and_borrowing;
-mod capture_reuse;
