@@ -16,6 +16,10 @@ history and the CLI"):
 - a snapshot has the keys PyTorch's own allocator gives (compared with a run
   on PyTorch's allocator), and PyTorch's memory-viz functions and CLI run on
   a dumped one;
+- the history has the segment entries PyTorch's viewer needs: its
+  "Allocator State History" (MemoryViz.js simulate_memory, copied in Python
+  here) can undo a history in which empty_cache gave segments back, on plain
+  and expandable segments (and on PyTorch's allocator, the reference);
 - with graph_capture_record_stream_reuse:True, a block used on side streams
   and freed during a CUDA graph capture is reused during it exactly where
   PyTorch's allocator reuses it (after the side streams are joined back, not
@@ -422,6 +426,108 @@ def viz_checks():
           res["cli"][0] == 0 and res["cli"][1] > 1000, str(res["cli"]))
 
 
+# PyTorch's viewer's "Allocator State History" (MemoryViz.js: annotate_snapshot
+# and simulate_memory), in Python: undoes the history from the snapshot's
+# segments back to each earlier event and returns where the viewer would
+# break (a block in no segment, a free_requested of no block, a segment
+# entry undoing a segment it does not have), or None.
+SEGMENT_VIEW = """
+def segment_view_breaks(snapshot, device=0):
+    segs = []
+    blocks = {}
+    for seg in snapshot["segments"]:
+        if seg["device"] != device:
+            continue
+        segs.append([seg["address"], seg["total_size"], seg["stream"]])
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] in ("active_allocated", "active_pending_free"):
+                blocks[addr] = b["size"]
+            addr += b["size"]
+    events = []
+    for e in snapshot["device_traces"][device]:
+        if (e["action"] == "free_completed" and events
+                and events[-1]["action"] == "free_requested" and events[-1]["addr"] == e["addr"]):
+            events[-1] = dict(events[-1], action="free")
+            continue
+        events.append(e)
+
+    def inside(addr):
+        return any(a <= addr < a + n for a, n, _ in segs)
+
+    def unmap(seg, merge):
+        a, n = seg
+        for i, (sa, sn, st) in enumerate(segs):
+            if (not merge and sa == a) or (merge and sa <= a and a + n <= sa + sn):
+                if not merge or (sa == a and sn == n):
+                    segs.pop(i)
+                elif sa == a:
+                    segs[i] = [a + n, sn - n, st]
+                elif sa + sn == a + n:
+                    segs[i] = [sa, sn - n, st]
+                else:
+                    segs[i] = [sa, a - sa, st]
+                    segs.append([a + n, sa + sn - a - n, st])
+                return True
+        return False
+
+    for i in range(len(events) - 1, -1, -1):
+        bad = [a for a in blocks if not inside(a)]
+        if bad:
+            return f"before event {i + 1} ({events[i + 1]['action']}): block {bad[0]:#x} in no segment"
+        e = events[i]
+        act = e["action"]
+        if act in ("free", "free_completed"):
+            blocks[e["addr"]] = e["size"]
+        elif act == "free_requested":
+            if e["addr"] not in blocks:
+                return f"event {i}: free_requested of {e['addr']:#x}, no such block"
+        elif act == "alloc":
+            blocks.pop(e["addr"], None)
+        elif act in ("segment_free", "segment_unmap"):
+            segs.append([e["addr"], e["size"], e["stream"]])
+        elif act in ("segment_alloc", "segment_map"):
+            if not unmap((e["addr"], e["size"]), act == "segment_map"):
+                return f"event {i}: {act} of {e['addr']:#x}, no such segment"
+    bad = [a for a in blocks if not inside(a)]
+    return f"at the start: block {bad[0]:#x} in no segment" if bad else None
+"""
+
+SEGMENTS = SEGMENT_VIEW + """
+import gc
+torch.cuda.memory._record_memory_history("all")
+big = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in (1, 3, 30, 50, 90)]
+small = [torch.empty(1000, device="cuda") for _ in range(10)]
+del big[2], big[3]
+del small[2:]
+gc.collect()
+torch.cuda.empty_cache()
+b = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+del b
+torch.cuda.empty_cache()
+c = torch.empty(12 << 20, dtype=torch.uint8, device="cuda")
+s = torch.cuda.memory._snapshot()
+torch.cuda.memory._record_memory_history(None)
+out["actions"] = sorted({e["action"] for e in s["device_traces"][0]})
+out["breaks"] = segment_view_breaks(s)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def segment_view_checks():
+    for label, env in (("PyTorch's allocator", {"NATIVE": "1"}),
+                       ("cachealloc, plain segments", {"CACHEALLOC_CONF": "segments"}),
+                       ("cachealloc, default", {})):
+        res, tail = child(SEGMENTS, env)
+        if not check(f"segment history child ran ({label})", res is not None, tail):
+            continue
+        check(f"{label}: the viewer's Allocator State History undoes the whole history",
+              res["breaks"] is None, f"{res['breaks']}; actions {res['actions']}")
+        if "plain" in label or "PyTorch" in label:
+            check(f"{label}: segment_alloc and segment_free entries are recorded",
+                  {"segment_alloc", "segment_free"} <= set(res["actions"]), str(res["actions"]))
+
+
 RECLAIM = """
 n = int(os.environ["SIDE_STREAMS"])
 size = 1 << 20
@@ -513,6 +619,7 @@ def main():
     annotation_checks()
     key_checks()
     viz_checks()
+    segment_view_checks()
     reclaim_checks()
     print(f"\n{'FAILED: ' + ', '.join(FAILED) if FAILED else 'all checks passed'}", flush=True)
     sys.exit(1 if FAILED else 0)

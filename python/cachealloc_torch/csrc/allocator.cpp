@@ -176,7 +176,7 @@ void* CacheallocAllocator::alloc_on(c10::DeviceIndex dev, size_t size, cudaStrea
     fail(dev, size, kind);
   }
   if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
-    record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, kNoPool, true);
+    record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, kNoPool, true, h);
   }
   if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
     report_to_profiler(dev, ptr, static_cast<int64_t>(size));
@@ -246,7 +246,7 @@ void* CacheallocAllocator::alloc_pool(Pool* p, c10::DeviceIndex dev, size_t size
     }
   }
   if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
-    record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, p->id, true);
+    record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, p->id, true, p->handle);
   }
   if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
     report_to_profiler(dev, ptr, static_cast<int64_t>(size));
@@ -296,7 +296,7 @@ void CacheallocAllocator::fail(c10::DeviceIndex dev, size_t size, int kind) {
   }
   if (history_on_.load()) {
     record(CDA::TraceEntry::OOM, dev, reinterpret_cast<void*>(free_b), size,
-           nullptr, kNoPool, false);
+           nullptr, kNoPool, false, main_[dev].load());
   }
   debug("fail: throw");
   TORCH_CHECK_WITH(
@@ -374,7 +374,7 @@ void CacheallocAllocator::free_ptr(void* ptr) {
     }
     if (rc == 0) {
       if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
-        record_free(d, ptr, kNoPool, size);
+        record_free(d, ptr, kNoPool, size, h);
       }
       if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
         report_to_profiler(d, ptr, -static_cast<int64_t>(size));
@@ -480,6 +480,7 @@ void CacheallocAllocator::setMemoryFraction(double fraction, c10::DeviceIndex de
   void* h = main_handle(device);
   TORCH_CHECK(cachealloc_torch_set_fraction(h, fraction) == 0, last_error());
   fractions_[device] = fraction;
+  push_segment_changes(h, device, kNoPool, false);  // Note [Segment events]
 }
 
 void CacheallocAllocator::recordStream(const c10::DataPtr& ptr,

@@ -229,11 +229,25 @@ class CacheallocAllocator final
                      const std::vector<std::string>& skip_actions) override;
   bool isHistoryEnabled() override;
   void push_trace(CDA::TraceEntry e);
+  // `h`: the allocator that served the request, whose segment changes
+  // (Note [Segment events]) come before the entry; nullptr for none.
   void record(CDA::TraceEntry::Action action, c10::DeviceIndex dev, void* ptr,
               size_t size, cudaStream_t stream, MempoolId_t pool,
-              bool keep_context);
+              bool keep_context, void* h = nullptr);
   void record_free(c10::DeviceIndex dev, void* ptr, MempoolId_t pool,
-                   size_t size);
+                   size_t size, void* h = nullptr);
+  // Note [Segment events]
+  struct SegView {
+    uint64_t calls = 0;  // the allocator's device calls when last looked at
+    std::map<uint64_t, std::pair<uint64_t, void*>> segs;  // address: size, stream
+  };
+  void segment_changes(void* h, c10::DeviceIndex dev, MempoolId_t pool,
+                       const std::shared_ptr<c10::GatheredContext>& ctx,
+                       std::vector<CDA::TraceEntry>& out);
+  void push_segment_changes(void* h, c10::DeviceIndex dev, MempoolId_t pool,
+                            bool with_context);
+  void forget_segments(void* h, c10::DeviceIndex dev, MempoolId_t pool);
+  void push_entries(std::vector<CDA::TraceEntry>& entries);
   // Memory-viz metadata (snapshot.cpp): record_function annotations,
   // torch.compile's region markers and the user's metadata string, as
   // PyTorch's allocator keeps them (Note [History metadata]).
@@ -365,6 +379,11 @@ class CacheallocAllocator final
   std::array<std::vector<CDA::TraceEntry>, kMaxDevices> traces_;
   std::array<size_t, kMaxDevices> ring_next_{};
   std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> contexts_;
+  // Note [Segment events]: the segments each allocator had when last
+  // looked at, while history is on (seg_mutex_; taken after pools_mutex_,
+  // before history_mutex_).
+  std::mutex seg_mutex_;
+  std::unordered_map<void*, SegView> seg_views_;
   // record_function annotations while history is on: a ring of
   // max_entries_, as PyTorch's (history_mutex_).
   std::vector<CDA::AnnotationEntry> annotations_;

@@ -60,6 +60,7 @@ void CacheallocAllocator::maybe_drop(Pool* p) {
   }
   debugf("pool (%llu,%llu) dropped", (unsigned long long)p->id.first,
          (unsigned long long)p->id.second);
+  forget_segments(p->handle, p->device, p->id);  // Note [Segment events]
   {
     std::lock_guard<std::mutex> g(stats_mutex_);
     for (size_t i = 0; i + 1 < kStatsLen; ++i) {
@@ -364,6 +365,7 @@ void CacheallocAllocator::emptyCache(MempoolId_t mempool_id) {
       Pool* p = find_pool(d, mempool_id);
       if (p != nullptr && p->use_count == 0) {
         TORCH_CHECK(cachealloc_torch_empty_cache(p->handle) >= 0, last_error());
+        push_segment_changes(p->handle, p->device, p->id, true);
         maybe_drop(p);
       }
     }
@@ -373,6 +375,7 @@ void CacheallocAllocator::emptyCache(MempoolId_t mempool_id) {
     if (devs & (1ull << d)) {
       TORCH_CHECK(cachealloc_torch_empty_cache(main_[d].load()) >= 0,
                   last_error());
+      push_segment_changes(main_[d].load(), static_cast<c10::DeviceIndex>(d), kNoPool, true);
     }
   }
   // Pools no longer used by anyone give their cached segments back too.
@@ -385,6 +388,7 @@ void CacheallocAllocator::emptyCache(MempoolId_t mempool_id) {
   }
   for (Pool* p : unused) {
     cachealloc_torch_empty_cache(p->handle);
+    push_segment_changes(p->handle, p->device, p->id, true);
     maybe_drop(p);
   }
 }

@@ -34,6 +34,27 @@ thread_local std::string tl_user_metadata;
 std::string compile_context_now() {
   return tl_compile_context.empty() ? std::string("N/A") : tl_compile_context.back();
 }
+
+// The segments of allocator `h`: address → (size, stream).
+std::map<uint64_t, std::pair<uint64_t, void*>> segments_in(const std::vector<uint64_t>& w) {
+  std::map<uint64_t, std::pair<uint64_t, void*>> out;
+  for (size_t i = 0; i + kSegmentWords <= w.size();) {
+    out[w[i + CACHEALLOC_SEGMENT_ADDRESS]] = {
+        w[i + CACHEALLOC_SEGMENT_TOTAL_SIZE],
+        reinterpret_cast<void*>(w[i + CACHEALLOC_SEGMENT_STREAM])};
+    i += kSegmentWords + w[i + CACHEALLOC_SEGMENT_BLOCKS] * kBlockWords;
+  }
+  return out;
+}
+
+uint64_t device_calls(void* h) {
+  std::array<int64_t, kStatsLen> v{};
+  if (cachealloc_torch_stats(h, v.data(), kStatsLen) != 0) {
+    return 0;
+  }
+  return static_cast<uint64_t>(v[CACHEALLOC_STATS_NUM_DEVICE_ALLOC] +
+                               v[CACHEALLOC_STATS_NUM_DEVICE_FREE]);
+}
 }  // namespace
 
 std::vector<uint64_t> CacheallocAllocator::words_of(void* h) {
@@ -217,6 +238,23 @@ void CacheallocAllocator::recordHistory(bool enabled, CCA::CreateContextFn conte
                                         size_t alloc_trace_max_entries, CCA::RecordContext when,
                                         bool clearHistory,
                                         const std::vector<std::string>& skip_actions) {
+  // Note [Segment events]: the segments each allocator has now are where
+  // history starts from.
+  std::unordered_map<void*, SegView> views;
+  if (enabled) {
+    uint64_t devs = devices_in_use_.load();
+    for (int d = 0; d < kMaxDevices; ++d) {
+      if (devs & (1ull << d)) {
+        for (void* h : handles_of(static_cast<c10::DeviceIndex>(d))) {
+          views[h] = SegView{device_calls(h), segments_in(words_of(h))};
+        }
+      }
+    }
+  }
+  {
+    std::lock_guard<std::mutex> g(seg_mutex_);
+    seg_views_ = std::move(views);
+  }
   std::lock_guard<std::mutex> g(history_mutex_);
   recorder_ = context_recorder;
   when_ = enabled ? when : CCA::RecordContext::NEVER;
@@ -256,7 +294,7 @@ void CacheallocAllocator::push_trace(CDA::TraceEntry e) {
 
 void CacheallocAllocator::record(CDA::TraceEntry::Action action, c10::DeviceIndex dev, void* ptr,
                                  size_t size, cudaStream_t stream, MempoolId_t pool,
-                                 bool keep_context) {
+                                 bool keep_context, void* h) {
   CCA::CreateContextFn rec;
   CCA::RecordContext when;
   {
@@ -270,7 +308,12 @@ void CacheallocAllocator::record(CDA::TraceEntry::Action action, c10::DeviceInde
        when == CCA::RecordContext::ALL)) {
     ctx = rec();
   }
+  std::vector<CDA::TraceEntry> segs;
+  if (h != nullptr) {
+    segment_changes(h, dev, pool, when >= CCA::RecordContext::ALLOC ? ctx : nullptr, segs);
+  }
   std::lock_guard<std::mutex> g(history_mutex_);
+  push_entries(segs);
   if (keep_context && ctx) {
     contexts_[ptr] = ctx;
   }
@@ -287,7 +330,7 @@ void CacheallocAllocator::record(CDA::TraceEntry::Action action, c10::DeviceInde
 }
 
 void CacheallocAllocator::record_free(c10::DeviceIndex dev, void* ptr, MempoolId_t pool,
-                                      size_t size) {
+                                      size_t size, void* h) {
   CCA::CreateContextFn rec;
   CCA::RecordContext when;
   {
@@ -299,6 +342,10 @@ void CacheallocAllocator::record_free(c10::DeviceIndex dev, void* ptr, MempoolId
   std::shared_ptr<c10::GatheredContext> ctx;
   if (rec && when == CCA::RecordContext::ALL) {
     ctx = rec();
+  }
+  std::vector<CDA::TraceEntry> segs;
+  if (h != nullptr) {
+    segment_changes(h, dev, pool, ctx, segs);
   }
   std::lock_guard<std::mutex> g(history_mutex_);
   if (history_on_.load()) {
@@ -312,6 +359,127 @@ void CacheallocAllocator::record_free(c10::DeviceIndex dev, void* ptr, MempoolId
       }
     }
   }
+  push_entries(segs);
+}
+
+// ---- Note [Segment events] ------------------------------------------------
+//
+// PyTorch's allocator records a segment_alloc entry for each cudaMalloc and
+// segment_free for each cudaFree (segment_map / segment_unmap for the pages
+// of expandable segments), and its viewer needs them: the "Allocator State
+// History" view rebuilds the segments of every earlier point by undoing
+// these entries from the snapshot's segments, and a block whose segment was
+// given back later (empty_cache) would otherwise lie in no segment. The core
+// makes those calls out of sight, so while history is on each allocator's
+// segments are compared with what it had when last looked at, whenever its
+// count of device calls (num_device_alloc + num_device_free) has changed:
+// after the allocations, frees and out-of-memory errors it served, after
+// emptyCache and a new memory fraction, and when a private pool is dropped.
+// A segment that appeared is a segment_alloc entry, one that went a
+// segment_free entry, placed before the allocation (or out-of-memory) entry
+// that caused it and after the free entries; an expandable segment's range
+// appearing or going is a segment_map / segment_unmap entry of the whole
+// range (the pages mapped inside it are not reported one by one; its blocks
+// stay inside it). An allocator first seen after history began starts with
+// no segments, so its segments are new then. Entries carry the context of
+// the request that caused them, as PyTorch's do.
+
+
+// The entries for allocator `h`'s segment changes since it was last looked
+// at, into `out` (takes seg_mutex_; not history_mutex_).
+void CacheallocAllocator::segment_changes(void* h, c10::DeviceIndex dev, MempoolId_t pool,
+                                          const std::shared_ptr<c10::GatheredContext>& ctx,
+                                          std::vector<CDA::TraceEntry>& out) {
+  if (!history_on_.load(std::memory_order_relaxed)) {
+    return;
+  }
+  uint64_t calls = device_calls(h);
+  std::lock_guard<std::mutex> g(seg_mutex_);
+  auto it = seg_views_.find(h);
+  if (it != seg_views_.end() ? it->second.calls == calls : calls == 0) {
+    return;
+  }
+  auto now = segments_in(words_of(h));
+  bool expandable = cachealloc_torch_is_expandable(h) == 1;
+  auto gone = expandable ? CDA::TraceEntry::SEGMENT_UNMAP : CDA::TraceEntry::SEGMENT_FREE;
+  auto came = expandable ? CDA::TraceEntry::SEGMENT_MAP : CDA::TraceEntry::SEGMENT_ALLOC;
+  SegView& view = seg_views_[h];
+  auto entry = [&](CDA::TraceEntry::Action a, uint64_t addr,
+                   const std::pair<uint64_t, void*>& seg) {
+    out.emplace_back(a, dev, addr, seg.first, seg.second, pool, c10::getApproximateTime(), ctx,
+                     compile_context_now(), tl_user_metadata);
+  };
+  for (const auto& [addr, seg] : view.segs) {
+    auto n = now.find(addr);
+    if (n == now.end() || n->second.first != seg.first) {
+      entry(gone, addr, seg);
+    }
+  }
+  for (const auto& [addr, seg] : now) {
+    auto o = view.segs.find(addr);
+    if (o == view.segs.end() || o->second.first != seg.first) {
+      entry(came, addr, seg);
+    }
+  }
+  view.segs = std::move(now);
+  view.calls = calls;
+}
+
+// history_mutex_ held.
+void CacheallocAllocator::push_entries(std::vector<CDA::TraceEntry>& entries) {
+  if (!history_on_.load()) {
+    return;
+  }
+  for (auto& e : entries) {
+    if (!skip_.count(static_cast<int>(e.action_))) {
+      push_trace(std::move(e));
+    }
+  }
+  entries.clear();
+}
+
+// Records allocator `h`'s segment changes now (emptyCache, a new memory
+// fraction), with the caller's stack when history keeps stacks of frees.
+void CacheallocAllocator::push_segment_changes(void* h, c10::DeviceIndex dev, MempoolId_t pool,
+                                               bool with_context) {
+  if (!history_on_.load(std::memory_order_relaxed)) {
+    return;
+  }
+  CCA::CreateContextFn rec;
+  CCA::RecordContext when;
+  {
+    std::lock_guard<std::mutex> g(history_mutex_);
+    rec = recorder_;
+    when = when_;
+  }
+  std::shared_ptr<c10::GatheredContext> ctx;
+  if (with_context && rec && when == CCA::RecordContext::ALL) {
+    ctx = rec();
+  }
+  std::vector<CDA::TraceEntry> segs;
+  segment_changes(h, dev, pool, ctx, segs);
+  std::lock_guard<std::mutex> g(history_mutex_);
+  push_entries(segs);
+}
+
+// Private pool allocator `h` is being dropped: its remaining segments go.
+void CacheallocAllocator::forget_segments(void* h, c10::DeviceIndex dev, MempoolId_t pool) {
+  std::vector<CDA::TraceEntry> segs;
+  {
+    std::lock_guard<std::mutex> g(seg_mutex_);
+    auto it = seg_views_.find(h);
+    if (it == seg_views_.end()) {
+      return;
+    }
+    for (const auto& [addr, seg] : it->second.segs) {
+      segs.emplace_back(CDA::TraceEntry::SEGMENT_FREE, dev, addr, seg.first, seg.second, pool,
+                        c10::getApproximateTime(), nullptr, compile_context_now(),
+                        tl_user_metadata);
+    }
+    seg_views_.erase(it);
+  }
+  std::lock_guard<std::mutex> g(history_mutex_);
+  push_entries(segs);
 }
 
 // ---- memory-viz metadata: Note [History metadata] -----------------------
