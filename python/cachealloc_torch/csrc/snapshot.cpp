@@ -47,12 +47,18 @@ std::map<uint64_t, std::pair<uint64_t, void*>> segments_in(const std::vector<uin
   return out;
 }
 
+// What changes whenever allocator `h`'s segments may have: its segments
+// made and given back (an expandable range's reservation counts there, not
+// in the device calls) and its device allocations and frees.
 uint64_t device_calls(void* h) {
   std::array<int64_t, kStatsLen> v{};
   if (cachealloc_torch_stats(h, v.data(), kStatsLen) != 0) {
     return 0;
   }
-  return static_cast<uint64_t>(v[CACHEALLOC_STATS_NUM_DEVICE_ALLOC] +
+  constexpr size_t seg = CACHEALLOC_STATS_SEGMENT +
+                         CACHEALLOC_STAT_AGGREGATE * CACHEALLOC_STAT_FIELDS;
+  return static_cast<uint64_t>(v[seg + CACHEALLOC_STAT_ALLOCATED] + v[seg + CACHEALLOC_STAT_FREED] +
+                               v[CACHEALLOC_STATS_NUM_DEVICE_ALLOC] +
                                v[CACHEALLOC_STATS_NUM_DEVICE_FREE]);
 }
 }  // namespace
@@ -372,7 +378,7 @@ void CacheallocAllocator::record_free(c10::DeviceIndex dev, void* ptr, MempoolId
 // given back later (empty_cache) would otherwise lie in no segment. The core
 // makes those calls out of sight, so while history is on each allocator's
 // segments are compared with what it had when last looked at, whenever its
-// count of device calls (num_device_alloc + num_device_free) has changed:
+// counts of segments made and given back or of device calls have changed:
 // after the allocations, frees and out-of-memory errors it served, after
 // emptyCache and a new memory fraction, and when a private pool is dropped.
 // A segment that appeared is a segment_alloc entry, one that went a
