@@ -35,7 +35,7 @@ std::string compile_context_now() {
   return tl_compile_context.empty() ? std::string("N/A") : tl_compile_context.back();
 }
 
-// The segments of allocator `h`: address → (size, stream).
+// The segments in an allocator's snapshot words: address → (size, stream).
 std::map<uint64_t, std::pair<uint64_t, void*>> segments_in(const std::vector<uint64_t>& w) {
   std::map<uint64_t, std::pair<uint64_t, void*>> out;
   for (size_t i = 0; i + kSegmentWords <= w.size();) {
@@ -148,6 +148,19 @@ CCA::SnapshotInfo CacheallocAllocator::snapshot(MempoolId_t mempool_id,
                                                 bool include_traces) {
   CCA::SnapshotInfo info{};
   uint64_t devs = devices_in_use_.load();
+  if (history_on_.load()) {
+    // Note [Segment events]: changes made out of sight of the hooks (the
+    // library's own empty_cache, say) are in the history the snapshot gives.
+    for (int d = 0; d < kMaxDevices; ++d) {
+      if (devs & (1ull << d)) {
+        push_segment_changes(main_[d].load(), static_cast<c10::DeviceIndex>(d), kNoPool, false);
+      }
+    }
+    std::lock_guard<std::mutex> g(pools_mutex_);  // a pool is not dropped meanwhile
+    for (auto& [key, p] : pools_) {
+      push_segment_changes(p->handle, p->device, p->id, false);
+    }
+  }
   info.segments = segments_of(mempool_id);
   info.config_metadata = config_info(devs);
   // Entries and annotations carry TSC times; a snapshot gives microseconds
@@ -380,7 +393,8 @@ void CacheallocAllocator::record_free(c10::DeviceIndex dev, void* ptr, MempoolId
 // segments are compared with what it had when last looked at, whenever its
 // counts of segments made and given back or of device calls have changed:
 // after the allocations, frees and out-of-memory errors it served, after
-// emptyCache and a new memory fraction, and when a private pool is dropped.
+// emptyCache and a new memory fraction, before a snapshot, and when a
+// private pool is dropped.
 // A segment that appeared is a segment_alloc entry, one that went a
 // segment_free entry, placed before the allocation (or out-of-memory) entry
 // that caused it and after the free entries; an expandable segment's range
