@@ -428,6 +428,18 @@ int cachealloc_torch_pool_set_no_split(const void *h, int no_split);
 // `h` is NULL or a live handle; `kind` is NULL or points at a writable int.
 void *cachealloc_torch_alloc_cached(const void *h, size_t size, void *stream, int *kind);
 
+// Hands back the block at `ptr` that a free held behind a CUDA graph
+// capture: it joins its pool's free blocks at once, with no guarding
+// event (the caller has checked in the graph being captured that its
+// last uses come before anything the block's stream does next).
+// Returns 1 when such a block was there, 0 when not (nothing changes),
+// -1 on a NULL handle or a panic (the last error says which).
+//
+// # Safety
+// `h` is NULL or a live handle (`cachealloc_torch_device`, or
+// `cachealloc_torch_pool_new` not yet dropped).
+int cachealloc_torch_reclaim(const void *h, void *ptr);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -3,10 +3,13 @@
 # torch on a machine without a GPU or a CUDA toolkit, loads it, installs it
 # as PyTorch's CUDA allocator through cachealloc_torch.enable(mode="cpp"),
 # and drives what needs no device: the run-time settings hook, PyTorch's
-# refusals, backend:native in the environment, and enable() staying out
-# under backend:cudaMallocAsync; and compiles the allocator that
-# python/test_gpu_mempool.py gives MemPool. A check of C++ changes before
-# the GPU run (python/test_gpu.py and test_gpu_mempool.py cover the rest there).
+# refusals, backend:native in the environment, enable() staying out
+# under backend:cudaMallocAsync, torch.accelerator's route to the
+# allocator, the user metadata of memory history, and the snapshot's keys
+# with PyTorch's memory-viz functions run on it; and compiles the allocator
+# that python/test_gpu_mempool.py gives MemPool. A check of C++ changes
+# before the GPU run (python/test_gpu.py, test_gpu_torch_api.py and
+# test_gpu_mempool.py cover the rest there).
 #
 # Usage: scripts/torch-extension-check.sh
 #
@@ -117,6 +120,52 @@ else
   echo "$out" | tail -15
   failed=1
 fi
+
+run "without cachealloc, torch.accelerator asks PyTorch's own allocator (which has no device here)" \
+  '^native raises Invalid device argument' _X=1 -- '
+try:
+    torch._C._accelerator_getDeviceStats(0)
+    print("native answered")
+except RuntimeError as e:
+    print("native raises", str(e).strip())'
+
+run "torch.accelerator's memory functions reach the C++ allocator (c10::GetAllocator(kCUDA))" \
+  '^registry True True;;^stats True 0 0;;^resets ok' _X=1 -- '
+ca.enable(sys.argv[1], mode="cpp")
+print("registry", ca._ext.installed(), ca._ext.device_allocator_installed())
+st = torch._C._accelerator_getDeviceStats(0)
+print("stats", "allocated_bytes" in st, st["allocated_bytes"]["all"]["current"], st["num_ooms"])
+torch._C._accelerator_resetPeakStats(0)
+torch._C._accelerator_resetAccumulatedStats(0)
+print("resets ok", torch._C._accelerator_isAllocatorInitialized())'
+
+run "user metadata: set, read back, per thread, cleared" \
+  "^meta 'step 3' '' ''" _X=1 -- '
+import threading
+ca.enable(sys.argv[1], mode="cpp")
+torch.cuda.memory._set_memory_metadata("step 3")
+other = []
+t = threading.Thread(target=lambda: other.append(torch.cuda.memory._get_memory_metadata()))
+t.start(); t.join()
+mine = torch.cuda.memory._get_memory_metadata()
+torch.cuda.memory._set_memory_metadata("")
+print("meta", repr(mine), repr(other[0]), repr(torch.cuda.memory._get_memory_metadata()))'
+
+run "snapshot: PyTorch's keys and allocator_settings; _memory_viz runs on it" \
+  '^keys allocator_settings device_traces external_annotations segments;;^settings 0.6 True -1;;^viz ok' PYTORCH_CUDA_ALLOC_CONF=backend:native,garbage_collection_threshold:0.6,graph_capture_record_stream_reuse:True -- '
+import copy, io, pickle
+from torch.cuda import _memory_viz as viz
+ca.enable(sys.argv[1], mode="cpp")
+s = torch._C._cuda_memorySnapshot(None)
+print("keys", *sorted(s))
+a = s["allocator_settings"]
+print("settings", a["garbage_collection_threshold"], a["graph_capture_record_stream_reuse"],
+      a["max_split_size"])
+s = pickle.loads(pickle.dumps(s))
+html = [viz.trace_plot(copy.deepcopy(s)), viz.trace_plot(copy.deepcopy(s), plot_segments=True),
+        viz.trace_plot(copy.deepcopy(s), filter_freed=True), viz.segment_plot(s)]
+text = viz.segsum(s) + viz.trace(s)
+print("viz", "ok" if all("MemoryViz" in h for h in html) else "bad")'
 
 if [ "$failed" -ne 0 ]; then
   echo "torch-extension-check: FAILED" >&2

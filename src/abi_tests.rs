@@ -23,7 +23,9 @@ const HEADER: &str = "include/cachealloc.h";
 const PY_TABLE: &str = "python/cachealloc_torch/_abi.py";
 const PY_INIT: &str = "python/cachealloc_torch/__init__.py";
 
-/// The header cbindgen writes from the two ABI modules with `cbindgen.toml`.
+/// The header cbindgen writes from the two ABI modules with `cbindgen.toml`:
+/// `src/capi.rs`, `src/capi_torch.rs` and the files of `src/capi_torch/`
+/// (one per feature, in name order; cbindgen does not follow `mod` lines).
 fn generate_header() -> String {
     let config = cbindgen::Config::from_file(root().join("cbindgen.toml")).expect("cbindgen.toml");
     let mut builder = cbindgen::Builder::new()

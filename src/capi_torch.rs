@@ -488,6 +488,9 @@ pub fn apply_settings<D: Device>(
 pub use exports::*;
 
 pub mod mempool;
+mod reclaim;
+#[cfg(feature = "cuda")]
+pub use reclaim::*;
 
 /// The configuration of a private pool's allocator, from the device's
 /// `config` (see `cachealloc_torch_pool_new`): no thread caches, slabs,

@@ -239,6 +239,7 @@ impl<E> Core<E> {
 }
 
 mod api;
+mod capture_reuse;
 mod expandable;
 mod free;
 mod grow;

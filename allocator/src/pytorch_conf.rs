@@ -14,7 +14,7 @@
 //! | `expandable_segments` | `expandable_segments` |
 //! | `per_process_memory_fraction` | `per_process_memory_fraction` (0 is refused: it leaves nothing to allocate) |
 //! | `backend` | `native`: nothing to do; `cudaMallocAsync`: the Python package does not install cachealloc |
-//! | `release_lock_on_cudamalloc`, `pinned_*`, `graph_capture_record_stream_reuse`, `large_segment_size_mb` | accepted, no effect (the pinned keys are PyTorch's host allocator's) |
+//! | `release_lock_on_cudamalloc`, `pinned_*`, `graph_capture_record_stream_reuse`, `large_segment_size_mb` | accepted, no effect on the core (the pinned keys are PyTorch's host allocator's; the C++ allocator reads `graph_capture_record_stream_reuse` from PyTorch's own configuration: Note [Reclaim during a capture]) |
 //!
 //! Keys PyTorch 2.11 does not know are left to PyTorch (a newer PyTorch may
 //! know them; PyTorch refuses the ones it does not).

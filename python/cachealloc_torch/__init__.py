@@ -152,7 +152,8 @@ def _install_oom_handler(torch, lib):
 
 
 PLUGGABLE_LIMITS = (
-    "torch.cuda.memory_stats() and every torch.cuda.memory_* statistic, memory snapshots and "
+    "torch.cuda.memory_stats() and every torch.cuda.memory_* statistic (and torch.accelerator's, "
+    "which report PyTorch's own allocator there), memory snapshots and "
     "_record_memory_history, cudnn.benchmark (cacheInfo), CUDA graphs, "
     "torch.compile(mode='reduce-overhead'), torch.cuda.MemPool / use_mem_pool, and "
     "torch.OutOfMemoryError (a failed allocation raises RuntimeError) do not work on the "

@@ -243,7 +243,7 @@ impl<E> State<E> {
     /// Block `id`, freed and safe to reuse, goes back to its pool; without
     /// caching its segment goes back to the device.
     #[inline]
-    fn recycle_block<D: Device<Event = E>>(&mut self, dev: &D, id: BlockId) {
+    pub(super) fn recycle_block<D: Device<Event = E>>(&mut self, dev: &D, id: BlockId) {
         self.free_block(id);
         if !self.core.config.caching {
             let seg = self.core.blocks.get(id.0).segment;

@@ -176,7 +176,7 @@ void* CacheallocAllocator::alloc_on(c10::DeviceIndex dev, size_t size, cudaStrea
     fail(dev, size, kind);
   }
   if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
-    record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, kNoPool, true);
+    record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, kNoPool, true, h);
   }
   if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
     report_to_profiler(dev, ptr, static_cast<int64_t>(size));
@@ -251,6 +251,15 @@ void* CacheallocAllocator::alloc_pool(Pool* p, c10::DeviceIndex dev, size_t size
                                       cudaStream_t stream) {
   int kind = 0;
   void* ptr;
+  const bool reuse = C10_UNLIKELY(reuse_on());
+  if (reuse) {
+    // Note [Reuse during a capture]
+    std::lock_guard<std::mutex> g(pools_mutex_);
+    if (!reuse_.held.empty()) {
+      RelaxedCapture rc(true);
+      reuse_reclaim(stream);
+    }
+  }
   {
     RelaxedCapture rc(true);
     clear_source_error();
@@ -268,9 +277,12 @@ void* CacheallocAllocator::alloc_pool(Pool* p, c10::DeviceIndex dev, size_t size
   {
     std::lock_guard<std::mutex> g(pools_mutex_);
     track(p, ptr);
+    if (reuse) {
+      reuse_note_alloc(p, ptr, stream);
+    }
   }
   if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
-    record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, p->id, true);
+    record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, p->id, true, p->handle);
   }
   if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
     report_to_profiler(dev, ptr, static_cast<int64_t>(size));
@@ -320,7 +332,7 @@ void CacheallocAllocator::fail(c10::DeviceIndex dev, size_t size, int kind) {
   }
   if (history_on_.load()) {
     record(CDA::TraceEntry::OOM, dev, reinterpret_cast<void*>(free_b), size,
-           nullptr, kNoPool, false);
+           nullptr, kNoPool, false, main_[dev].load());
   }
   debug("fail: throw");
   TORCH_CHECK_WITH(
@@ -353,6 +365,10 @@ void CacheallocAllocator::free_ptr(void* ptr) {
         rc = cachealloc_torch_free(p->handle, ptr, &size);
       }
       TORCH_CHECK(rc == 0, "cachealloc: free in private pool: ", last_error());
+      if (C10_UNLIKELY(!reuse_.blocks.empty())) {
+        RelaxedCapture r(true);
+        reuse_note_free(p, ptr);
+      }
       debugf("pool (%llu,%llu) free %p (%zu live)",
              (unsigned long long)p->id.first, (unsigned long long)p->id.second,
              ptr, p->live.size());
@@ -394,7 +410,7 @@ void CacheallocAllocator::free_ptr(void* ptr) {
     }
     if (rc == 0) {
       if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
-        record_free(d, ptr, kNoPool, size);
+        record_free(d, ptr, kNoPool, size, h);
       }
       if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
         report_to_profiler(d, ptr, -static_cast<int64_t>(size));
@@ -500,6 +516,7 @@ void CacheallocAllocator::setMemoryFraction(double fraction, c10::DeviceIndex de
   void* h = main_handle(device);
   TORCH_CHECK(cachealloc_torch_set_fraction(h, fraction) == 0, last_error());
   fractions_[device] = fraction;
+  push_segment_changes(h, device, kNoPool, false);  // Note [Segment events]
 }
 
 void CacheallocAllocator::recordStream(const c10::DataPtr& ptr,
@@ -516,6 +533,9 @@ void CacheallocAllocator::recordStream(const c10::DataPtr& ptr,
       TORCH_CHECK(cachealloc_torch_record_stream(it->second->handle, p,
                                                  stream.stream()) == 0,
                   "cachealloc: record_stream: ", last_error());
+      if (C10_UNLIKELY(!reuse_.blocks.empty())) {
+        reuse_note_use(p, stream.stream());
+      }
       return;
     }
   }
@@ -560,11 +580,35 @@ void install() {
   (void)c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::instance();
   a = std::make_shared<CacheallocAllocator>();
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
+  // Note [The device allocator registry]: PyTorch's device-generic API
+  // (torch.accelerator.memory_stats and its relatives, at::accelerator::*)
+  // asks c10::GetAllocator(kCUDA), not the CUDA allocator pointer that
+  // changeCurrentAllocator sets (torch 2.11 sets only that pointer). PyTorch's
+  // own allocator registers itself there at load time with priority 0
+  // (BackendStaticInitializer); registering with the same priority replaces
+  // it, exactly as that registration made it, so both routes reach the same
+  // allocator. There is no uninstall: the allocator is never destroyed, so
+  // the registration stays valid for the life of the process.
+  c10::SetAllocator(c10::DeviceType::CUDA, a.get(), /*priority=*/0);
+  if (c10::GetAllocator(c10::DeviceType::CUDA) != a.get()) {
+    TORCH_WARN("cachealloc: another allocator is registered for CUDA with a higher "
+               "priority; torch.accelerator's memory functions will not reach cachealloc");
+  }
   register_settings_hook();
 }
 
+// Whether PyTorch's CUDA allocator is cachealloc's (the pointer that
+// torch.cuda's functions use).
 bool installed() {
   return instance() != nullptr && CCA::get() == instance().get();
+}
+
+// Whether PyTorch's device-generic allocator for CUDA (what torch.accelerator
+// asks) is cachealloc's: Note [The device allocator registry].
+bool device_allocator_installed() {
+  return instance() != nullptr &&
+         c10::GetAllocator(c10::DeviceType::CUDA) == instance().get() &&
+         c10::getDeviceAllocator(c10::DeviceType::CUDA) == instance().get();
 }
 
 }  // namespace cachealloc
@@ -575,6 +619,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Install cachealloc as PyTorch's CUDA allocator (before CUDA is used)");
   m.def("installed", &cachealloc::installed,
         "Whether PyTorch's current CUDA allocator is cachealloc's");
+  m.def("device_allocator_installed", &cachealloc::device_allocator_installed,
+        "Whether PyTorch's device allocator for CUDA (torch.accelerator) is cachealloc's");
   m.def("cache_info", [](int64_t dev) {
           size_t largest = 0;
           c10::cuda::CUDACachingAllocator::cacheInfo(static_cast<c10::DeviceIndex>(dev), &largest);

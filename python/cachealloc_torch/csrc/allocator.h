@@ -241,6 +241,7 @@ class CacheallocAllocator final
   static std::vector<uint64_t> words_of(void* h);
   void add_segments(std::vector<CDA::SegmentInfo>& out, void* h,
                     c10::DeviceIndex dev, MempoolId_t owner, bool expandable);
+  std::vector<CDA::SegmentInfo> segments_of(MempoolId_t mempool_id);
   CCA::SnapshotInfo snapshot(MempoolId_t mempool_id,
                              bool include_traces = true) override;
   void* getBaseAllocation(void* ptr, size_t* size) override;
@@ -250,11 +251,35 @@ class CacheallocAllocator final
                      const std::vector<std::string>& skip_actions) override;
   bool isHistoryEnabled() override;
   void push_trace(CDA::TraceEntry e);
+  // `h`: the allocator that served the request, whose segment changes
+  // (Note [Segment events]) come before the entry; nullptr for none.
   void record(CDA::TraceEntry::Action action, c10::DeviceIndex dev, void* ptr,
               size_t size, cudaStream_t stream, MempoolId_t pool,
-              bool keep_context);
+              bool keep_context, void* h = nullptr);
   void record_free(c10::DeviceIndex dev, void* ptr, MempoolId_t pool,
-                   size_t size);
+                   size_t size, void* h = nullptr);
+  // Note [Segment events]
+  struct SegView {
+    uint64_t calls = 0;  // the allocator's device calls when last looked at
+    std::map<uint64_t, std::pair<uint64_t, void*>> segs;  // address: size, stream
+  };
+  void segment_changes(void* h, c10::DeviceIndex dev, MempoolId_t pool,
+                       const std::shared_ptr<c10::GatheredContext>& ctx,
+                       std::vector<CDA::TraceEntry>& out);
+  void push_segment_changes(void* h, c10::DeviceIndex dev, MempoolId_t pool,
+                            bool with_context);
+  void forget_segments(void* h, c10::DeviceIndex dev, MempoolId_t pool);
+  void push_entries(std::vector<CDA::TraceEntry>& entries);
+  // Memory-viz metadata (snapshot.cpp): record_function annotations,
+  // torch.compile's region markers and the user's metadata string, as
+  // PyTorch's allocator keeps them (Note [History metadata]).
+  void recordAnnotation(
+      const std::vector<std::pair<std::string, std::string>>& md) override;
+  void pushCompileContext(std::string& md) override;
+  void popCompileContext() override;
+  void setUserMetadata(const std::string& metadata) override;
+  std::string getUserMetadata() override;
+  CCA::AllocatorConfigInfo config_info(uint64_t devs);
   void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override;
   void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker) override;
 
@@ -283,6 +308,14 @@ class CacheallocAllocator final
       c10::DeviceIndex dev, MempoolId_t id,
       const std::unordered_set<void*>& expected) override;
   void emptyCache(MempoolId_t mempool_id = {0, 0}) override;
+  // graph_capture_record_stream_reuse: Note [Reuse during a capture]
+  // (pools_mutex_ held for each).
+  static bool reuse_on();
+  void reuse_note_alloc(Pool* p, void* ptr, cudaStream_t stream);
+  void reuse_note_use(void* ptr, cudaStream_t stream);
+  void reuse_note_free(Pool* p, void* ptr);
+  void reuse_reclaim(cudaStream_t stream);
+  void reuse_forget(Pool* p);
   // A private pool's layout (its snapshot words) at a point CUDA graph
   // trees may come back to.
   struct PoolState : CCA::AllocatorState {
@@ -331,6 +364,27 @@ class CacheallocAllocator final
   std::atomic<int> captures_{0};
   std::unordered_map<void*, Pool*> pool_of_;
   std::atomic<int64_t> pool_live_{0};
+  // Note [Reuse during a capture] (pools_mutex_).
+  struct CaptureReuse {
+    struct Block {
+      Pool* pool;
+      cudaStream_t stream;  // where it was allocated
+      std::vector<cudaStream_t> uses;  // record_stream during the capture
+    };
+    struct Held {
+      Pool* pool;
+      cudaStream_t stream;
+      std::vector<cudaGraphNode_t> markers;  // the last uses, in the graph
+    };
+    std::unordered_map<void*, Block> blocks;
+    std::unordered_map<void*, Held> held;
+    // Nodes known to precede a stream's current terminal nodes, per
+    // (capture id, stream): each walk starts where the last one stopped.
+    std::map<std::pair<unsigned long long, cudaStream_t>,
+             std::unordered_set<cudaGraphNode_t>>
+        visited;
+  };
+  CaptureReuse reuse_;
 
   std::mutex stats_mutex_;
   std::array<std::array<int64_t, kStatsLen>, kMaxDevices> base_{};
@@ -348,7 +402,18 @@ class CacheallocAllocator final
   std::array<std::vector<CDA::TraceEntry>, kMaxDevices> traces_;
   std::array<size_t, kMaxDevices> ring_next_{};
   std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> contexts_;
-  // Sizes of the allocations made while recording (a free's entry carries its size).
+  // Note [Segment events]: the segments each allocator had when last
+  // looked at, while history is on (seg_mutex_; taken after pools_mutex_,
+  // before history_mutex_).
+  std::mutex seg_mutex_;
+  std::unordered_map<void*, SegView> seg_views_;
+  // record_function annotations while history is on: a ring of
+  // max_entries_, as PyTorch's (history_mutex_).
+  std::vector<CDA::AnnotationEntry> annotations_;
+  size_t annotations_next_ = 0;
+  // Converts the entries' TSC times to microseconds since the epoch in
+  // snapshots (PyTorch's time_us).
+  c10::ApproximateClockToUnixTimeConverter clock_converter_;
 };
 
 // The installed allocator. Never destroyed: tensors may be freed during

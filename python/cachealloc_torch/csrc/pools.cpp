@@ -130,6 +130,7 @@ void CacheallocAllocator::maybe_drop(Pool* p) {
   }
   debugf("pool (%llu,%llu) dropped", (unsigned long long)p->id.first,
          (unsigned long long)p->id.second);
+  forget_segments(p->handle, p->device, p->id);  // Note [Segment events]
   {
     std::lock_guard<std::mutex> g(stats_mutex_);
     for (size_t i = 0; i + 1 < kStatsLen; ++i) {
@@ -158,6 +159,174 @@ bool CacheallocAllocator::drop_unused_pools() {
   return pools_.size() < before;
 }
 
+// ---- Note [Reuse during a capture] ----------------------------------------
+//
+// With PyTorch's graph_capture_record_stream_reuse:True, a private pool's
+// block used on other streams (record_stream) and freed during a CUDA graph
+// capture can be reused during the same capture, as PyTorch's allocator
+// does (torch 2.11, CUDACachingAllocator.cpp: record_free_markers,
+// free_safe_blocks_in_capture): at the free, the current terminal nodes of
+// the capture on the block's stream and on every stream it was used on are
+// its free markers (if one of those streams is not being captured, there
+// are none and the block waits for the capture to end, as without the
+// setting). Before each allocation on a stream during a capture, the nodes
+// that precede the stream's current terminal nodes are walked (from where
+// the last walk of that stream in that capture stopped), and a held block
+// allocated on that stream whose markers are all among them goes back to its
+// pool (cachealloc_torch_reclaim; Note [Reclaim during a capture] in the
+// core): everything the stream adds from then on runs after the block's last
+// uses. Only the graph's order is read; no event is recorded or queried.
+// Without the setting (PyTorch's default) nothing here runs.
+
+bool CacheallocAllocator::reuse_on() {
+  return CCA::CUDAAllocatorConfig::graph_capture_record_stream_reuse();
+}
+
+namespace {
+
+struct CaptureInfo {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  const cudaGraphNode_t* terminals = nullptr;
+  size_t n = 0;
+};
+
+// The capture `stream` is part of and its current terminal nodes; status
+// None when it is not being captured (or the runtime cannot say).
+CaptureInfo capture_info(cudaStream_t stream) {
+  CaptureInfo info;
+  cudaGraph_t graph = nullptr;
+#if CUDART_VERSION >= 13000
+  cudaError_t err = cudaStreamGetCaptureInfo(stream, &info.status, &info.id, &graph,
+                                             &info.terminals, nullptr, &info.n);
+#else
+  cudaError_t err = cudaStreamGetCaptureInfo_v2(stream, &info.status, &info.id, &graph,
+                                                &info.terminals, &info.n);
+#endif
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return CaptureInfo{};
+  }
+  return info;
+}
+
+std::vector<cudaGraphNode_t> parents(cudaGraphNode_t node) {
+  size_t n = 0;
+#if CUDART_VERSION >= 13000
+  C10_CUDA_CHECK(cudaGraphNodeGetDependencies(node, nullptr, nullptr, &n));
+  std::vector<cudaGraphNode_t> out(n);
+  if (n > 0) {
+    C10_CUDA_CHECK(cudaGraphNodeGetDependencies(node, out.data(), nullptr, &n));
+  }
+#else
+  C10_CUDA_CHECK(cudaGraphNodeGetDependencies(node, nullptr, &n));
+  std::vector<cudaGraphNode_t> out(n);
+  if (n > 0) {
+    C10_CUDA_CHECK(cudaGraphNodeGetDependencies(node, out.data(), &n));
+  }
+#endif
+  out.resize(n);
+  return out;
+}
+
+}  // namespace
+
+// A block of pool `p` allocated on `stream` while a capture is under way.
+void CacheallocAllocator::reuse_note_alloc(Pool* p, void* ptr, cudaStream_t stream) {
+  reuse_.blocks[ptr] = CaptureReuse::Block{p, stream, {}};
+}
+
+// record_stream of a pool block during a capture.
+void CacheallocAllocator::reuse_note_use(void* ptr, cudaStream_t stream) {
+  auto it = reuse_.blocks.find(ptr);
+  if (it != reuse_.blocks.end() && stream != it->second.stream) {
+    it->second.uses.push_back(stream);
+  }
+}
+
+// The pool block `ptr` was just freed (the core held it if a stream it was
+// used on is being captured): its free markers.
+void CacheallocAllocator::reuse_note_free(Pool* p, void* ptr) {
+  auto it = reuse_.blocks.find(ptr);
+  if (it == reuse_.blocks.end()) {
+    return;
+  }
+  CaptureReuse::Block b = std::move(it->second);
+  reuse_.blocks.erase(it);
+  if (b.uses.empty() || !reuse_on()) {
+    return;  // not held by the core, or the setting was turned off
+  }
+  std::unordered_set<cudaGraphNode_t> markers;
+  unsigned long long capture = 0;
+  std::vector<cudaStream_t> streams = b.uses;
+  streams.push_back(b.stream);
+  for (cudaStream_t s : streams) {
+    CaptureInfo info = capture_info(s);
+    if (info.status != cudaStreamCaptureStatusActive ||
+        (capture != 0 && info.id != capture)) {
+      return;  // held until the capture ends
+    }
+    capture = info.id;
+    markers.insert(info.terminals, info.terminals + info.n);
+  }
+  debugf("pool (%llu,%llu) block %p held with %zu free markers",
+         (unsigned long long)p->id.first, (unsigned long long)p->id.second, ptr,
+         markers.size());
+  reuse_.held[ptr] =
+      CaptureReuse::Held{p, b.stream, std::vector<cudaGraphNode_t>(markers.begin(), markers.end())};
+}
+
+// Before an allocation on `stream`: held blocks of that stream whose last
+// uses precede everything the stream does next go back to their pools.
+void CacheallocAllocator::reuse_reclaim(cudaStream_t stream) {
+  CaptureInfo info = capture_info(stream);
+  if (info.status != cudaStreamCaptureStatusActive || info.n == 0) {
+    return;
+  }
+  auto& visited = reuse_.visited[{info.id, stream}];
+  std::vector<cudaGraphNode_t> todo(info.terminals, info.terminals + info.n);
+  while (!todo.empty()) {
+    cudaGraphNode_t v = todo.back();
+    todo.pop_back();
+    if (!visited.insert(v).second) {
+      continue;
+    }
+    for (cudaGraphNode_t u : parents(v)) {
+      todo.push_back(u);
+    }
+  }
+  for (auto it = reuse_.held.begin(); it != reuse_.held.end();) {
+    const auto& h = it->second;
+    bool safe = h.stream == stream && !h.markers.empty() &&
+                std::all_of(h.markers.begin(), h.markers.end(),
+                            [&](cudaGraphNode_t m) { return visited.count(m) > 0; });
+    if (!safe) {
+      ++it;
+      continue;
+    }
+    int rc = cachealloc_torch_reclaim(h.pool->handle, it->first);
+    TORCH_CHECK(rc >= 0, "cachealloc: reuse during a capture: ", last_error());
+    debugf("pool (%llu,%llu) block %p reclaimed during the capture (%d)",
+           (unsigned long long)h.pool->id.first, (unsigned long long)h.pool->id.second,
+           it->first, rc);
+    it = reuse_.held.erase(it);
+  }
+}
+
+// The route to `p` ends: its blocks held behind the capture wait for the
+// capture to end in the core, as without the setting.
+void CacheallocAllocator::reuse_forget(Pool* p) {
+  for (auto it = reuse_.held.begin(); it != reuse_.held.end();) {
+    it = it->second.pool == p ? reuse_.held.erase(it) : std::next(it);
+  }
+  for (auto it = reuse_.blocks.begin(); it != reuse_.blocks.end();) {
+    it = it->second.pool == p ? reuse_.blocks.erase(it) : std::next(it);
+  }
+  if (captures_.load() == 0) {
+    reuse_.visited.clear();
+  }
+}
+
 void CacheallocAllocator::beginAllocateToPool(c10::DeviceIndex dev, MempoolId_t id,
                                               std::function<bool(cudaStream_t)> filter) {
   main_handle(dev);
@@ -177,9 +346,11 @@ void CacheallocAllocator::endAllocateToPool(c10::DeviceIndex dev, MempoolId_t id
     if (it->id == id) {
       debugf("pool (%llu,%llu) end route", (unsigned long long)id.first,
              (unsigned long long)id.second);
+      Pool* p = it->pool;
       rs.erase(it);
       nroutes_[dev].fetch_sub(1);
       captures_.fetch_sub(1);
+      reuse_forget(p);
       return;
     }
   }
@@ -278,6 +449,7 @@ void CacheallocAllocator::emptyCache(MempoolId_t mempool_id) {
           rethrow_source_error();  // what the MemPool's allocator threw
           TORCH_CHECK(false, last_error());
         }
+        push_segment_changes(p->handle, p->device, p->id, true);
         maybe_drop(p);
       }
     }
@@ -287,6 +459,7 @@ void CacheallocAllocator::emptyCache(MempoolId_t mempool_id) {
     if (devs & (1ull << d)) {
       TORCH_CHECK(cachealloc_torch_empty_cache(main_[d].load()) >= 0,
                   last_error());
+      push_segment_changes(main_[d].load(), static_cast<c10::DeviceIndex>(d), kNoPool, true);
     }
   }
   // Pools no longer used by anyone give their cached segments back too.
@@ -299,6 +472,7 @@ void CacheallocAllocator::emptyCache(MempoolId_t mempool_id) {
   }
   for (Pool* p : unused) {
     cachealloc_torch_empty_cache(p->handle);
+    push_segment_changes(p->handle, p->device, p->id, true);
     maybe_drop(p);
   }
   clear_source_error();

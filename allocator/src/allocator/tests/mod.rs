@@ -126,6 +126,7 @@ fn granule_pages() -> Config {
     }
 }
 
+mod capture_reuse;
 mod expandable_moves;
 mod expandable_pages;
 mod policy;
