@@ -30,8 +30,16 @@ const SL_COUNT: usize = 1 << SL_BITS;
 /// First-level classes: granule counts up to 2^48 (far above any device).
 const FL_COUNT: usize = 48;
 
-/// A free block as the bins store it.
-pub(crate) type Entry = (u64, u64, BlockId);
+/// A free block as the bins store it. The derived order, by size, then
+/// address, then block, is the bins' order: best fit first.
+#[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub(crate) struct Entry {
+    /// The block's size in bytes.
+    pub size: u64,
+    /// The block's address.
+    pub addr: u64,
+    pub id: BlockId,
+}
 
 /// Where [`Bins::find`] found a block: where its class lies, the class,
 /// its index there (a hint), and the entry.
@@ -62,7 +70,7 @@ impl Found {
 /// (Addresses are unique, so the block id never decides the order.)
 #[inline(always)]
 fn key(e: &Entry) -> u128 {
-    (u128::from(e.0) << 64) | u128::from(e.1)
+    (u128::from(e.size) << 64) | u128::from(e.addr)
 }
 
 /// Entries up to which a class is scanned rather than binary searched.
@@ -143,7 +151,7 @@ impl More {
     fn remove(&mut self, e: &Entry) -> bool {
         match self {
             More::Few(v) => match if v.len() <= SCAN {
-                v.iter().rposition(|x| x.1 == e.1 && x == e)
+                v.iter().rposition(|x| x.addr == e.addr && x == e)
             } else {
                 v.binary_search(e).ok()
             } {
@@ -186,13 +194,20 @@ impl More {
         match self {
             More::Few(v) => {
                 let i = if v.len() <= SCAN {
-                    v.iter().position(|e| e.0 >= size).unwrap_or(v.len())
+                    v.iter().position(|e| e.size >= size).unwrap_or(v.len())
                 } else {
-                    v.partition_point(|e| e.0 < size)
+                    v.partition_point(|e| e.size < size)
                 };
                 v.get(i).map(|e| (i, *e))
             }
-            More::Many(t) => t.range((size, 0, BlockId(0))..).next().map(|e| (0, *e)),
+            More::Many(t) => {
+                let from = Entry {
+                    size,
+                    addr: 0,
+                    id: BlockId(0),
+                };
+                t.range(from..).next().map(|e| (0, *e))
+            }
         }
     }
 
@@ -305,12 +320,20 @@ impl Default for Class {
 impl Class {
     #[inline(always)]
     fn first_entry(&self) -> Entry {
-        (self.size, self.addr, self.id)
+        Entry {
+            size: self.size,
+            addr: self.addr,
+            id: self.id,
+        }
     }
 
     #[inline(always)]
     fn set_first(&mut self, e: Entry) {
-        (self.size, self.addr, self.id) = e;
+        Entry {
+            size: self.size,
+            addr: self.addr,
+            id: self.id,
+        } = e;
     }
 
     /// The rest of the class, allocated on the first insert that needs it.
@@ -348,7 +371,7 @@ impl Class {
     #[inline(always)]
     fn remove(&mut self, e: &Entry) -> bool {
         if self.len == 1 {
-            let first = e.1 == self.addr && *e == self.first_entry();
+            let first = e.addr == self.addr && *e == self.first_entry();
             self.len -= u32::from(first);
             return first;
         }
@@ -360,7 +383,7 @@ impl Class {
         if self.len == 0 {
             return false;
         }
-        if e.1 == self.addr && *e == self.first_entry() {
+        if e.addr == self.addr && *e == self.first_entry() {
             self.pop_first();
             return true;
         }
@@ -970,7 +993,7 @@ impl Bins {
     #[inline]
     pub fn insert(&mut self, size: u64, addr: u64, id: BlockId) {
         let (fl, sl) = class_of(size);
-        let e = (size, addr, id);
+        let e = Entry { size, addr, id };
         match &mut self.form {
             Form::Table(t) => t.insert(fl, sl, e),
             Form::Few(f) => {
@@ -1015,7 +1038,7 @@ impl Bins {
     /// not a walk over every entry).
     pub fn contains(&self, size: u64, addr: u64, id: BlockId) -> bool {
         let (fl, sl) = class_of(size);
-        let e = (size, addr, id);
+        let e = Entry { size, addr, id };
         match &self.form {
             Form::Few(f) => f
                 .kept(flat(fl, sl))
@@ -1028,7 +1051,7 @@ impl Bins {
     #[inline]
     pub fn remove(&mut self, size: u64, addr: u64, id: BlockId) -> bool {
         let (fl, sl) = class_of(size);
-        let e = (size, addr, id);
+        let e = Entry { size, addr, id };
         let removed = match &mut self.form {
             Form::Table(t) => t.remove(fl, sl, &e),
             Form::Few(f) => f.remove(flat(fl, sl), &e),
@@ -1067,7 +1090,7 @@ impl Bins {
             Form::Few(few) => few.take(f),
         }
         self.len -= 1;
-        self.bytes -= f.entry.0;
+        self.bytes -= f.entry.size;
     }
 
     /// The largest free block (highest address among equals).
@@ -1090,7 +1113,7 @@ impl Bins {
         // near fits it served).
         std::iter::successors(self.first_at(flat(fl, sl)), move |&p| self.next_at(p))
             .flat_map(move |p| self.class_at(p).iter())
-            .filter(move |e| e.0 >= size)
+            .filter(move |e| e.size >= size)
     }
 
     /// The free blocks of `lo` to `hi` bytes, ascending by (size, address):
@@ -1105,8 +1128,8 @@ impl Bins {
         std::iter::successors(self.first_at(flat(fl, sl)), move |&p| self.next_at(p))
             .take_while(move |&p| self.class_index_at(p) <= last)
             .flat_map(move |p| self.class_at(p).iter())
-            .filter(move |e| e.0 >= lo)
-            .take_while(move |e| e.0 <= hi)
+            .filter(move |e| e.size >= lo)
+            .take_while(move |e| e.size <= hi)
     }
 
     /// The flat class index of place `p` ([`Bins::first_at`]).

@@ -197,7 +197,12 @@ fn range_mapped<E>(core: &Core<E>, seg: SegmentId, start: u64, end: u64) -> bool
 /// block `e` are all mapped already (no page would move to serve it).
 #[inline]
 pub(super) fn carve_mapped<E>(core: &Core<E>, e: Entry, rounded: u64) -> bool {
-    range_mapped(core, core.blocks.get(e.2 .0).segment, e.1, e.1 + rounded)
+    range_mapped(
+        core,
+        core.blocks.get(e.id.0).segment,
+        e.addr,
+        e.addr + rounded,
+    )
 }
 
 /// Whether a mapped page lies wholly inside `[start, end)` of `seg` (a free
@@ -1797,7 +1802,7 @@ impl<E> Expandable<E> {
         bins.iter_from(rounded)
             .filter(|&e| e != fit)
             .take(AROUND)
-            .take_while(|e| e.0 <= fit.0.saturating_mul(MAPPED_FIT_FACTOR))
+            .take_while(|e| e.size <= fit.size.saturating_mul(MAPPED_FIT_FACTOR))
             .find(|&e| carve_mapped(core, e, rounded))
     }
 
@@ -1833,17 +1838,17 @@ impl<E> Expandable<E> {
             let bins = &core.bins[other.index()];
             // (Blocks above `bound` end the look: the walk stops before them.)
             for e in bins.iter_between(rounded, bound).take(AROUND) {
-                if best.is_some_and(|b| b.0 <= e.0) {
+                if best.is_some_and(|b| b.size <= e.size) {
                     break;
                 }
-                let since = core.blocks.get(e.2 .0).freed_at;
+                let since = core.blocks.get(e.id.0).freed_at;
                 if carve_mapped(core, e, rounded) {
                     if self.quiescent(dev, slot, since)? {
                         best = Some(e);
                         break;
                     }
                     if waits
-                        && busy.map_or(true, |(b, _)| e.0 < b.0)
+                        && busy.map_or(true, |(b, _)| e.size < b.size)
                         && !dev.stream_capturing(core.stream_list[slot])
                     {
                         busy = Some((e, slot));
@@ -1874,7 +1879,7 @@ impl<E> Expandable<E> {
             .iter_from(rounded)
             .filter(|&e| e != fit)
             .take(AROUND)
-            .take_while(|e| e.0 <= fit.0.saturating_mul(2))
+            .take_while(|e| e.size <= fit.size.saturating_mul(2))
             .collect();
         for alt in next {
             if !self.old_mapping_busy(core, dev, alt, rounded)? {
@@ -1897,12 +1902,12 @@ impl<E> Expandable<E> {
             return Ok(false);
         }
         let g = core.granularity.expect("expandable mode has a granularity");
-        let b = core.blocks.get(fit.2 .0);
+        let b = core.blocks.get(fit.id.0);
         let s = core.segments.get(b.segment.0);
         // Whole big pages may be mapped at the block's edges: look that far.
         let big = self.big_granules(core, s, rounded);
-        let first = ((fit.1 - s.addr) / g) as u32 / big * big;
-        let last = ((fit.1 + rounded - s.addr).div_ceil(g) as u32).div_ceil(big) * big;
+        let first = ((fit.addr - s.addr) / g) as u32 / big * big;
+        let last = ((fit.addr + rounded - s.addr).div_ceil(g) as u32).div_ceil(big) * big;
         let hits: Vec<(usize, u64)> = self
             .stale_in(core, b.segment, first, last)
             .map(|st| (st.slot, st.since))

@@ -138,7 +138,14 @@ impl<E> State<E> {
                     break;
                 }
             }
-            let ((bsize, addr, id), borrowed) = self.expandable_fit(dev, req)?;
+            let (
+                Entry {
+                    size: bsize,
+                    addr,
+                    id,
+                },
+                borrowed,
+            ) = self.expandable_fit(dev, req)?;
             // While its pages are gathered the block is out of the bins (so not
             // idle) and marked in use (so a block freed meanwhile does not merge it).
             let pool = self.core.blocks.get(id.0).pool;
@@ -198,7 +205,7 @@ impl<E> State<E> {
             Some(fit) => {
                 let bins = &self.core.bins[pool.index()];
                 let (e, mapped) = self.vmm.near_fit(&self.core, dev, bins, fit, rounded)?;
-                Some((e, e.1, mapped))
+                Some((e, e.addr, mapped))
             }
             None => None,
         };
@@ -209,9 +216,14 @@ impl<E> State<E> {
             }
         }
         match own {
-            Some((e, at, _)) if at == e.1 => Ok((e, false)),
-            Some(((size, start, id), at, _)) => {
-                Ok(((start + size - at, at, self.core.split_free(id, at)), false))
+            Some((e, at, _)) if at == e.addr => Ok((e, false)),
+            Some((Entry { size, addr, id }, at, _)) => {
+                let back = Entry {
+                    size: addr + size - at,
+                    addr: at,
+                    id: self.core.split_free(id, at),
+                };
+                Ok((back, false))
             }
             None => Ok((self.new_range(dev, req)?, false)),
         }
@@ -277,7 +289,9 @@ impl<E> Core<E> {
         let max_split = self.config.max_split_size;
         let slack = self.config.max_non_split_rounding;
         let found = self.bins[pool.index()].find(size)?;
-        let (bsize, _, id) = found.entry;
+        let Entry {
+            size: bsize, id, ..
+        } = found.entry;
         if size < max_split && bsize >= max_split {
             return None;
         }
