@@ -216,12 +216,20 @@ pub(super) fn holds_whole_page(seg: &Segment, g: u64, start: u64, end: u64) -> b
     hi > lo && pages.within(lo, hi).next().is_some()
 }
 
+/// A marker event recorded on a stream: once it completed, the stream's
+/// work up to its operation count is done.
+struct Marker<E> {
+    /// Blocks of the stream freed before this operation count are
+    /// quiescent once the event completed.
+    before: u64,
+    event: E,
+}
+
 /// Expandable segments, per stream: marker events recorded on the stream
-/// as blocks are freed there, oldest first, as (operation count, event).
-/// Once one completed, the stream's work up to that count is done: pages
-/// of blocks freed on the stream before it can be unmapped.
+/// as blocks are freed there, oldest first. Once one completed, pages of
+/// blocks freed on the stream before it can be unmapped.
 pub(super) struct Marks<E> {
-    queue: VecDeque<(u64, E)>,
+    queue: VecDeque<Marker<E>>,
     /// Blocks of this stream freed before this operation count are quiescent.
     quiescent_before: u64,
     /// Operation count of the last marker recorded.
@@ -232,18 +240,21 @@ impl<E> Marks<E> {
     /// Retires the oldest marker if it has completed; whether it had.
     fn retire_front_if_done<D: Device<Event = E>>(&mut self, dev: &D) -> Result<bool, DeviceError> {
         match self.queue.front() {
-            Some((_, e)) if dev.event_completed(e)? => {}
+            Some(m) if dev.event_completed(&m.event)? => {}
             _ => return Ok(false),
         }
-        let (c, e) = self.queue.pop_front().expect("front exists");
-        dev.release_event(e);
-        self.quiescent_before = self.quiescent_before.max(c);
+        let m = self.queue.pop_front().expect("front exists");
+        dev.release_event(m.event);
+        self.quiescent_before = self.quiescent_before.max(m.before);
         Ok(true)
     }
 
     /// Queues event `e`, recorded on the stream at operation count `clock`.
     fn push(&mut self, clock: u64, e: E) {
-        self.queue.push_back((clock + 1, e));
+        self.queue.push_back(Marker {
+            before: clock + 1,
+            event: e,
+        });
         self.last = clock;
     }
 }
@@ -262,27 +273,66 @@ pub(super) struct Expandable<E> {
     /// The operation count after the last device synchronize: blocks freed
     /// before it are quiescent on every stream, those with no markers yet too.
     synced_before: u64,
-    /// Physical pages unmapped but kept (reserved), with the pool kind their bytes are counted under.
-    page_pool: Vec<(u64, PoolKind, u64)>,
+    /// Physical pages unmapped but kept (reserved).
+    page_pool: Vec<PooledPage>,
     /// Expandable: reserved bytes when the device last had no room for a new page.
     device_full_at: Option<u64>,
     /// Reserved bytes before the last `empty_cache` that gave pages back,
     /// while reserved memory is growing back towards them (Note [Pages
     /// after empty_cache]).
     regrow_to: Option<u64>,
-    /// Mappings no block uses, by (segment, first granule): old mappings of
+    /// Mappings no block uses, by place (first granule): old mappings of
     /// pages reused early (unmapped once their stream passes a marker) and,
     /// with `expandable_shadows`, of pages moved away (kept until another
     /// page is mapped there).
     stale: StaleMap,
     /// With `expandable_shadows`: where each page mapped in a range is
-    /// (segment, first granule), to find an idle page a shadow asks back.
-    mapped_at: FastMap<u64, (SegmentId, u32)>,
+    /// (its first granule), to find an idle page a shadow asks back.
+    mapped_at: FastMap<u64, Place>,
     /// Stream slot where [`Expandable::borrow_fit`]'s next look starts.
     borrow_from: usize,
     /// Pages mapped at several granules (`Config::expandable_share`): page
-    /// → its members (segment, granule), the one that counts it first.
-    shared: FastMap<u64, Vec<(SegmentId, u32)>>,
+    /// → the granules it is mapped at, the one that counts it first.
+    shared: FastMap<u64, Vec<Place>>,
+}
+
+/// A mapping that holds no memory of its own: the old mapping of a page
+/// reused early or moved ([`Expandable::stale_mappings`]).
+#[derive(Copy, Clone, Debug)]
+pub(super) struct OldMapping {
+    pub(super) addr: u64,
+    pub(super) bytes: u64,
+    /// Whether the page is pooled rather than mapped under a block (for a
+    /// page with several old mappings, told on its first only).
+    pub(super) pooled: bool,
+}
+
+/// A mapping of a shared page at a member other than the one that counts
+/// it (`Expandable::alias_mappings`): it holds no memory of its own.
+#[derive(Copy, Clone, Debug)]
+pub(super) struct AliasMapping {
+    pub(super) addr: u64,
+    pub(super) bytes: u64,
+}
+
+/// A physical page unmapped but kept (reserved) in the pool.
+#[derive(Copy, Clone, Debug)]
+struct PooledPage {
+    handle: u64,
+    /// The pool kind its bytes are counted under.
+    kind: PoolKind,
+    /// Bytes.
+    size: u64,
+}
+
+/// A place in an expandable range: a segment and a granule of it (a
+/// page's first granule where a page is meant), ordered by segment, then
+/// granule.
+#[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub(super) struct Place {
+    seg: SegmentId,
+    /// Granules from the segment's start.
+    at: u32,
 }
 
 /// The old mapping of a page mapped again elsewhere: reused early by a block
@@ -352,7 +402,14 @@ impl<E> Expandable<E> {
 
     /// The unmapped physical pages kept, as (pool kind counted under, bytes).
     pub(super) fn pooled_pages(&self) -> impl Iterator<Item = (PoolKind, u64)> + '_ {
-        self.page_pool.iter().map(|&(_, kind, size)| (kind, size))
+        self.page_pool.iter().map(|p| (p.kind, p.size))
+    }
+
+    /// Keeps page `handle` of `size` bytes, counted under `kind`, in the
+    /// pool of unmapped pages.
+    #[inline]
+    fn pool_page(&mut self, handle: u64, kind: PoolKind, size: u64) {
+        self.page_pool.push(PooledPage { handle, kind, size });
     }
 
     /// The markers of stream slot `slot`, made on its first use: a stream
@@ -393,6 +450,23 @@ enum Style {
     Granules,
 }
 
+/// A page to map, planned ([`Expandable::plan`]).
+#[derive(Copy, Clone, Debug)]
+struct Planned {
+    /// Its first granule.
+    at: u32,
+    /// Granules.
+    len: u32,
+}
+
+/// Pages of one size a mapping needs ([`Expandable::gather_pages`]).
+#[derive(Copy, Clone, Debug)]
+struct Need {
+    /// Bytes per page.
+    size: u64,
+    count: usize,
+}
+
 /// A physical page in hand while a block's pages are gathered.
 #[derive(Copy, Clone)]
 pub(super) struct Page {
@@ -404,14 +478,41 @@ pub(super) struct Page {
 }
 
 /// Where idle pages are looked for besides the bins: the part of the block
-/// being carved that stays free after the split.
-/// (segment, start, end, idle since): the part of the block being carved
-/// that stays free after the split, and when that block became free.
-type Tail = (SegmentId, u64, u64, u64);
+/// being carved that stays free after the split (its tail), and when that
+/// block became free. (A free block of the idle index is read as one too.)
+#[derive(Copy, Clone, Debug)]
+pub(super) struct Tail {
+    pub(super) seg: SegmentId,
+    /// Where the free part starts: the end of the block carved.
+    pub(super) start: u64,
+    /// Where the free block being carved ends.
+    pub(super) end: u64,
+    /// When the block being carved became free.
+    pub(super) since: u64,
+}
 
-/// An idle page: (idle since, segment, first granule, its free block in
-/// the idle index, or `None` for the tail of the block being carved).
-type IdlePage = (u64, SegmentId, u32, Option<u32>);
+/// Reserved-memory limits of the recycling rounds ([`Expandable::limits`]).
+#[derive(Copy, Clone, Debug)]
+struct Limits {
+    /// Past it, creating pages first takes idle pages no queued work can
+    /// touch (`idle_slack` over the peak allocated bytes).
+    soft: u64,
+    /// Past it, creating pages first waits for idle pages (`idle_slack_hard`).
+    hard: u64,
+    /// The memory cap, `u64::MAX` for none.
+    cap: u64,
+}
+
+/// An idle page: when it became idle, where it is, and its free block in
+/// the idle index (`None` for the tail of the block being carved).
+#[derive(Copy, Clone, Debug)]
+struct IdlePage {
+    since: u64,
+    seg: SegmentId,
+    /// Its first granule.
+    at: u32,
+    block: Option<u32>,
+}
 
 impl<E> Expandable<E> {
     /// Page size of the expandable segments of a pool kind: the largest
@@ -509,8 +610,8 @@ impl<E> Expandable<E> {
         Ok(seg)
     }
 
-    /// Reserved-memory limits of the recycling rounds: (soft, hard, cap).
-    fn limits(&self, core: &Core<E>) -> (u64, u64, u64) {
+    /// Reserved-memory limits of the recycling rounds.
+    fn limits(&self, core: &Core<E>) -> Limits {
         let peak = core.stats.allocated_bytes.all().peak as f64;
         let (soft, hard) = if core.config.expandable_recycle {
             let soft = (peak * (1.0 + core.config.idle_slack)) as u64;
@@ -521,13 +622,17 @@ impl<E> Expandable<E> {
         } else {
             (u64::MAX, u64::MAX)
         };
-        (soft, hard, core.cap.unwrap_or(u64::MAX))
+        Limits {
+            soft,
+            hard,
+            cap: core.cap.unwrap_or(u64::MAX),
+        }
     }
 
-    /// Maps every unmapped granule under `[start, end)` of `seg`. The block
-    /// being carved ends at `block_end` and became free at `since`: pages
-    /// wholly in `[end, block_end)` stay free after the split, so they count
-    /// as idle too.
+    /// Maps every unmapped granule under `[start, tail.start)` of
+    /// `tail.seg`, a block carved from a free block whose rest, `tail`,
+    /// stays free after the split: pages wholly in the tail count as idle
+    /// too.
     ///
     /// Page sizes (`Config::expandable_edges`, docs/POLICY.md): big pages
     /// (`Segment::page_size`) where a whole aligned big page is unmapped and
@@ -543,12 +648,11 @@ impl<E> Expandable<E> {
         &mut self,
         core: &mut Core<E>,
         dev: &D,
-        seg: SegmentId,
         start: u64,
-        end: u64,
-        (block_end, since): (u64, u64),
+        tail: Tail,
     ) -> Result<(), AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
+        let (seg, end) = (tail.seg, tail.start);
         if self.regrow_to.is_some_and(|to| core.reserved() >= to) {
             self.regrow_to = None; // grown back: `expandable_page` from here on
         }
@@ -557,13 +661,12 @@ impl<E> Expandable<E> {
         if range_mapped(core, seg, start, end) && !self.under_pressure(core, 0) {
             return Ok(());
         }
-        let tail = (seg, end, block_end, since);
         let mut style = match core.config.expandable_edges {
             EdgePages::Small => Style::SmallEdges,
             EdgePages::Big => Style::BigEdges,
             EdgePages::Pressure => {
                 let plan = self.plan(core, seg, start, end, Style::BigEdges);
-                let bytes: u64 = plan.iter().map(|&(_, n)| u64::from(n) * g).sum();
+                let bytes: u64 = plan.iter().map(|p| u64::from(p.len) * g).sum();
                 if self.under_pressure(core, 0) {
                     Style::Granules
                 } else if self.under_pressure(core, bytes) {
@@ -580,7 +683,7 @@ impl<E> Expandable<E> {
             }
         };
         if style == Style::Granules {
-            self.trim_end_page(core, dev, seg, start, end, (block_end, since))?;
+            self.trim_end_page(core, dev, start, tail)?;
         }
         loop {
             let plan = self.plan(core, seg, start, end, style);
@@ -599,7 +702,7 @@ impl<E> Expandable<E> {
                         && core.config.expandable_edges == EdgePages::Pressure =>
                 {
                     style = Style::Granules;
-                    self.trim_end_page(core, dev, seg, start, end, (block_end, since))?;
+                    self.trim_end_page(core, dev, start, tail)?;
                 }
                 r => return r,
             }
@@ -620,25 +723,29 @@ impl<E> Expandable<E> {
     /// The most reserved memory can reach: the cap, the device's memory, or
     /// the level at which the device was last found full.
     fn memory_limit(&self, core: &Core<E>) -> u64 {
-        let (_, _, cap) = self.limits(core);
+        let cap = self.limits(core).cap;
         cap.min(self.device_full_at.unwrap_or(u64::MAX))
             .min(self.range_size)
     }
 
-    /// If the big page under the block's end reaches past it into the free
-    /// rest of the block being carved (which became free at `since`), and no
-    /// queued work can touch it, unmaps it into the pool, so that only the
-    /// granules under the block get mapped again.
+    /// If the big page under the end of the block `[start, tail.start)`
+    /// reaches past it into the free `tail`, and no queued work can touch
+    /// it, unmaps it into the pool, so that only the granules under the
+    /// block get mapped again.
     fn trim_end_page<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
-        seg: SegmentId,
         start: u64,
-        end: u64,
-        (block_end, since): (u64, u64),
+        tail: Tail,
     ) -> Result<(), AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
+        let Tail {
+            seg,
+            start: end,
+            end: block_end,
+            since,
+        } = tail;
         let s = core.segments.get(seg.0);
         let base = s.addr;
         let last = (end - base).div_ceil(g) as u32;
@@ -662,13 +769,12 @@ impl<E> Expandable<E> {
             return Err(e.into());
         }
         self.mapped_at.remove(&h);
-        self.page_pool.push((h, s.pool.kind(), hi - lo));
+        self.pool_page(h, s.pool.kind(), hi - lo);
         core.stats.num_unmap += 1;
         Ok(())
     }
 
-    /// The pages to map under `[start, end)` of `seg`, as (first granule,
-    /// granules): big pages where a whole aligned big page is unmapped and
+    /// The pages to map under `[start, end)` of `seg`: big pages where a whole aligned big page is unmapped and
     /// under the block, granules elsewhere; with `Style::BigEdges`, an
     /// unmapped big page only partly under the block is mapped whole; with
     /// `Style::Granules`, granules only.
@@ -679,7 +785,7 @@ impl<E> Expandable<E> {
         start: u64,
         end: u64,
         style: Style,
-    ) -> Vec<(u32, u32)> {
+    ) -> Vec<Planned> {
         let g = core.granularity.expect("expandable mode has a granularity");
         let s = core.segments.get(seg.0);
         let pages = s.pages().expect("expandable");
@@ -720,7 +826,7 @@ impl<E> Expandable<E> {
                     }
                     n = m;
                 }
-                plan.push((at, n));
+                plan.push(Planned { at, len: n });
                 at += n;
             }
         }
@@ -733,25 +839,25 @@ impl<E> Expandable<E> {
         core: &mut Core<E>,
         dev: &D,
         seg: SegmentId,
-        plan: &[(u32, u32)],
+        plan: &[Planned],
         tail: Tail,
     ) -> Result<(), AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
         let s = core.segments.get(seg.0);
         let (base, kind) = (s.addr, s.pool.kind());
-        let mut need: Vec<(u64, usize)> = Vec::with_capacity(2);
-        for &(_, n) in plan {
-            let size = u64::from(n) * g;
-            match need.iter_mut().find(|(s, _)| *s == size) {
-                Some((_, c)) => *c += 1,
-                None => need.push((size, 1)),
+        let mut need: Vec<Need> = Vec::with_capacity(2);
+        for p in plan {
+            let size = u64::from(p.len) * g;
+            match need.iter_mut().find(|n| n.size == size) {
+                Some(n) => n.count += 1,
+                None => need.push(Need { size, count: 1 }),
             }
         }
         // Pages whose shadows lie exactly where pages are planned: wanted back.
         let want: Vec<u64> = match core.config.expandable_shadows {
             true => plan
                 .iter()
-                .filter_map(|&(at, n)| self.shadow_at(seg, at, n))
+                .filter_map(|p| self.shadow_at(seg, p.at, p.len))
                 .collect(),
             false => Vec::new(),
         };
@@ -760,7 +866,7 @@ impl<E> Expandable<E> {
             self.return_pages(core, dev, gathered)?;
             return Err(e);
         }
-        for &(at, n) in plan {
+        for &Planned { at, len: n } in plan {
             let size = u64::from(n) * g;
             let back = self.shadow_at(seg, at, n);
             let j = gathered
@@ -771,7 +877,7 @@ impl<E> Expandable<E> {
             let page = gathered.swap_remove(j);
             if Some(page.handle) == back {
                 // Still mapped there: the shadow becomes the mapping, no call.
-                self.stale.remove(&(seg.0, at));
+                self.stale.remove(&Place { seg, at });
                 core.stats.num_pages_revived += 1;
             } else {
                 // An old mapping there (the tail of this very block may have
@@ -795,7 +901,7 @@ impl<E> Expandable<E> {
                 .expect("expandable")
                 .insert(at, n, page.handle);
             if core.config.expandable_shadows {
-                self.mapped_at.insert(page.handle, (seg, at));
+                self.mapped_at.insert(page.handle, Place { seg, at });
             }
             match page.counted_as {
                 None => core.stats.reserved_bytes.increase(kind, size),
@@ -814,7 +920,7 @@ impl<E> Expandable<E> {
         &mut self,
         core: &mut Core<E>,
         dev: &D,
-        need: &[(u64, usize)],
+        need: &[Need],
         want: &[u64],
         tail: Tail,
         out: &mut Vec<Page>,
@@ -823,7 +929,11 @@ impl<E> Expandable<E> {
             self.take_back(core, dev, h, tail)?;
         }
 
-        let (soft_limit, hard_limit, cap) = self.limits(core);
+        let Limits {
+            soft: soft_limit,
+            hard: hard_limit,
+            cap,
+        } = self.limits(core);
         // 0: nothing recycled yet; 1: quiescent idle pages taken; 2: waited
         // for the device; 3: device full after that, pooled pages given back.
         let mut stage = 0;
@@ -834,13 +944,13 @@ impl<E> Expandable<E> {
                 false => self
                     .page_pool
                     .iter()
-                    .filter(|p| want.contains(&p.0))
+                    .filter(|p| want.contains(&p.handle))
                     .count(),
             };
             let mut grow = 0;
             let mut short = None;
             let mut sizes: Vec<u64> = Vec::with_capacity(need.len());
-            for &(size, count) in need {
+            for &Need { size, count } in need {
                 let mut have = out.iter().filter(|p| p.size == size).count();
                 while have < count {
                     let pool = &self.page_pool;
@@ -848,18 +958,18 @@ impl<E> Expandable<E> {
                         0 => None,
                         _ => pool
                             .iter()
-                            .rposition(|p| p.2 == size && want.contains(&p.0)),
+                            .rposition(|p| p.size == size && want.contains(&p.handle)),
                     };
                     wanted -= usize::from(back.is_some());
-                    let i = back.or_else(|| pool.iter().rposition(|p| p.2 == size));
+                    let i = back.or_else(|| pool.iter().rposition(|p| p.size == size));
                     let Some(i) = i else {
                         break;
                     };
-                    let (handle, kind, _) = self.page_pool.swap_remove(i);
+                    let p = self.page_pool.swap_remove(i);
                     out.push(Page {
-                        handle,
+                        handle: p.handle,
                         size,
-                        counted_as: Some(kind),
+                        counted_as: Some(p.kind),
                     });
                     have += 1;
                 }
@@ -963,17 +1073,17 @@ impl<E> Expandable<E> {
     ) -> Result<(), AllocError> {
         let mut freed = 0;
         while freed < bytes {
-            let Some(&(h, kind, size)) = self.page_pool.last() else {
+            let Some(&p) = self.page_pool.last() else {
                 break;
             };
-            let mut places = self.stale.of_page(h);
+            let mut places = self.stale.of_page(p.handle);
             places.sort_unstable();
             self.unmap_stale_keys(core, dev, places)?;
-            dev.vmm_release_page(h)?;
+            dev.vmm_release_page(p.handle)?;
             self.page_pool.pop(); // only once released: a failure keeps it pooled
             core.stats.num_page_release += 1;
-            core.stats.reserved_bytes.decrease(kind, size);
-            freed += size;
+            core.stats.reserved_bytes.decrease(p.kind, p.size);
+            freed += p.size;
         }
         Ok(())
     }
@@ -1011,14 +1121,14 @@ impl<E> Expandable<E> {
         }
         // The stream's own pages serve it in stream order: reused now,
         // their old mappings dropped once the stream is past them.
-        let own = Some(core.segments.get(tail.0 .0).pool.stream_slot());
+        let own = Some(core.segments.get(tail.seg.0).pool.stream_slot());
         for sizes in [sizes, &[]] {
             if got < need {
                 got +=
                     self.take_idle_pages(core, dev, Some(tail), batch - got, false, own, sizes)?;
             }
         }
-        let requester = core.segments.get(tail.0 .0).pool.stream_slot();
+        let requester = core.segments.get(tail.seg.0).pool.stream_slot();
         let mut waited_on: Vec<usize> = Vec::new();
         while got < need {
             // The longest idle page that is not quiescent yet: wait for its stream.
@@ -1120,14 +1230,17 @@ impl<E> Expandable<E> {
         let stream = core.stream_list[slot];
         let m = self.marks_mut(slot);
         while since >= m.quiescent_before {
-            let (c, e) = match m.queue.pop_front() {
+            let marker = match m.queue.pop_front() {
                 Some(front) => front,
-                None => (clock + 1, dev.record_event(stream)?),
+                None => Marker {
+                    before: clock + 1,
+                    event: dev.record_event(stream)?,
+                },
             };
-            let waited = dev.wait_event(&e);
-            dev.release_event(e);
+            let waited = dev.wait_event(&marker.event);
+            dev.release_event(marker.event);
             waited?;
-            m.quiescent_before = m.quiescent_before.max(c);
+            m.quiescent_before = m.quiescent_before.max(marker.before);
             core.stats.num_event_waits += 1;
             core.stats.num_marker_waits += 1;
         }
@@ -1184,8 +1297,8 @@ impl<E> Expandable<E> {
         let clock = core.clock;
         self.synced_before = clock + 1;
         for m in &mut self.marks {
-            for (_, e) in m.queue.drain(..) {
-                dev.release_event(e);
+            for marker in m.queue.drain(..) {
+                dev.release_event(marker.event);
             }
             m.quiescent_before = clock + 1;
         }
@@ -1215,12 +1328,11 @@ impl<E> Expandable<E> {
         let mut result = Ok(());
         for page in pages {
             match page.counted_as {
-                Some(kind) => self.page_pool.push((page.handle, kind, page.size)),
+                Some(kind) => self.pool_page(page.handle, kind, page.size),
                 None => {
                     if let Err(e) = dev.vmm_release_page(page.handle) {
                         // Kept (pooled and counted) rather than lost.
-                        self.page_pool
-                            .push((page.handle, PoolKind::Large, page.size));
+                        self.pool_page(page.handle, PoolKind::Large, page.size);
                         core.stats
                             .reserved_bytes
                             .increase(PoolKind::Large, page.size);
@@ -1241,7 +1353,12 @@ impl<E> Expandable<E> {
     fn collect_idle(
         &self,
         core: &Core<E>,
-        (seg, start, end, since): Tail,
+        Tail {
+            seg,
+            start,
+            end,
+            since,
+        }: Tail,
         block: Option<u32>,
         sizes: &[u64],
         out: &mut Vec<IdlePage>,
@@ -1258,7 +1375,12 @@ impl<E> Expandable<E> {
         for (at, _, n) in pages.within(lo, hi) {
             let size = u64::from(n) * g;
             if sizes.is_empty() || sizes.contains(&size) {
-                out.push((since, seg, at, block));
+                out.push(IdlePage {
+                    since,
+                    seg,
+                    at,
+                    block,
+                });
                 bytes += size;
             }
         }
@@ -1275,7 +1397,12 @@ impl<E> Expandable<E> {
     /// The free block `id` of the idle index as a [`Tail`]-like range.
     fn idle_block(&self, core: &Core<E>, since: u64, id: u32) -> Tail {
         let b = core.blocks.get(id);
-        (b.segment, b.addr, b.addr + b.size, since)
+        Tail {
+            seg: b.segment,
+            start: b.addr,
+            end: b.addr + b.size,
+            since,
+        }
     }
 
     /// The longest idle page's (idle since, stream slot) among pages that
@@ -1287,7 +1414,12 @@ impl<E> Expandable<E> {
         tail: Tail,
     ) -> Result<Option<(u64, usize)>, AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
-        let (seg, start, end, since) = tail;
+        let Tail {
+            seg,
+            start,
+            end,
+            since,
+        } = tail;
         let mut best: Option<(u64, usize)> = None;
         let s = core.segments.get(seg.0);
         if holds_whole_page(s, g, start, end) {
@@ -1303,7 +1435,7 @@ impl<E> Expandable<E> {
             if best.is_some_and(|b| b.0 <= since) {
                 break;
             }
-            let (seg, ..) = self.idle_block(core, since, id);
+            let seg = self.idle_block(core, since, id).seg;
             let slot = core.segments.get(seg.0).pool.stream_slot();
             if !self.quiescent(dev, slot, since)? {
                 best = Some((since, slot));
@@ -1335,8 +1467,8 @@ impl<E> Expandable<E> {
         let g = core.granularity.expect("expandable mode has a granularity");
         let mut idle = Vec::new();
         if let Some(tail) = extra {
-            let slot = core.segments.get(tail.0 .0).pool.stream_slot();
-            if all || early == Some(slot) || self.quiescent(dev, slot, tail.3)? {
+            let slot = core.segments.get(tail.seg.0).pool.stream_slot();
+            if all || early == Some(slot) || self.quiescent(dev, slot, tail.since)? {
                 self.collect_idle(core, tail, None, sizes, &mut idle);
             }
         }
@@ -1350,7 +1482,7 @@ impl<E> Expandable<E> {
             };
             cursor = Some((since, id));
             let range = self.idle_block(core, since, id);
-            let slot = core.segments.get(range.0 .0).pool.stream_slot();
+            let slot = core.segments.get(range.seg.0).pool.stream_slot();
             if !all
                 && early != Some(slot)
                 && (busy.contains(&slot) || !self.quiescent(dev, slot, since)?)
@@ -1362,12 +1494,18 @@ impl<E> Expandable<E> {
             }
             found += self.collect_idle(core, range, Some(id), sizes, &mut idle);
         }
-        idle.sort_unstable_by_key(|&(since, seg, p, _)| (since, std::cmp::Reverse((seg, p))));
+        idle.sort_unstable_by_key(|p| (p.since, std::cmp::Reverse((p.seg, p.at))));
         let mut bytes = 0;
         let mut emptied: Vec<(u64, u32)> = Vec::new();
         let mut failed = None;
         let mut batch: Vec<Unmapping> = Vec::new();
-        for (since, seg, at, block) in idle {
+        for IdlePage {
+            since,
+            seg,
+            at,
+            block,
+        } in idle
+        {
             if bytes >= max_bytes {
                 break;
             }
@@ -1401,7 +1539,7 @@ impl<E> Expandable<E> {
                     slot,
                     since,
                 };
-                self.stale.insert((seg.0, at), st);
+                self.stale.insert(Place { seg, at }, st);
                 core.stats.num_pages_reused_early += u64::from(reused);
             } else if all {
                 // Unmapped below, with the pages beside it in one call.
@@ -1416,7 +1554,7 @@ impl<E> Expandable<E> {
             } else if let Err(e) = dev.vmm_unmap(DevicePtr(seg_addr + u64::from(at) * g), size) {
                 pages.insert(at, n, h);
                 if core.config.expandable_shadows {
-                    self.mapped_at.insert(h, (seg, at));
+                    self.mapped_at.insert(h, Place { seg, at });
                 }
                 // The pages unmapped so far stay unmapped: index them below first.
                 failed = Some(e.into());
@@ -1424,7 +1562,8 @@ impl<E> Expandable<E> {
             } else {
                 core.stats.num_unmap += 1;
             }
-            self.page_pool.push((h, s.pool.kind(), size));
+            let kind = s.pool.kind();
+            self.pool_page(h, kind, size);
             bytes += size;
             if let Some(id) = block {
                 if emptied.last() != Some(&(since, id)) {
@@ -1437,8 +1576,8 @@ impl<E> Expandable<E> {
         }
         // Blocks left with no whole page leave the index.
         for (since, id) in emptied {
-            let (seg, start, end, _) = self.idle_block(core, since, id);
-            if !holds_whole_page(core.segments.get(seg.0), g, start, end) {
+            let t = self.idle_block(core, since, id);
+            if !holds_whole_page(core.segments.get(t.seg.0), g, t.start, t.end) {
                 core.idle_index.remove(&(since, id));
             }
         }
@@ -1489,9 +1628,15 @@ impl<E> Expandable<E> {
                                 .expect("expandable")
                                 .insert(u.at, u.len, u.handle);
                             if core.config.expandable_shadows {
-                                self.mapped_at.insert(u.handle, (u.seg, u.at));
+                                self.mapped_at.insert(
+                                    u.handle,
+                                    Place {
+                                        seg: u.seg,
+                                        at: u.at,
+                                    },
+                                );
                             }
-                            self.page_pool.retain(|p| p.0 != u.handle);
+                            self.page_pool.retain(|p| p.handle != u.handle);
                             *bytes -= u.size;
                             if result.is_ok() {
                                 result = Err(e.into());
@@ -1522,12 +1667,8 @@ impl<E> Expandable<E> {
             let peak = core.stats.reserved_bytes.all().peak;
             self.regrow_to = Some(reserved_before.max(peak));
         }
-        while let Some(&(h, kind, size)) = self.page_pool.last() {
-            dev.vmm_release_page(h)?;
-            self.page_pool.pop(); // only once released: a failure keeps it pooled
-            core.stats.num_page_release += 1;
-            core.stats.reserved_bytes.decrease(kind, size);
-        }
+        // (The old mappings went in `settle`: none is left to unmap.)
+        self.release_pooled(core, dev, u64::MAX)?;
         for i in 0..self.ranges.len() {
             let mut kept = Vec::with_capacity(self.ranges[i].len());
             for seg in std::mem::take(&mut self.ranges[i]) {
@@ -1567,7 +1708,10 @@ impl<E> Expandable<E> {
             return Ok(());
         };
         let mut handles = std::collections::HashSet::new();
-        for &(h, _, size) in &self.page_pool {
+        for &PooledPage {
+            handle: h, size, ..
+        } in &self.page_pool
+        {
             if size == 0 || size % g != 0 || !handles.insert(h) {
                 return Err(format!(
                     "pooled page {h} of {size} bytes is bad or listed twice"
@@ -1628,7 +1772,7 @@ impl<E> Expandable<E> {
         }
         if core.config.expandable_shadows {
             let mapped = handles.len() - self.page_pool.len();
-            let agree = self.mapped_at.iter().all(|(&h, &(seg, at))| {
+            let agree = self.mapped_at.iter().all(|(&h, &Place { seg, at })| {
                 let pages = core.segments.get(seg.0).pages();
                 pages.and_then(|p| p.covering(at)).map(|(a, hh, _)| (a, hh)) == Some((at, h))
             });
@@ -1695,7 +1839,7 @@ impl<E> Expandable<E> {
         &mut self,
         core: &mut Core<E>,
         dev: &D,
-        key: (u32, u32),
+        key: Place,
     ) -> Result<(), AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
         let st = self.stale.at(&key);
@@ -1719,9 +1863,12 @@ impl<E> Expandable<E> {
         if self.stale.is_empty() {
             return Ok(());
         }
-        let keys: Vec<(u32, u32)> = self
+        let keys: Vec<Place> = self
             .stale_in(core, seg, first, last)
-            .map(|st| (st.seg.0, st.at))
+            .map(|st| Place {
+                seg: st.seg,
+                at: st.at,
+            })
             .collect();
         self.unmap_stale_keys(core, dev, keys)
     }
@@ -1737,9 +1884,12 @@ impl<E> Expandable<E> {
         // A mapping is at most a big page long: one starting that far back may reach in.
         let g = core.granularity.expect("expandable mode has a granularity");
         let back = (core.segments.get(seg.0).page_size() / g) as u32;
-        let from = (seg.0, first.saturating_sub(back.saturating_sub(1)));
+        let from = Place {
+            seg,
+            at: first.saturating_sub(back.saturating_sub(1)),
+        };
         self.stale
-            .range(from..(seg.0, last))
+            .range(from..Place { seg, at: last })
             .map(|(_, st)| st)
             .filter(move |st| st.at + st.len > first)
     }
@@ -1749,7 +1899,7 @@ impl<E> Expandable<E> {
         &mut self,
         core: &mut Core<E>,
         dev: &D,
-        keys: Vec<(u32, u32)>,
+        keys: Vec<Place>,
     ) -> Result<(), AllocError> {
         for k in keys {
             let st = self.stale.at(&k);
@@ -1923,7 +2073,7 @@ impl<E> Expandable<E> {
     /// The page whose shadow covers exactly granules `at..at + n` of `seg`.
     fn shadow_at(&self, seg: SegmentId, at: u32, n: u32) -> Option<u64> {
         self.stale
-            .get(&(seg.0, at))
+            .get(&Place { seg, at })
             .filter(|st| st.len == n)
             .map(|st| st.handle)
     }
@@ -1939,7 +2089,7 @@ impl<E> Expandable<E> {
         handle: u64,
         tail: Tail,
     ) -> Result<(), AllocError> {
-        let Some(&(seg, at)) = self.mapped_at.get(&handle) else {
+        let Some(&Place { seg, at }) = self.mapped_at.get(&handle) else {
             return Ok(()); // pooled already
         };
         let g = core.granularity.expect("expandable mode has a granularity");
@@ -1960,7 +2110,7 @@ impl<E> Expandable<E> {
         };
         let id = BlockId(raw);
         let slot = s.pool.stream_slot();
-        let requester = core.segments.get(tail.0 .0).pool.stream_slot();
+        let requester = core.segments.get(tail.seg.0).pool.stream_slot();
         let quiet = self.quiescent(dev, slot, since)?;
         let early = slot == requester;
         if !(quiet || early) {
@@ -1978,9 +2128,9 @@ impl<E> Expandable<E> {
             slot,
             since,
         };
-        self.stale.insert((seg.0, at), st);
+        self.stale.insert(Place { seg, at }, st);
         core.stats.num_pages_reused_early += u64::from(!quiet);
-        self.page_pool.push((handle, kind, u64::from(n) * g));
+        self.pool_page(handle, kind, u64::from(n) * g);
         let b = core.blocks.get(id.0);
         if !holds_whole_page(core.segments.get(seg.0), g, b.addr, b.addr + b.size) {
             core.idle_index.remove(&(since, id.0));
@@ -1988,10 +2138,8 @@ impl<E> Expandable<E> {
         Ok(())
     }
 
-    /// The old mappings of pages reused early, not yet unmapped, as (address, bytes,
-    /// whether the page is pooled rather than mapped under a block; for a
-    /// page reused early twice, on its first old mapping only).
-    pub(super) fn stale_mappings(&self, core: &Core<E>) -> Vec<(u64, u64, bool)> {
+    /// The old mappings of pages reused early, not yet unmapped.
+    pub(super) fn stale_mappings(&self, core: &Core<E>) -> Vec<OldMapping> {
         let Some(g) = core.granularity else {
             return Vec::new();
         };
@@ -2002,16 +2150,20 @@ impl<E> Expandable<E> {
             .enumerate()
             .map(|(i, st)| {
                 let addr = core.segments.get(st.seg.0).addr + u64::from(st.at) * g;
-                let pooled = self.page_pool.iter().any(|p| p.0 == st.handle)
+                let pooled = self.page_pool.iter().any(|p| p.handle == st.handle)
                     && !stale[..i].iter().any(|o| o.handle == st.handle);
-                (addr, u64::from(st.len) * g, pooled)
+                OldMapping {
+                    addr,
+                    bytes: u64::from(st.len) * g,
+                    pooled,
+                }
             })
             .collect()
     }
 
     /// Bytes held in the pool of unmapped pages.
     pub(super) fn pooled_bytes(&self) -> u64 {
-        self.page_pool.iter().map(|p| p.2).sum()
+        self.page_pool.iter().map(|p| p.size).sum()
     }
 }
 

@@ -154,14 +154,14 @@ impl<E> State<E> {
             b.state = BlockState::Allocated;
             let (since, seg) = (b.freed_at, b.segment);
             self.core.idle_index.remove(&(since, id.0));
-            let mapped = self.vmm.map_range(
-                &mut self.core,
-                dev,
+            // The rest of the block stays free after the split.
+            let tail = expandable::Tail {
                 seg,
-                addr,
-                addr + rounded,
-                (addr + bsize, since),
-            );
+                start: addr + rounded,
+                end: addr + bsize,
+                since,
+            };
+            let mapped = self.vmm.map_range(&mut self.core, dev, addr, tail);
             if mapped.is_ok() {
                 if borrowed {
                     // Used on the requesting stream: its free waits for that

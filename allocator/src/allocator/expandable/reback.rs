@@ -78,7 +78,7 @@ impl<E> Expandable<E> {
                 bytes
             }
             Err(_) => {
-                self.page_pool.push((handle, kind, bytes));
+                self.pool_page(handle, kind, bytes);
                 0
             }
         }
@@ -146,7 +146,7 @@ impl<E> Expandable<E> {
         let (base, kind) = (s.addr, s.pool.kind());
         let k = p.live.len();
         // The new pages are held beside the old one for a moment: within the cap.
-        let (_, _, cap) = self.limits(core);
+        let cap = self.limits(core).cap;
         if core.reserved() + k as u64 * g > cap {
             return Ok(false);
         }
@@ -219,7 +219,7 @@ impl<E> Expandable<E> {
         if core.config.expandable_shadows {
             self.mapped_at.remove(&p.handle);
             for (&x, &page) in p.live.iter().zip(&new) {
-                self.mapped_at.insert(page, (p.seg, x));
+                self.mapped_at.insert(page, Place { seg: p.seg, at: x });
             }
         }
         // The new pages are counted as the old one's live part; the old

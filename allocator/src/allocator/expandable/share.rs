@@ -35,12 +35,13 @@ impl Candidate {
     }
 }
 
-/// A page to share planned: its pool kind, its home (segment, granule,
-/// page), the home's offsets still free for joiners, and the joiners
-/// (indices of candidates).
+/// A page to share planned: its pool kind, its home (the granule that
+/// counts it), the page, the home's offsets still free for joiners, and the
+/// joiners (indices of candidates).
 struct Plan {
     kind: PoolKind,
-    home: (SegmentId, u32, u64),
+    home: Place,
+    page: u64,
     free: Spans,
     joiners: Vec<usize>,
 }
@@ -123,16 +124,17 @@ impl<E> Expandable<E> {
             .shared
             .iter()
             .map(|(&handle, members)| {
-                let (seg, at) = members[0];
+                let home = members[0];
                 Plan {
-                    kind: core.segments.get(seg.0).pool.kind(),
-                    home: (seg, at, handle),
-                    free: core.free_spans(seg, at),
+                    kind: core.segments.get(home.seg.0).pool.kind(),
+                    home,
+                    page: handle,
+                    free: core.free_spans(home.seg, home.at),
                     joiners: Vec::new(),
                 }
             })
             .collect();
-        plans.sort_by_key(|p| (p.home.0 .0, p.home.1));
+        plans.sort_by_key(|p| p.home);
         for (i, c) in cands.iter().enumerate() {
             let kind = core.segments.get(c.seg.0).pool.kind();
             match plans
@@ -145,7 +147,11 @@ impl<E> Expandable<E> {
                 }
                 None => plans.push(Plan {
                     kind,
-                    home: (c.seg, c.at, c.handle),
+                    home: Place {
+                        seg: c.seg,
+                        at: c.at,
+                    },
+                    page: c.handle,
                     free: complement(&c.live, core.granularity.expect("expandable")),
                     joiners: Vec::new(),
                 }),
@@ -159,7 +165,7 @@ impl<E> Expandable<E> {
         }
         for p in plans.iter().filter(|p| !p.joiners.is_empty()) {
             let joiners: Vec<&Candidate> = p.joiners.iter().map(|&i| &cands[i]).collect();
-            freed += self.share_page(core, dev, p.home, &joiners)?;
+            freed += self.share_page(core, dev, p.home, p.page, &joiners)?;
         }
         Ok(freed)
     }
@@ -219,7 +225,7 @@ impl<E> Expandable<E> {
         out
     }
 
-    /// Maps the page of granule `home` (segment, granule, page) at the
+    /// Maps `page`, the page of granule `home`, at the
     /// joiners' addresses (their live bytes copied into it first) and gives
     /// their pages back; a joiner the device refuses keeps its page.
     /// Returns the bytes given back.
@@ -227,15 +233,15 @@ impl<E> Expandable<E> {
         &mut self,
         core: &mut Core<E>,
         dev: &D,
-        home: (SegmentId, u32, u64),
+        home: Place,
+        page: u64,
         joiners: &[&Candidate],
     ) -> Result<u64, AllocError> {
         let g = core.granularity.expect("expandable mode has a granularity");
         let addr = |core: &Core<E>, seg: SegmentId, at: u32| {
             core.segments.get(seg.0).addr + u64::from(at) * g
         };
-        let (home_seg, home_granule, page) = home;
-        let home_at = addr(core, home_seg, home_granule);
+        let home_at = addr(core, home.seg, home.at);
         let mut freed = 0;
         for &c in joiners {
             let at = addr(core, c.seg, c.at);
@@ -278,7 +284,7 @@ impl<E> Expandable<E> {
             // The bytes the page holds for others are aliased: in the home,
             // the joiner's live spans; in the joiner, all but its own.
             for &(lo, hi) in &c.live {
-                core.alias_free_bytes(home_seg, home_at + lo, home_at + hi);
+                core.alias_free_bytes(home.seg, home_at + lo, home_at + hi);
             }
             for (lo, hi) in complement(&c.live, g) {
                 core.alias_free_bytes(c.seg, at + lo, at + hi);
@@ -286,8 +292,11 @@ impl<E> Expandable<E> {
             core.stats.num_pages_shared += 1;
             self.shared
                 .entry(page)
-                .or_insert_with(|| vec![(home_seg, home_granule)])
-                .push((c.seg, c.at));
+                .or_insert_with(|| vec![home])
+                .push(Place {
+                    seg: c.seg,
+                    at: c.at,
+                });
         }
         Ok(freed)
     }
@@ -308,25 +317,26 @@ impl<E> Expandable<E> {
         let handles: Vec<u64> = self.shared.keys().copied().collect();
         for h in handles {
             let members = self.shared[&h].clone();
-            let kind = core.segments.get(members[0].0 .0).pool.kind();
-            for (seg, at) in members {
+            let kind = core.segments.get(members[0].seg.0).pool.kind();
+            for member in members {
+                let Place { seg, at } = member;
                 if core.granule_in_use(seg, at) {
                     continue;
                 }
                 // A failure leaves the member mapped and listed, as it was.
                 self.unmap_member(core, dev, seg, at)?;
                 let list = self.shared.get_mut(&h).expect("listed");
-                let was_home = list[0] == (seg, at);
-                list.retain(|&m| m != (seg, at));
-                if let (true, Some(&(s, a))) = (was_home, list.first()) {
+                let was_home = list[0] == member;
+                list.retain(|&m| m != member);
+                if let (true, Some(&next)) = (was_home, list.first()) {
                     // The next member counts the page (members are of one pool kind).
                     core.segments
-                        .get_mut(s.0)
+                        .get_mut(next.seg.0)
                         .pages_mut()
                         .expect("expandable")
-                        .set_alias(a, false);
+                        .set_alias(next.at, false);
                     if core.config.expandable_shadows {
-                        self.mapped_at.insert(h, (s, a));
+                        self.mapped_at.insert(h, next);
                     }
                 }
             }
@@ -338,7 +348,7 @@ impl<E> Expandable<E> {
                     }
                     released += self.release_or_pool(core, dev, h, kind, g);
                 }
-                &[(seg, at)] => {
+                &[Place { seg, at }] => {
                     // The last member keeps the page as its own.
                     self.shared.remove(&h);
                     core.free_aliased(seg, at);
@@ -383,7 +393,8 @@ impl<E> Expandable<E> {
             if list.len() < 2 {
                 return Err(format!("shared page {h} has {} members", list.len()));
             }
-            for (k, &(seg, at)) in list.iter().enumerate() {
+            for (k, &member) in list.iter().enumerate() {
+                let Place { seg, at } = member;
                 let pages = core
                     .segments
                     .get(seg.0)
@@ -392,7 +403,7 @@ impl<E> Expandable<E> {
                 if pages.covering(at) != Some((at, h, 1)) || pages.is_alias(at) != (k > 0) {
                     return Err(format!("shared page {h}: member {k} at granule {at} maps another page or is marked wrongly"));
                 }
-                members.insert((seg.0, at));
+                members.insert(member);
             }
         }
         for &seg in self.ranges.iter().flatten() {
@@ -400,7 +411,7 @@ impl<E> Expandable<E> {
             let Some(pages) = s.pages() else { continue };
             let n = (s.size / g) as u32;
             for x in (0..n).filter(|&x| pages.is_alias(x)) {
-                if !members.contains(&(seg.0, x)) {
+                if !members.contains(&Place { seg, at: x }) {
                     return Err(format!(
                         "aliased granule {x} of {:#x} is no shared page's member",
                         s.addr
@@ -412,7 +423,11 @@ impl<E> Expandable<E> {
                 let b = core.blocks.get(id.0);
                 if b.state == BlockState::Aliased {
                     let (first, last) = ((b.addr - s.addr) / g, (b.addr + b.size - 1 - s.addr) / g);
-                    if first != last || !members.contains(&(seg.0, first as u32)) {
+                    let place = Place {
+                        seg,
+                        at: first as u32,
+                    };
+                    if first != last || !members.contains(&place) {
                         return Err(format!(
                             "aliased block at {:#x} outside a shared granule",
                             b.addr
@@ -425,16 +440,19 @@ impl<E> Expandable<E> {
         Ok(())
     }
 
-    /// The mappings of shared pages at their members other than the home,
-    /// as (address, bytes): mapped, but counted where the page is at home.
-    pub(in crate::allocator) fn alias_mappings(&self, core: &Core<E>) -> Vec<(u64, u64)> {
+    /// The mappings of shared pages at their members other than the home:
+    /// mapped, but counted where the page is at home.
+    pub(in crate::allocator) fn alias_mappings(&self, core: &Core<E>) -> Vec<AliasMapping> {
         let Some(g) = core.granularity else {
             return Vec::new();
         };
         self.shared
             .values()
             .flat_map(|list| list[1..].iter())
-            .map(|&(seg, at)| (core.segments.get(seg.0).addr + u64::from(at) * g, g))
+            .map(|&Place { seg, at }| AliasMapping {
+                addr: core.segments.get(seg.0).addr + u64::from(at) * g,
+                bytes: g,
+            })
             .collect()
     }
 }

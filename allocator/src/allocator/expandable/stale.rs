@@ -20,15 +20,12 @@
 // corpus's replays never hold more than 11 per page (multistream_infer),
 // so the limit changes none of their figures.
 
-use super::Stale;
+use super::{Place, Stale};
 use crate::fasthash::FastMap;
 use std::collections::{BTreeMap, VecDeque};
 
 /// Old mappings one page keeps at most (Note [Shadows per page]).
 pub(super) const MAX_SHADOWS_PER_PAGE: usize = 32;
-
-/// A place: (segment, first granule).
-type Place = (u32, u32);
 
 /// The old mappings, by place, with each page's places in the order made.
 #[derive(Default)]
@@ -170,6 +167,13 @@ mod tests {
     use super::*;
     use crate::block::SegmentId;
 
+    fn place(seg: u32, at: u32) -> Place {
+        Place {
+            seg: SegmentId(seg),
+            at,
+        }
+    }
+
     fn shadow(seg: u32, at: u32, handle: u64) -> Stale {
         Stale {
             seg: SegmentId(seg),
@@ -189,22 +193,22 @@ mod tests {
         for i in 0..MAX_SHADOWS_PER_PAGE as u32 {
             assert!(m.has_room(7));
             // Page 7 moves through ranges 1000, 999, ...; other pages by.
-            m.insert((1000 - i, 0), shadow(1000 - i, 0, 7));
-            m.insert((i, 3), shadow(i, 3, u64::from(100 + i)));
+            m.insert(place(1000 - i, 0), shadow(1000 - i, 0, 7));
+            m.insert(place(i, 3), shadow(i, 3, u64::from(100 + i)));
         }
         m.check().unwrap();
         assert!(!m.has_room(7) && m.has_room(100));
         assert!(m.over_limit().is_empty(), "at the limit, not past it");
         // Reused early: an old mapping past the limit, the oldest told.
-        m.insert((900, 0), shadow(900, 0, 7));
-        assert_eq!(m.over_limit(), vec![(1000, 0)]);
+        m.insert(place(900, 0), shadow(900, 0, 7));
+        assert_eq!(m.over_limit(), vec![place(1000, 0)]);
         assert!(m.over_limit().is_empty(), "told once");
-        assert_eq!(m.remove(&(900, 0)).map(|st| st.handle), Some(7));
-        assert_eq!(m.of_page(7)[0], (1000, 0), "oldest first");
-        assert_eq!(m.remove(&(995, 0)).map(|st| st.handle), Some(7));
+        assert_eq!(m.remove(&place(900, 0)).map(|st| st.handle), Some(7));
+        assert_eq!(m.of_page(7)[0], place(1000, 0), "oldest first");
+        assert_eq!(m.remove(&place(995, 0)).map(|st| st.handle), Some(7));
         assert!(m.has_room(7));
         // A new mapping at a place replaces the old one in both indexes.
-        m.insert((0, 3), shadow(0, 3, 7));
+        m.insert(place(0, 3), shadow(0, 3, 7));
         assert!(m.of_page(100).is_empty() && !m.has_room(7));
         m.check().unwrap();
         for p in m.places() {
