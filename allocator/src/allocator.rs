@@ -202,6 +202,24 @@ impl<E> Core<E> {
         self.stats.reserved_bytes.all().current
     }
 
+    /// The page granularity of expandable segments (they are in use).
+    #[inline]
+    fn granule(&self) -> u64 {
+        self.granularity.expect("expandable mode has a granularity")
+    }
+
+    /// The address of granule `at` of expandable segment `seg`.
+    #[inline]
+    fn granule_addr(&self, seg: SegmentId, at: u32) -> u64 {
+        self.segments.get(seg.0).addr + u64::from(at) * self.granule()
+    }
+
+    /// The stream slot of segment `seg`'s pool.
+    #[inline]
+    fn slot_of(&self, seg: SegmentId) -> usize {
+        self.segments.get(seg.0).pool.stream_slot()
+    }
+
     #[inline]
     fn bins_mut(&mut self, pool: PoolId) -> &mut Bins {
         &mut self.bins[pool.index()]

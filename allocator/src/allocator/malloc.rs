@@ -237,7 +237,7 @@ impl<E> Core<E> {
     /// free block ([`Expandable::place`]).
     #[cold]
     pub(super) fn split_free(&mut self, id: BlockId, at: u64) -> BlockId {
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self.granule();
         let b = self.blocks.get(id.0);
         let (addr, size, seg, pool, since) = (b.addr, b.size, b.segment, b.pool, b.freed_at);
         debug_assert!(b.state == BlockState::Free && addr < at && at < addr + size);

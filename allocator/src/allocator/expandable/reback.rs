@@ -11,7 +11,11 @@
 //! device. No tensor moves (its address stays), and nothing happens in a run
 //! that fits.
 
-use super::*;
+use super::{Expandable, Place};
+use crate::allocator::Core;
+use crate::block::{BlockState, PoolKind, SegmentId};
+use crate::device::{Device, DeviceError, DevicePtr};
+use crate::error::AllocError;
 
 /// A page to give back: its segment, first granule, handle, length in
 /// granules, and the granules under live blocks (in order).
@@ -46,7 +50,7 @@ impl<E> Expandable<E> {
         // pooled pages are of the big size: room for granules first.
         self.settle(core, dev)?;
         self.release_pooled(core, dev, u64::MAX)?;
-        let g = core.granularity.expect("expandable mode has a granularity");
+        let g = core.granule();
         // Fewest granules to copy first: each swap needs room for its new
         // pages before the old page goes, and leaves more room for the next.
         plans.sort_by_key(|p| p.live.len());
@@ -87,7 +91,7 @@ impl<E> Expandable<E> {
     /// The pages larger than a granule with granules both under live blocks
     /// (any block not free) and not, in every range.
     fn reback_plans(&self, core: &Core<E>) -> Vec<Reback> {
-        let g = core.granularity.expect("expandable mode has a granularity");
+        let g = core.granule();
         let mut plans = Vec::new();
         for &seg in self.ranges.iter().flatten() {
             let s = core.segments.get(seg.0);
@@ -141,7 +145,7 @@ impl<E> Expandable<E> {
         dev: &D,
         p: &Reback,
     ) -> Result<bool, AllocError> {
-        let g = core.granularity.expect("expandable mode has a granularity");
+        let g = core.granule();
         let s = core.segments.get(p.seg.0);
         let (base, kind) = (s.addr, s.pool.kind());
         let k = p.live.len();

@@ -15,7 +15,12 @@
 //! device is synchronized): its mapping is unmapped and its aliased bytes
 //! are free again; the last member keeps the page as its own.
 
-use super::*;
+use super::{Expandable, Place};
+use crate::allocator::Core;
+use crate::block::{BlockId, BlockState, PoolKind, SegmentId};
+use crate::device::{Device, DeviceError, DevicePtr};
+use crate::error::AllocError;
+use std::collections::BTreeMap;
 
 /// Byte spans within a granule, as offsets from its start.
 type Spans = Vec<(u64, u64)>;
@@ -27,6 +32,14 @@ struct Candidate {
     at: u32,
     handle: u64,
     live: Spans,
+}
+
+/// A mapping of a shared page at a member other than the one that counts
+/// it (`Expandable::alias_mappings`): it holds no memory of its own.
+#[derive(Copy, Clone, Debug)]
+pub(in crate::allocator) struct AliasMapping {
+    pub(in crate::allocator) addr: u64,
+    pub(in crate::allocator) bytes: u64,
 }
 
 impl Candidate {
@@ -152,7 +165,7 @@ impl<E> Expandable<E> {
                         at: c.at,
                     },
                     page: c.handle,
-                    free: complement(&c.live, core.granularity.expect("expandable")),
+                    free: complement(&c.live, core.granule()),
                     joiners: Vec::new(),
                 }),
             }
@@ -173,7 +186,7 @@ impl<E> Expandable<E> {
     /// The granules mapped by a one-granule page of their own (not shared),
     /// partly under blocks in use, with the spans of those blocks.
     fn share_candidates(&self, core: &Core<E>) -> Vec<Candidate> {
-        let g = core.granularity.expect("expandable mode has a granularity");
+        let g = core.granule();
         let mut out = Vec::new();
         for &seg in self.ranges.iter().flatten() {
             let s = core.segments.get(seg.0);
@@ -237,10 +250,8 @@ impl<E> Expandable<E> {
         page: u64,
         joiners: &[&Candidate],
     ) -> Result<u64, AllocError> {
-        let g = core.granularity.expect("expandable mode has a granularity");
-        let addr = |core: &Core<E>, seg: SegmentId, at: u32| {
-            core.segments.get(seg.0).addr + u64::from(at) * g
-        };
+        let g = core.granule();
+        let addr = |core: &Core<E>, seg: SegmentId, at: u32| core.granule_addr(seg, at);
         let home_at = addr(core, home.seg, home.at);
         let mut freed = 0;
         for &c in joiners {
@@ -312,7 +323,7 @@ impl<E> Expandable<E> {
         core: &mut Core<E>,
         dev: &D,
     ) -> Result<u64, AllocError> {
-        let g = core.granularity.expect("expandable mode has a granularity");
+        let g = core.granule();
         let mut released = 0;
         let handles: Vec<u64> = self.shared.keys().copied().collect();
         for h in handles {
@@ -367,7 +378,7 @@ impl<E> Expandable<E> {
         seg: SegmentId,
         at: u32,
     ) -> Result<(), AllocError> {
-        let g = core.granularity.expect("expandable mode has a granularity");
+        let g = core.granule();
         let base = core.segments.get(seg.0).addr;
         dev.vmm_unmap(DevicePtr(base + u64::from(at) * g), g)?;
         core.stats.num_unmap += 1;
@@ -450,7 +461,7 @@ impl<E> Expandable<E> {
             .values()
             .flat_map(|list| list[1..].iter())
             .map(|&Place { seg, at }| AliasMapping {
-                addr: core.segments.get(seg.0).addr + u64::from(at) * g,
+                addr: core.granule_addr(seg, at),
                 bytes: g,
             })
             .collect()
@@ -460,7 +471,7 @@ impl<E> Expandable<E> {
 impl<E> Core<E> {
     /// Whether a block in use lies (partly) in granule `at` of `seg`.
     fn granule_in_use(&self, seg: SegmentId, at: u32) -> bool {
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self.granule();
         let s = self.segments.get(seg.0);
         let (lo, hi) = (s.addr + u64::from(at) * g, s.addr + u64::from(at + 1) * g);
         self.blocks_between(seg, lo, hi)
@@ -470,8 +481,8 @@ impl<E> Core<E> {
 
     /// The spans of granule `at` of `seg` that free blocks cover, as offsets.
     fn free_spans(&self, seg: SegmentId, at: u32) -> Spans {
-        let g = self.granularity.expect("expandable mode has a granularity");
-        let lo = self.segments.get(seg.0).addr + u64::from(at) * g;
+        let g = self.granule();
+        let lo = self.granule_addr(seg, at);
         self.blocks_between(seg, lo, lo + g)
             .into_iter()
             .map(|id| self.blocks.get(id.0))
@@ -522,7 +533,7 @@ impl<E> Core<E> {
 
     /// Frees the aliased blocks of granule `at` of `seg` (merged with free neighbours, filed).
     fn free_aliased(&mut self, seg: SegmentId, at: u32) {
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self.granule();
         let s = self.segments.get(seg.0);
         let (lo, hi) = (s.addr + u64::from(at) * g, s.addr + u64::from(at + 1) * g);
         let aliased: Vec<BlockId> = self

@@ -20,9 +20,29 @@
 // corpus's replays never hold more than 11 per page (multistream_infer),
 // so the limit changes none of their figures.
 
-use super::{Place, Stale};
+use super::Place;
+use crate::block::SegmentId;
 use crate::fasthash::FastMap;
 use std::collections::{BTreeMap, VecDeque};
+
+/// The old mapping of a page mapped again elsewhere: reused early by a block
+/// of the same stream before the stream's queued work was done with it
+/// (stream order makes that safe; unmapped once a marker of the stream
+/// recorded after `since` completed), or, with `expandable_shadows`, moved
+/// away (a *shadow*: kept until its address needs another page, and the
+/// page's way back there if it is idle when a block there needs it). The
+/// allocator treats the granules as unmapped.
+#[derive(Copy, Clone, Debug)]
+pub(super) struct Stale {
+    pub(super) seg: SegmentId,
+    /// First granule and length in granules.
+    pub(super) at: u32,
+    pub(super) len: u32,
+    pub(super) handle: u64,
+    pub(super) slot: usize,
+    /// When the free block holding the page became free.
+    pub(super) since: u64,
+}
 
 /// Old mappings one page keeps at most (Note [Shadows per page]).
 pub(super) const MAX_SHADOWS_PER_PAGE: usize = 32;

@@ -1,0 +1,321 @@
+//! Mapping the pages under a block being carved (`Expandable::map_range`):
+//! the pages planned for its unmapped granules (big pages, or granules at
+//! its edges, or granules only under pressure), then each planned page
+//! mapped: a shadow taken back with no call, or a gathered page.
+
+use super::gather::Need;
+use super::ranges::smaller_page;
+use super::{Expandable, Place, Tail};
+use crate::allocator::Core;
+use crate::bins::Entry;
+use crate::block::SegmentId;
+use crate::config::EdgePages;
+use crate::device::{Device, DevicePtr};
+use crate::error::AllocError;
+
+/// Whether every granule under `[start, end)` of `seg` is mapped.
+#[inline]
+fn range_mapped<E>(core: &Core<E>, seg: SegmentId, start: u64, end: u64) -> bool {
+    let g = core.granule();
+    let s = core.segments.get(seg.0);
+    let first = ((start - s.addr) / g) as u32;
+    let last = (end - s.addr).div_ceil(g) as u32;
+    s.pages().expect("expandable").is_mapped(first, last)
+}
+
+/// Whether the pages under `rounded` bytes carved at the start of free
+/// block `e` are all mapped already (no page would move to serve it).
+#[inline]
+pub(super) fn carve_mapped<E>(core: &Core<E>, e: Entry, rounded: u64) -> bool {
+    range_mapped(
+        core,
+        core.blocks.get(e.id.0).segment,
+        e.addr,
+        e.addr + rounded,
+    )
+}
+
+/// How a mapping chooses its page sizes (see `map_range`).
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+enum Style {
+    /// Big pages, whole ones at the edges too.
+    BigEdges,
+    /// Big pages wholly under the block, granules at the edges.
+    SmallEdges,
+    /// Granules only.
+    Granules,
+}
+
+/// A page to map, planned ([`Expandable::plan`]).
+#[derive(Copy, Clone, Debug)]
+struct Planned {
+    /// Its first granule.
+    at: u32,
+    /// Granules.
+    len: u32,
+}
+
+impl<E> Expandable<E> {
+    /// Maps every unmapped granule under `[start, tail.start)` of
+    /// `tail.seg`, a block carved from a free block whose rest, `tail`,
+    /// stays free after the split: pages wholly in the tail count as idle
+    /// too.
+    ///
+    /// Page sizes (`Config::expandable_edges`, docs/POLICY.md): big pages
+    /// (`Segment::page_size`) where a whole aligned big page is unmapped and
+    /// under the block; at the edges, where a big page would lie only partly
+    /// under the block, a whole big page (`Big`, and `Pressure` while there
+    /// is room) or granularity-sized pages (`Small`). Under pressure
+    /// (reserved memory within `idle_slack_hard` of the cap or of the
+    /// device's capacity) `Pressure` maps granularity-sized pages only, and
+    /// first unmaps the big page under the block's end if it reaches into the
+    /// free rest and no queued work can touch it; where only this mapping
+    /// would bring reserved memory there, granules at the edges only.
+    pub(in crate::allocator) fn map_range<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        start: u64,
+        tail: Tail,
+    ) -> Result<(), AllocError> {
+        let g = core.granule();
+        let (seg, end) = (tail.seg, tail.start);
+        if self.regrow_to.is_some_and(|to| core.reserved() >= to) {
+            self.regrow_to = None; // grown back: `expandable_page` from here on
+        }
+        // The hit path: a cached block over mapped pages needs nothing,
+        // unless memory is so tight that its end page may be trimmed.
+        if range_mapped(core, seg, start, end) && !self.under_pressure(core, 0) {
+            return Ok(());
+        }
+        let mut style = match core.config.expandable_edges {
+            EdgePages::Small => Style::SmallEdges,
+            EdgePages::Big => Style::BigEdges,
+            EdgePages::Pressure => {
+                let plan = self.plan(core, seg, start, end, Style::BigEdges);
+                let bytes: u64 = plan.iter().map(|p| u64::from(p.len) * g).sum();
+                if self.under_pressure(core, 0) {
+                    Style::Granules
+                } else if self.under_pressure(core, bytes) {
+                    // Only this mapping would reach the limit (a large
+                    // block): big pages wholly under it waste nothing, so
+                    // only its edges take granules. All granules here made
+                    // pages of both sizes churn under a cap (gpt2_finetune at
+                    // 1.05 × its peak: 45,689 pages created, 101,898 maps;
+                    // now 2,479 and 14,716).
+                    Style::SmallEdges
+                } else {
+                    Style::BigEdges
+                }
+            }
+        };
+        if style == Style::Granules {
+            self.trim_end_page(core, dev, start, tail)?;
+        }
+        loop {
+            let plan = self.plan(core, seg, start, end, style);
+            if plan.is_empty() {
+                return Ok(());
+            }
+            match self.map_plan(core, dev, seg, &plan, tail) {
+                // Larger pages after `empty_cache` are a saving, not a need:
+                // the device refused one, so pages as before.
+                Err(AllocError::OutOfMemory(_)) if self.regrow_to.is_some() => {
+                    self.regrow_to = None;
+                }
+                // The device or the cap is full after all: only the granules needed.
+                Err(AllocError::OutOfMemory(_))
+                    if style != Style::Granules
+                        && core.config.expandable_edges == EdgePages::Pressure =>
+                {
+                    style = Style::Granules;
+                    self.trim_end_page(core, dev, start, tail)?;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// If the big page under the end of the block `[start, tail.start)`
+    /// reaches past it into the free `tail`, and no queued work can touch
+    /// it, unmaps it into the pool, so that only the granules under the
+    /// block get mapped again.
+    fn trim_end_page<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        start: u64,
+        tail: Tail,
+    ) -> Result<(), AllocError> {
+        let g = core.granule();
+        let Tail {
+            seg,
+            start: end,
+            end: block_end,
+            since,
+        } = tail;
+        let s = core.segments.get(seg.0);
+        let base = s.addr;
+        let last = (end - base).div_ceil(g) as u32;
+        let pages = s.pages().expect("expandable");
+        let Some((at, h, n)) = pages.covering(last - 1) else {
+            return Ok(());
+        };
+        let (lo, hi) = (base + u64::from(at) * g, base + u64::from(at + n) * g);
+        if n == 1 || hi <= base + u64::from(last) * g || lo < start || hi > block_end {
+            return Ok(());
+        }
+        // Quiescent: freed before a marker of its stream that completed.
+        if !self.quiescent(dev, s.pool.stream_slot(), since)? {
+            return Ok(());
+        }
+        let s = core.segments.get_mut(seg.0);
+        let pages = s.pages_mut().expect("expandable");
+        pages.remove(at);
+        if let Err(e) = dev.vmm_unmap(DevicePtr(lo), hi - lo) {
+            pages.insert(at, n, h);
+            return Err(e.into());
+        }
+        self.mapped_at.remove(&h);
+        self.pool_page(h, s.pool.kind(), hi - lo);
+        core.stats.num_unmap += 1;
+        Ok(())
+    }
+
+    /// The pages to map under `[start, end)` of `seg`: big pages where a whole aligned big page is unmapped and
+    /// under the block, granules elsewhere; with `Style::BigEdges`, an
+    /// unmapped big page only partly under the block is mapped whole; with
+    /// `Style::Granules`, granules only.
+    fn plan(
+        &self,
+        core: &Core<E>,
+        seg: SegmentId,
+        start: u64,
+        end: u64,
+        style: Style,
+    ) -> Vec<Planned> {
+        let g = core.granule();
+        let s = core.segments.get(seg.0);
+        let pages = s.pages().expect("expandable");
+        let big = match style {
+            Style::Granules => 1,
+            Style::BigEdges | Style::SmallEdges => self.big_granules(core, s, end - start),
+        };
+        // Growing back after `empty_cache`: the gaps beside big pages take
+        // the largest page that fits too (Note [Pages after empty_cache]).
+        let regrowing = big > 1 && self.regrowing(core, end - start);
+        let limit = (s.size / g) as u32;
+        let first = ((start - s.addr) / g) as u32;
+        let last = (end - s.addr).div_ceil(g) as u32;
+        let mut plan = Vec::new();
+        for (mut a, mut b) in pages.gaps(first, last) {
+            if style == Style::BigEdges && big > 1 {
+                let a0 = a / big * big;
+                if pages.is_unmapped(a0, a) {
+                    a = a0;
+                }
+                let b0 = (b.div_ceil(big) * big).min(limit);
+                if pages.is_unmapped(b, b0) {
+                    b = b0;
+                }
+            }
+            let mut at = a;
+            while at < b {
+                let mut n = if big > 1 && at % big == 0 && at + big <= b {
+                    big
+                } else {
+                    1
+                };
+                if n == 1 && regrowing {
+                    // The largest halving of the big page that fits here.
+                    let mut m = smaller_page(big);
+                    while m > 1 && (at % m != 0 || at + m > b) {
+                        m = smaller_page(m);
+                    }
+                    n = m;
+                }
+                plan.push(Planned { at, len: n });
+                at += n;
+            }
+        }
+        plan
+    }
+
+    /// Gathers the physical pages for `plan` and maps them.
+    fn map_plan<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+        seg: SegmentId,
+        plan: &[Planned],
+        tail: Tail,
+    ) -> Result<(), AllocError> {
+        let g = core.granule();
+        let s = core.segments.get(seg.0);
+        let (base, kind) = (s.addr, s.pool.kind());
+        let mut need: Vec<Need> = Vec::with_capacity(2);
+        for p in plan {
+            let size = u64::from(p.len) * g;
+            match need.iter_mut().find(|n| n.size == size) {
+                Some(n) => n.count += 1,
+                None => need.push(Need { size, count: 1 }),
+            }
+        }
+        // Pages whose shadows lie exactly where pages are planned: wanted back.
+        let want: Vec<u64> = match core.config.expandable_shadows {
+            true => plan
+                .iter()
+                .filter_map(|p| self.shadow_at(seg, p.at, p.len))
+                .collect(),
+            false => Vec::new(),
+        };
+        let mut gathered = Vec::with_capacity(plan.len());
+        if let Err(e) = self.gather_pages(core, dev, &need, &want, tail, &mut gathered) {
+            self.return_pages(core, dev, gathered)?;
+            return Err(e);
+        }
+        for &Planned { at, len: n } in plan {
+            let size = u64::from(n) * g;
+            let back = self.shadow_at(seg, at, n);
+            let j = gathered
+                .iter()
+                .rposition(|p| Some(p.handle) == back)
+                .or_else(|| gathered.iter().rposition(|p| p.size == size))
+                .expect("one page per planned page");
+            let page = gathered.swap_remove(j);
+            if Some(page.handle) == back {
+                // Still mapped there: the shadow becomes the mapping, no call.
+                self.stale.remove(&Place { seg, at });
+                core.stats.num_pages_revived += 1;
+            } else {
+                // An old mapping there (the tail of this very block may have
+                // given its page up) goes first.
+                if let Err(e) = self.clear_stale_in(core, dev, seg, at, at + n) {
+                    gathered.push(page);
+                    self.return_pages(core, dev, gathered)?;
+                    return Err(e);
+                }
+                let addr = DevicePtr(base + u64::from(at) * g);
+                if let Err(e) = dev.vmm_map(addr, page.handle, size) {
+                    gathered.push(page);
+                    self.return_pages(core, dev, gathered)?;
+                    return Err(e.into());
+                }
+                core.stats.num_map += 1;
+            }
+            core.segments
+                .get_mut(seg.0)
+                .pages_mut()
+                .expect("expandable")
+                .insert(at, n, page.handle);
+            if core.config.expandable_shadows {
+                self.mapped_at.insert(page.handle, Place { seg, at });
+            }
+            match page.counted_as {
+                None => core.stats.reserved_bytes.increase(kind, size),
+                Some(old) => core.stats.reserved_bytes.move_group(old, kind, size),
+            }
+        }
+        Ok(())
+    }
+}
