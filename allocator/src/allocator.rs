@@ -214,6 +214,15 @@ impl<E> Core<E> {
         self.segments.get(seg.0).addr + u64::from(at) * self.granule()
     }
 
+    /// The page map of expandable segment `seg`.
+    #[inline]
+    fn page_map_mut(&mut self, seg: SegmentId) -> &mut PageMap {
+        self.segments
+            .get_mut(seg.0)
+            .pages_mut()
+            .expect("expandable")
+    }
+
     /// The stream slot of segment `seg`'s pool.
     #[inline]
     fn slot_of(&self, seg: SegmentId) -> usize {

@@ -110,14 +110,14 @@ pub(super) struct Place {
 /// being carved that stays free after the split (its tail), and when that
 /// block became free. (A free block of the idle index is read as one too.)
 #[derive(Copy, Clone, Debug)]
-pub(super) struct Tail {
-    pub(super) seg: SegmentId,
+struct Tail {
+    seg: SegmentId,
     /// Where the free part starts: the end of the block carved.
-    pub(super) start: u64,
+    start: u64,
     /// Where the free block being carved ends.
-    pub(super) end: u64,
+    end: u64,
     /// When the block being carved became free.
-    pub(super) since: u64,
+    since: u64,
 }
 
 impl<E> Expandable<E> {

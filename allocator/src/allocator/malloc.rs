@@ -115,53 +115,24 @@ impl<E> State<E> {
                 self.wait_all_events(dev)?;
             }
             if attempt == 2 {
-                // Last rung: the free part of pages partly under live blocks,
-                // then pages shared by granules whose live bytes do not meet.
-                // Each makes room for the other (a swap needs room for its
-                // new pages first; the pages it frees become granules that
-                // may share): in turn while either gives something back.
-                let mut freed = 0;
-                loop {
-                    let mut round = 0;
-                    if self.core.config.expandable_reback {
-                        round += self.vmm.reback(&mut self.core, dev)?;
-                    }
-                    if self.core.config.expandable_share {
-                        round += self.vmm.share(&mut self.core, dev)?;
-                    }
-                    freed += round;
-                    if round == 0 || !self.core.config.expandable_reback {
-                        break;
-                    }
-                }
-                if freed == 0 {
+                // Last rungs: the free part of pages partly under live
+                // blocks, then pages shared by granules whose live bytes do
+                // not meet.
+                if self.vmm.last_rungs(&mut self.core, dev)? == 0 {
                     break;
                 }
             }
-            let (
-                Entry {
-                    size: bsize,
-                    addr,
-                    id,
-                },
-                borrowed,
-            ) = self.expandable_fit(dev, req)?;
+            let (fit, borrowed) = self.expandable_fit(dev, req)?;
+            let id = fit.id;
             // While its pages are gathered the block is out of the bins (so not
             // idle) and marked in use (so a block freed meanwhile does not merge it).
             let pool = self.core.blocks.get(id.0).pool;
-            self.core.bins_mut(pool).remove(bsize, addr, id);
+            self.core.bins_mut(pool).remove(fit.size, fit.addr, id);
             let b = self.core.blocks.get_mut(id.0);
             b.state = BlockState::Allocated;
-            let (since, seg) = (b.freed_at, b.segment);
+            let since = b.freed_at;
             self.core.idle_index.remove(&(since, id.0));
-            // The rest of the block stays free after the split.
-            let tail = expandable::Tail {
-                seg,
-                start: addr + rounded,
-                end: addr + bsize,
-                since,
-            };
-            let mapped = self.vmm.map_range(&mut self.core, dev, addr, tail);
+            let mapped = self.vmm.map_range(&mut self.core, dev, fit, rounded);
             if mapped.is_ok() {
                 if borrowed {
                     // Used on the requesting stream: its free waits for that

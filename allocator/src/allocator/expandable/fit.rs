@@ -23,6 +23,21 @@ const MAPPED_FIT_FACTOR: u64 = 4;
 /// most (in turn): a program with thousands of streams pays no scan of them all.
 const BORROW_POOLS: usize = 8;
 
+/// The next [`AROUND`] best fits after `fit` for `rounded` bytes, up to
+/// `factor` times `fit`'s size: where a near fit is looked for.
+#[inline]
+fn near_fits(
+    bins: &Bins,
+    fit: Entry,
+    rounded: u64,
+    factor: u64,
+) -> impl Iterator<Item = Entry> + '_ {
+    bins.iter_from(rounded)
+        .filter(move |&e| e != fit)
+        .take(AROUND)
+        .take_while(move |e| e.size <= fit.size.saturating_mul(factor))
+}
+
 impl<E> Expandable<E> {
     /// The free block to carve `rounded` bytes from: the best fit `fit`,
     /// unless its pages are not all mapped where the block would lie; then
@@ -55,20 +70,15 @@ impl<E> Expandable<E> {
         if self.stale.is_empty() || !self.old_mapping_busy(core, dev, fit, rounded)? {
             return Ok((fit, false));
         }
-        Ok((
-            self.next_fit_without_wait(core, dev, bins, fit, rounded)?,
-            false,
-        ))
+        let near = near_fits(bins, fit, rounded, 2);
+        let alt = self.first_without_wait(core, dev, near, rounded)?;
+        Ok((alt.unwrap_or(fit), false))
     }
 
     /// [`Expandable::near_fit`]'s search for a near fit over mapped pages.
     #[cold]
     fn next_mapped_fit(core: &Core<E>, bins: &Bins, fit: Entry, rounded: u64) -> Option<Entry> {
-        bins.iter_from(rounded)
-            .filter(|&e| e != fit)
-            .take(AROUND)
-            .take_while(|e| e.size <= fit.size.saturating_mul(MAPPED_FIT_FACTOR))
-            .find(|&e| carve_mapped(core, e, rounded))
+        near_fits(bins, fit, rounded, MAPPED_FIT_FACTOR).find(|&e| carve_mapped(core, e, rounded))
     }
 
     /// Another stream's free block of `pool`'s kind to carve `rounded` bytes
@@ -130,28 +140,22 @@ impl<E> Expandable<E> {
         Ok(best)
     }
 
-    /// [`Expandable::near_fit`]'s slow path: the near fits without a wait.
+    /// [`Expandable::near_fit`]'s slow path: the first of the `near` fits
+    /// whose pages can be mapped with no wait for an old mapping.
     #[cold]
-    fn next_fit_without_wait<D: Device<Event = E>>(
+    fn first_without_wait<D: Device<Event = E>>(
         &mut self,
         core: &Core<E>,
         dev: &D,
-        bins: &Bins,
-        fit: Entry,
+        near: impl Iterator<Item = Entry>,
         rounded: u64,
-    ) -> Result<Entry, AllocError> {
-        let next: Vec<Entry> = bins
-            .iter_from(rounded)
-            .filter(|&e| e != fit)
-            .take(AROUND)
-            .take_while(|e| e.size <= fit.size.saturating_mul(2))
-            .collect();
-        for alt in next {
+    ) -> Result<Option<Entry>, AllocError> {
+        for alt in near {
             if !self.old_mapping_busy(core, dev, alt, rounded)? {
-                return Ok(alt);
+                return Ok(Some(alt));
             }
         }
-        Ok(fit)
+        Ok(None)
     }
 
     /// Whether carving `rounded` bytes at the start of free block `fit` would

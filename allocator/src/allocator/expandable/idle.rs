@@ -319,10 +319,7 @@ impl<E> Expandable<E> {
                         Ok(()) => core.stats.num_unmap += 1,
                         Err(e) => {
                             // Still mapped: back where it was, not pooled.
-                            let s = core.segments.get_mut(u.seg.0);
-                            s.pages_mut()
-                                .expect("expandable")
-                                .insert(u.at, u.len, u.handle);
+                            core.page_map_mut(u.seg).insert(u.at, u.len, u.handle);
                             if core.config.expandable_shadows {
                                 self.mapped_at.insert(
                                     u.handle,

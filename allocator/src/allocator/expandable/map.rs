@@ -56,10 +56,10 @@ struct Planned {
 }
 
 impl<E> Expandable<E> {
-    /// Maps every unmapped granule under `[start, tail.start)` of
-    /// `tail.seg`, a block carved from a free block whose rest, `tail`,
-    /// stays free after the split: pages wholly in the tail count as idle
-    /// too.
+    /// Maps every unmapped granule under `rounded` bytes carved at the
+    /// start of free block `fit` (out of the bins; its `freed_at` still when
+    /// it became free). The rest of the block stays free after the split
+    /// (its [`Tail`]): pages wholly in it count as idle too.
     ///
     /// Page sizes (`Config::expandable_edges`, docs/POLICY.md): big pages
     /// (`Segment::page_size`) where a whole aligned big page is unmapped and
@@ -75,11 +75,18 @@ impl<E> Expandable<E> {
         &mut self,
         core: &mut Core<E>,
         dev: &D,
-        start: u64,
-        tail: Tail,
+        fit: Entry,
+        rounded: u64,
     ) -> Result<(), AllocError> {
         let g = core.granule();
-        let (seg, end) = (tail.seg, tail.start);
+        let b = core.blocks.get(fit.id.0);
+        let (seg, start, end) = (b.segment, fit.addr, fit.addr + rounded);
+        let tail = Tail {
+            seg,
+            start: end,
+            end: fit.addr + fit.size,
+            since: b.freed_at,
+        };
         if self.regrow_to.is_some_and(|to| core.reserved() >= to) {
             self.regrow_to = None; // grown back: `expandable_page` from here on
         }
@@ -303,11 +310,7 @@ impl<E> Expandable<E> {
                 }
                 core.stats.num_map += 1;
             }
-            core.segments
-                .get_mut(seg.0)
-                .pages_mut()
-                .expect("expandable")
-                .insert(at, n, page.handle);
+            core.page_map_mut(seg).insert(at, n, page.handle);
             if core.config.expandable_shadows {
                 self.mapped_at.insert(page.handle, Place { seg, at });
             }

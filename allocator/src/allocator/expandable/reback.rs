@@ -28,20 +28,47 @@ struct Reback {
 }
 
 impl<E> Expandable<E> {
-    /// Gives back the free part of every page larger than a granule that
-    /// lies partly under live blocks, after synchronizing the device (no
-    /// queued work may touch a page while it is swapped); not while a stream
-    /// is captured into a CUDA graph. Stops at the first page the device
-    /// has no room to copy. Returns the bytes given back.
+    /// The last rungs before an expandable allocation fails, each as its key
+    /// says and not while a stream is captured into a CUDA graph: the free
+    /// part of pages partly under live blocks given back ([`Self::reback`]),
+    /// then pages shared by granules whose live bytes do not meet
+    /// ([`Self::share`]). Each makes room for the other (a swap needs room
+    /// for its new pages first; the pages it frees become granules that may
+    /// share): in turn while either gives something back. Returns the bytes
+    /// given back.
     #[cold]
-    pub(in crate::allocator) fn reback<D: Device<Event = E>>(
+    pub(in crate::allocator) fn last_rungs<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
     ) -> Result<u64, AllocError> {
-        if core.any_stream_capturing(dev) {
-            return Ok(0);
+        let mut freed = 0;
+        loop {
+            let mut round = 0;
+            if core.config.expandable_reback && !core.any_stream_capturing(dev) {
+                round += self.reback(core, dev)?;
+            }
+            if core.config.expandable_share && !core.any_stream_capturing(dev) {
+                round += self.share(core, dev)?;
+            }
+            freed += round;
+            if round == 0 || !core.config.expandable_reback {
+                return Ok(freed);
+            }
         }
+    }
+
+    /// Gives back the free part of every page larger than a granule that
+    /// lies partly under live blocks, after synchronizing the device (no
+    /// queued work may touch a page while it is swapped; the caller checks
+    /// that no stream is captured). Stops at the first page the device has
+    /// no room to copy. Returns the bytes given back.
+    #[cold]
+    fn reback<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+    ) -> Result<u64, AllocError> {
         let mut plans = self.reback_plans(core);
         if plans.is_empty() {
             return Ok(0);
@@ -211,11 +238,7 @@ impl<E> Expandable<E> {
         core.stats.num_page_create += k as u64;
         core.stats.num_map += 2 * k as u64;
         core.stats.num_unmap += 1;
-        let pages = core
-            .segments
-            .get_mut(p.seg.0)
-            .pages_mut()
-            .expect("expandable");
+        let pages = core.page_map_mut(p.seg);
         pages.remove(p.at);
         for (&x, &page) in p.live.iter().zip(&new) {
             pages.insert(x, 1, page);

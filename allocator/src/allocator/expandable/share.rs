@@ -20,6 +20,7 @@ use crate::allocator::Core;
 use crate::block::{BlockId, BlockState, PoolKind, SegmentId};
 use crate::device::{Device, DeviceError, DevicePtr};
 use crate::error::AllocError;
+use crate::pages::gaps_in;
 use std::collections::BTreeMap;
 
 /// Byte spans within a granule, as offsets from its start.
@@ -82,18 +83,7 @@ fn subtract(free: &[(u64, u64)], taken: &[(u64, u64)]) -> Spans {
 fn complement(live: &[(u64, u64)], g: u64) -> Spans {
     let mut sorted = live.to_vec();
     sorted.sort_unstable();
-    let mut out = Vec::new();
-    let mut at = 0;
-    for (lo, hi) in sorted {
-        if at < lo {
-            out.push((at, lo));
-        }
-        at = at.max(hi);
-    }
-    if at < g {
-        out.push((at, g));
-    }
-    out
+    gaps_in(0, g, sorted)
 }
 
 /// Whether a block in this state holds bytes someone uses.
@@ -107,17 +97,15 @@ fn in_use(state: BlockState) -> bool {
 impl<E> Expandable<E> {
     /// Shares pages between granules partly under live blocks whose live
     /// bytes lie at disjoint offsets (first fit, fullest granules first),
-    /// after synchronizing the device; not while a stream is captured into
-    /// a CUDA graph. Returns the bytes given back.
+    /// after synchronizing the device (the caller, [`Self::last_rungs`],
+    /// checks that no stream is captured into a CUDA graph). Returns the
+    /// bytes given back.
     #[cold]
-    pub(in crate::allocator) fn share<D: Device<Event = E>>(
+    pub(super) fn share<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
     ) -> Result<u64, AllocError> {
-        if core.any_stream_capturing(dev) {
-            return Ok(0);
-        }
         // Leaving unmaps, and copies read live blocks: the device must be
         // idle first (one synchronize, only where there is something to do).
         let mut settled = false;
@@ -280,11 +268,7 @@ impl<E> Expandable<E> {
             core.stats.num_unmap += 1;
             core.stats.num_map += 1;
             let kind = core.segments.get(c.seg.0).pool.kind();
-            let pages = core
-                .segments
-                .get_mut(c.seg.0)
-                .pages_mut()
-                .expect("expandable");
+            let pages = core.page_map_mut(c.seg);
             pages.remove(c.at);
             pages.insert(c.at, 1, page);
             pages.set_alias(c.at, true);
@@ -341,11 +325,7 @@ impl<E> Expandable<E> {
                 list.retain(|&m| m != member);
                 if let (true, Some(&next)) = (was_home, list.first()) {
                     // The next member counts the page (members are of one pool kind).
-                    core.segments
-                        .get_mut(next.seg.0)
-                        .pages_mut()
-                        .expect("expandable")
-                        .set_alias(next.at, false);
+                    core.page_map_mut(next.seg).set_alias(next.at, false);
                     if core.config.expandable_shadows {
                         self.mapped_at.insert(h, next);
                     }
@@ -382,11 +362,7 @@ impl<E> Expandable<E> {
         let base = core.segments.get(seg.0).addr;
         dev.vmm_unmap(DevicePtr(base + u64::from(at) * g), g)?;
         core.stats.num_unmap += 1;
-        core.segments
-            .get_mut(seg.0)
-            .pages_mut()
-            .expect("expandable")
-            .remove(at);
+        core.page_map_mut(seg).remove(at);
         core.free_aliased(seg, at);
         Ok(())
     }
