@@ -38,6 +38,8 @@ mod reback;
 mod shadows;
 mod share;
 mod stale;
+#[cfg(test)]
+mod testing;
 
 pub(super) use idle::holds_whole_page;
 #[cfg(test)]
@@ -170,5 +172,38 @@ impl<E> Expandable<E> {
     /// Bytes held in the pool of unmapped pages.
     pub(super) fn pooled_bytes(&self) -> u64 {
         self.page_pool.iter().map(|p| p.size).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::*;
+    use super::PoolKind;
+
+    /// A pool has ranges from its first request on; the pooled pages are
+    /// told by kind and counted in bytes; the records a stream costs are
+    /// its ranges and, from its first free, its markers.
+    #[test]
+    fn the_feature_records_ranges_pages_and_markers() {
+        let (_dev, a) = alloc(fixed_pages(PAGE, true));
+        let x = a.malloc(PAGE, S0).unwrap();
+        with_state(&a, |vmm, _, _| {
+            assert!(vmm.has_ranges(large(0).index()));
+            assert!(!vmm.has_ranges(large(1).index()), "no second stream");
+            assert_eq!(vmm.per_stream_records(), (1, 0, 0));
+            vmm.pool_page(7, PoolKind::Small, PAGE);
+            vmm.pool_page(8, PoolKind::Large, 2 * PAGE);
+            let kinds: Vec<_> = vmm.pooled_pages().collect();
+            assert_eq!(
+                kinds,
+                [(PoolKind::Small, PAGE), (PoolKind::Large, 2 * PAGE)]
+            );
+            assert_eq!(vmm.pooled_bytes(), 3 * PAGE);
+            vmm.page_pool.clear();
+        });
+        a.free(x).unwrap();
+        with_state(&a, |vmm, _, _| {
+            assert_eq!(vmm.per_stream_records(), (1, 1, 0), "slot 0's markers");
+        });
     }
 }

@@ -290,3 +290,125 @@ impl<E> Expandable<E> {
             .min(self.range_size)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allocator::expandable::testing::*;
+    use crate::config::Config;
+
+    /// A pool's next range: the largest while few are reserved; past
+    /// `FULL_RANGES` a first range of `FIRST_RANGE` that doubles with the
+    /// pool's largest; past `MANY_RANGES` first ranges halving down to
+    /// `MIN_FIRST_RANGE`; twice a larger request where there is room, and
+    /// never less than the request.
+    #[test]
+    fn ranges_start_small_only_when_many_are_reserved() {
+        let (total, page) = (80 << 30, 8 * MIB);
+        let max = range_size(total, page);
+        assert_eq!(max, 160 << 30, "twice the device");
+        assert_eq!(range_size(1 << 40, page), MAX_RANGE);
+        let next =
+            |ranges, largest, rounded| next_range_size(total, page, ranges, largest, rounded);
+        assert_eq!(next(FULL_RANGES - 1, 0, 4096), max);
+        assert_eq!(next(FULL_RANGES, 0, 4096), FIRST_RANGE);
+        assert_eq!(next(FULL_RANGES, FIRST_RANGE, 4096), 2 * FIRST_RANGE);
+        assert_eq!(next(MANY_RANGES, 0, 4096), FIRST_RANGE / 2);
+        assert_eq!(next(64 * MANY_RANGES, 0, 4096), MIN_FIRST_RANGE);
+        assert_eq!(next(64 * MANY_RANGES, 0, 100 * MIB), 200 * MIB);
+        assert_eq!(next(0, 0, 200 << 30), 200 << 30, "past the largest");
+    }
+
+    /// Each smaller page size divides the larger ones, down to one granule.
+    #[test]
+    fn smaller_pages_divide_the_larger_ones() {
+        assert_eq!((smaller_page(12), smaller_page(3)), (6, 1));
+        for big in 1..=64u32 {
+            let sizes: Vec<u32> =
+                std::iter::successors(Some(big), |&n| (n > 1).then(|| smaller_page(n))).collect();
+            assert_eq!(sizes.last(), Some(&1));
+            assert!(
+                sizes.windows(2).all(|w| w[1] < w[0] && w[0] % w[1] == 0),
+                "{sizes:?}"
+            );
+        }
+    }
+
+    /// Small-pool pages are a granule; large-pool pages are
+    /// `expandable_page` made smaller down to the peak allocated bytes
+    /// (counting those about to be mapped) over the divisor.
+    #[test]
+    fn pages_follow_the_pool_kind_and_the_workload() {
+        let (_dev, a) = alloc(Config {
+            expandable_page_divisor: 128,
+            ..fixed_pages(8 * MIB, true)
+        });
+        a.malloc(3 * MIB, S0).unwrap();
+        with_state(&a, |vmm, core, _| {
+            assert_eq!(vmm.page_size(core, PoolKind::Small), PAGE);
+            assert_eq!(vmm.page_size(core, PoolKind::Large), 8 * MIB);
+            // 3 MiB / 128 is less than a granule; 515 MiB / 128 two granules.
+            assert_eq!(scaled_granules(core, 4, 0), 1);
+            assert_eq!(scaled_granules(core, 4, 512 * MIB), 2);
+            assert_eq!(scaled_granules(core, 4, 1 << 30), 4);
+        });
+    }
+
+    /// While memory grows back after an `empty_cache` that gave pages back,
+    /// a range maps its largest pages (`REGROW_PAGE_FACTOR` times
+    /// `expandable_page`); before, `expandable_page` (Note [Pages after
+    /// empty_cache]).
+    #[test]
+    fn pages_are_larger_while_memory_grows_back() {
+        let (_dev, a) = alloc(Config {
+            expandable_regrow_pages: true,
+            ..fixed_pages(8 * MIB, true)
+        });
+        let x = a.malloc(64 * MIB, S0).unwrap();
+        a.malloc(2 * MIB, S0).unwrap(); // keeps the range
+        let big = |a: &Alloc| {
+            with_state(a, |vmm, core, _| {
+                let s = core.segments.get(first_range(vmm, large(0)).0);
+                assert_eq!(s.page_size(), 8 * MIB * REGROW_PAGE_FACTOR);
+                vmm.big_granules(core, s, 8 * MIB)
+            })
+        };
+        assert_eq!(big(&a), 4, "expandable_page");
+        a.free(x).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(big(&a), 16, "the range's largest page");
+    }
+
+    /// The soft and hard limits are the peak allocated bytes times
+    /// `1 + idle_slack` and `1 + idle_slack_hard`; without recycling there
+    /// are none; a cap bounds what mappings may reach.
+    #[test]
+    fn limits_follow_the_peak_and_the_cap() {
+        let config = Config {
+            idle_slack: 0.5,
+            idle_slack_hard: 1.0,
+            ..fixed_pages(PAGE, true)
+        };
+        let (_dev, a) = alloc(config.clone());
+        a.malloc(64 * MIB, S0).unwrap();
+        with_state(&a, |vmm, core, _| {
+            let l = vmm.limits(core);
+            assert_eq!((l.soft, l.hard, l.cap), (96 * MIB, 128 * MIB, u64::MAX));
+            assert!(!vmm.under_pressure(core, 1 << 30));
+            core.cap = Some(100 * MIB);
+            assert_eq!(vmm.limits(core).cap, 100 * MIB);
+            // Within the margin (at most 10%) of the cap: under pressure.
+            assert!(!vmm.under_pressure(core, 20 * MIB));
+            assert!(vmm.under_pressure(core, 28 * MIB));
+        });
+        let (_dev, a) = alloc(Config {
+            expandable_recycle: false,
+            ..config
+        });
+        a.malloc(64 * MIB, S0).unwrap();
+        with_state(&a, |vmm, core, _| {
+            let l = vmm.limits(core);
+            assert_eq!((l.soft, l.hard), (u64::MAX, u64::MAX));
+        });
+    }
+}
