@@ -322,3 +322,118 @@ impl<E> Expandable<E> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allocator::expandable::testing::*;
+
+    /// A range of the large pool with 8 MiB pages whose first page is
+    /// mapped under a 2 MiB block; runs `f` on it with the range.
+    fn one_big_page(f: impl FnOnce(&mut Expandable<Event>, &mut Core<Event>, &Dev, SegmentId)) {
+        let (_dev, a) = alloc(fixed_pages(8 * MIB, true));
+        a.malloc(PAGE, S0).unwrap();
+        with_state(&a, |vmm, core, dev| {
+            let seg = first_range(vmm, large(0));
+            f(vmm, core, dev, seg)
+        });
+    }
+
+    type Dev = crate::simulated::SimulatedDevice;
+
+    /// `(first granule, granules)` of each page planned under granules
+    /// `first..last` of `seg`.
+    fn planned<E>(
+        vmm: &Expandable<E>,
+        core: &Core<E>,
+        seg: SegmentId,
+        (first, last): (u64, u64),
+        style: Style,
+    ) -> Vec<(u32, u32)> {
+        let base = core.segments.get(seg.0).addr;
+        vmm.plan(core, seg, base + first * PAGE, base + last * PAGE, style)
+            .iter()
+            .map(|p| (p.at, p.len))
+            .collect()
+    }
+
+    /// Big pages where a whole aligned one lies under the block; at its
+    /// edges whole big pages (`BigEdges`) or granules (`SmallEdges`);
+    /// granules only with `Granules`; nothing where pages are mapped.
+    #[test]
+    fn plans_follow_the_style() {
+        one_big_page(|vmm, core, _, seg| {
+            let plan = |range, style| planned(vmm, core, seg, range, style);
+            assert_eq!(
+                plan((7, 17), Style::BigEdges),
+                [(4, 4), (8, 4), (12, 4), (16, 4)]
+            );
+            assert_eq!(
+                plan((7, 17), Style::SmallEdges),
+                [(7, 1), (8, 4), (12, 4), (16, 1)]
+            );
+            assert_eq!(plan((7, 17), Style::Granules).len(), 10);
+            assert!(plan((7, 17), Style::Granules).iter().all(|&(_, n)| n == 1));
+            // Granules 0..4 are mapped already: only granule 4 is planned,
+            // within the big page 4..8 at the edge.
+            assert_eq!(plan((1, 5), Style::BigEdges), [(4, 4)]);
+            assert_eq!(plan((1, 5), Style::SmallEdges), [(4, 1)]);
+            assert!(plan((0, 4), Style::BigEdges).is_empty());
+        });
+    }
+
+    /// A block over mapped pages maps nothing (the hit path); one over
+    /// unmapped granules maps the planned pages, each counted once.
+    #[test]
+    fn map_range_maps_what_is_unmapped_under_the_block() {
+        one_big_page(|vmm, core, dev, seg| {
+            let base = core.segments.get(seg.0).addr;
+            let rest = free_block(core, seg, base + PAGE);
+            assert!(carve_mapped(core, rest, 3 * PAGE));
+            assert!(!carve_mapped(core, rest, 4 * PAGE));
+            let before = dev.counters();
+            vmm.map_range(core, dev, rest, 3 * PAGE).unwrap();
+            assert_eq!(dev.counters().vmm_maps, before.vmm_maps, "hit path");
+            // 2 to 22 MiB: granules 4..11, two big pages.
+            vmm.map_range(core, dev, rest, 10 * PAGE).unwrap();
+            let after = dev.counters();
+            assert_eq!(after.vmm_maps - before.vmm_maps, 2);
+            assert_eq!(after.vmm_creates - before.vmm_creates, 2);
+            assert_eq!(core.reserved(), 24 * MIB);
+            assert!(carve_mapped(core, rest, 10 * PAGE));
+            let pages = core.segments.get(seg.0).pages().unwrap();
+            assert_eq!(
+                pages.covering(9),
+                Some((8, pages.covering(8).unwrap().1, 4))
+            );
+        });
+    }
+
+    /// Under pressure (a cap within reach) a block takes granules only, and
+    /// the big page under its end that reaches into its free tail, idle and
+    /// quiescent, is unmapped first.
+    #[test]
+    fn under_pressure_the_end_page_is_trimmed_to_granules() {
+        let (dev, a) = alloc(fixed_pages(8 * MIB, true));
+        let x = a.malloc(PAGE, S0).unwrap();
+        a.free(x).unwrap(); // one free block over one 8 MiB page
+        with_state(&a, |vmm, core, _| {
+            let seg = first_range(vmm, large(0));
+            let block = free_block(core, seg, x.0);
+            core.cap = Some(8 * MIB);
+            assert!(vmm.under_pressure(core, 0));
+            vmm.settle(core, &dev).unwrap(); // the block is quiescent
+            let before = dev.counters();
+            // One granule: the 8 MiB page under it reaches past it.
+            vmm.map_range(core, &dev, block, PAGE).unwrap();
+            let after = dev.counters();
+            assert_eq!(after.vmm_unmaps - before.vmm_unmaps, 1);
+            // The big page made room for the granule under the cap.
+            assert_eq!(after.vmm_releases - before.vmm_releases, 1);
+            assert_eq!(core.reserved(), PAGE);
+            let pages = core.segments.get(seg.0).pages().unwrap();
+            assert_eq!(pages.covering(0).map(|p| p.2), Some(1), "a granule page");
+            assert_eq!(pages.covering(1), None, "the rest given up");
+        });
+    }
+}
