@@ -393,3 +393,90 @@ impl<E> Expandable<E> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allocator::expandable::testing::*;
+
+    /// Pages of free blocks go to the pool longest idle first, up to the
+    /// bytes asked for; a block left with no whole page leaves the idle
+    /// index; pages side by side are unmapped with one call.
+    #[test]
+    fn idle_pages_go_to_the_pool_longest_idle_first() {
+        let (dev, a) = alloc(fixed_pages(PAGE, false));
+        let x = a.malloc(2 * PAGE, S0).unwrap();
+        a.malloc(PAGE, S0).unwrap();
+        let y = a.malloc(2 * PAGE, S0).unwrap();
+        a.malloc(PAGE, S0).unwrap();
+        a.free(x).unwrap();
+        a.free(y).unwrap(); // idle after x
+        with_state(&a, |vmm, core, _| {
+            let seg = first_range(vmm, large(0));
+            assert_eq!(core.idle_index.len(), 2);
+            let before = dev.counters();
+            let got = vmm.take_idle_pages(core, &dev, None, PAGE, true, None, &[]);
+            assert_eq!(got.unwrap(), PAGE);
+            assert_eq!(vmm.pooled_bytes(), PAGE);
+            let s = core.segments.get(seg.0);
+            assert!(
+                holds_whole_page(s, PAGE, x.0, x.0 + 2 * PAGE),
+                "x keeps one"
+            );
+            let gy = ((y.0 - s.addr) / PAGE) as u32;
+            assert_eq!(
+                s.pages().unwrap().mapped_granules(gy, gy + 2),
+                2,
+                "y's stay"
+            );
+            assert_eq!(core.idle_index.len(), 2);
+            // The rest: x's last page and y's two pages, in two calls.
+            let got = vmm.take_idle_pages(core, &dev, None, u64::MAX, true, None, &[]);
+            assert_eq!(got.unwrap(), 3 * PAGE);
+            let after = dev.counters();
+            assert_eq!(after.vmm_pages_unmapped - before.vmm_pages_unmapped, 4);
+            assert_eq!(after.vmm_unmaps - before.vmm_unmaps, 3);
+            assert!(core.idle_index.is_empty());
+            assert_eq!(core.reserved(), 6 * PAGE, "pooled pages stay reserved");
+        });
+    }
+
+    /// Without `all`, a page whose stream may still use it stays mapped
+    /// until a marker recorded after its free completed.
+    #[test]
+    fn only_quiescent_pages_are_taken() {
+        let (dev, a) = alloc(fixed_pages(PAGE, false));
+        let x = a.malloc(2 * PAGE, S0).unwrap();
+        a.malloc(PAGE, S0).unwrap();
+        a.free(x).unwrap(); // records a marker, pending
+        with_state(&a, |vmm, core, _| {
+            let take = |vmm: &mut Expandable<Event>, core: &mut Core<Event>| {
+                vmm.take_idle_pages(core, &dev, None, u64::MAX, false, None, &[])
+                    .unwrap()
+            };
+            assert_eq!(take(vmm, core), 0);
+            dev.complete_all_events();
+            assert_eq!(take(vmm, core), 2 * PAGE);
+        });
+    }
+
+    /// `empty_cache`: every idle page unmapped and released, ranges left
+    /// with no block and no page given back, the rest kept.
+    #[test]
+    fn release_expandable_gives_back_what_is_free() {
+        let (dev, a) = alloc(fixed_pages(PAGE, false));
+        let x = a.malloc(3 * PAGE, S0).unwrap();
+        let y = a.malloc(PAGE, S1).unwrap();
+        a.free(x).unwrap();
+        with_state(&a, |vmm, core, _| {
+            vmm.release_expandable(core, &dev).unwrap();
+            assert!(!vmm.has_ranges(large(0).index()), "x's range went");
+            assert!(vmm.has_ranges(large(1).index()), "y's range stays");
+            assert_eq!(core.reserved(), PAGE);
+            assert_eq!(vmm.pooled_bytes(), 0);
+            let c = dev.counters();
+            assert_eq!((c.vmm_creates - c.vmm_releases, c.vmm_reserves), (1, 2));
+        });
+        a.free(y).unwrap();
+    }
+}
