@@ -245,3 +245,63 @@ impl<E> Expandable<E> {
         self.unmap_stale_keys(core, dev, places)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allocator::expandable::testing::*;
+
+    /// A free records a marker on its stream, one per `MARKER_INTERVAL`
+    /// operations; a block freed before a marker is quiescent once the
+    /// marker completed, or once waited for.
+    #[test]
+    fn markers_tell_when_freed_blocks_are_quiescent() {
+        let (dev, a) = alloc(fixed_pages(PAGE, false));
+        a.malloc(PAGE, S0).unwrap();
+        with_state(&a, |vmm, core, _| {
+            let pool = large(0);
+            let recorded = || dev.counters().events_recorded;
+            let before = recorded();
+            let freed = core.clock;
+            vmm.mark_free(core, &dev, pool);
+            assert_eq!(recorded() - before, 1);
+            assert!(!vmm.quiescent(&dev, 0, freed).unwrap());
+            core.clock += MARKER_INTERVAL - 1;
+            vmm.mark_free(core, &dev, pool);
+            assert_eq!(recorded() - before, 1, "within the interval");
+            dev.complete_all_events();
+            assert!(vmm.quiescent(&dev, 0, freed).unwrap());
+            assert!(
+                !vmm.quiescent(&dev, 0, core.clock).unwrap(),
+                "freed after it"
+            );
+            core.clock += 1;
+            vmm.mark_free(core, &dev, pool);
+            assert_eq!(recorded() - before, 2);
+            let freed = core.clock;
+            let waits = core.stats.num_marker_waits;
+            vmm.wait_quiescent(core, &dev, 0, freed).unwrap();
+            assert_eq!(core.stats.num_marker_waits - waits, 1);
+            assert!(vmm.quiescent(&dev, 0, freed).unwrap());
+        });
+    }
+
+    /// After a synchronize every block freed before it is quiescent, on
+    /// streams with markers and on those without any yet.
+    #[test]
+    fn a_synchronize_makes_every_stream_quiescent() {
+        let (dev, a) = alloc(fixed_pages(PAGE, false));
+        a.malloc(PAGE, S0).unwrap();
+        with_state(&a, |vmm, core, _| {
+            vmm.mark_free(core, &dev, large(0));
+            let freed = core.clock;
+            assert!(!vmm.quiescent(&dev, 0, freed).unwrap());
+            assert!(!vmm.quiescent(&dev, 7, freed).unwrap(), "no markers yet");
+            vmm.settle(core, &dev).unwrap();
+            assert!(vmm.quiescent(&dev, 0, freed).unwrap());
+            assert!(vmm.quiescent(&dev, 7, freed).unwrap());
+            assert!(vmm.marks_mut(9).queue.is_empty());
+            assert!(vmm.quiescent(&dev, 9, freed).unwrap(), "made after it");
+        });
+    }
+}
