@@ -189,3 +189,71 @@ impl<E> Expandable<E> {
         Ok(false)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allocator::expandable::testing::*;
+    use crate::config::Config;
+
+    /// A best fit over unmapped pages gives way to a near fit over mapped
+    /// ones (up to `MAPPED_FIT_FACTOR` times its size); where there is
+    /// none, the best fit stays, its pages to be mapped.
+    #[test]
+    fn a_near_fit_over_mapped_pages_wins() {
+        let (dev, a) = alloc(fixed_pages(PAGE, false));
+        let x = a.malloc(2 * PAGE, S0).unwrap();
+        a.malloc(PAGE, S0).unwrap();
+        let y = a.malloc(3 * PAGE, S0).unwrap();
+        a.malloc(PAGE, S0).unwrap();
+        a.free(x).unwrap();
+        a.free(y).unwrap();
+        with_state(&a, |vmm, core, _| {
+            // x's pages go to the pool: x is the best fit for 4 MiB, unmapped.
+            vmm.take_idle_pages(core, &dev, None, 2 * PAGE, true, None, &[])
+                .unwrap();
+            let core: &Core<Event> = core;
+            let bins = &core.bins[large(0).index()];
+            let fit = bins.best_fit(2 * PAGE).unwrap();
+            assert_eq!(fit.addr, x.0);
+            let (near, mapped) = vmm.near_fit(core, &dev, bins, fit, 2 * PAGE).unwrap();
+            assert_eq!((near.addr, mapped), (y.0, true));
+            // 8 MiB: only the range's unmapped rest fits.
+            let fit = bins.best_fit(4 * PAGE).unwrap();
+            let (near, mapped) = vmm.near_fit(core, &dev, bins, fit, 4 * PAGE).unwrap();
+            assert_eq!((near, mapped), (fit, false));
+        });
+    }
+
+    /// Another stream's free block over mapped pages serves a request
+    /// whose own fit would need pages, once no queued work there can touch
+    /// it (or, with `expandable_cross_stream`, after the requesting stream
+    /// is made to wait for that stream on the device).
+    #[test]
+    fn another_streams_quiescent_block_is_borrowed() {
+        for cross in [false, true] {
+            let (dev, a) = alloc(Config {
+                expandable_cross_stream: cross,
+                ..fixed_pages(PAGE, false)
+            });
+            a.malloc(PAGE, S0).unwrap();
+            let y = a.malloc(2 * PAGE, S1).unwrap();
+            a.malloc(PAGE, S1).unwrap();
+            a.free(y).unwrap(); // its marker is pending
+            with_state(&a, |vmm, core, _| {
+                let waits = dev.counters().stream_waits;
+                let got = vmm.borrow_fit(core, &dev, large(0), 2 * PAGE).unwrap();
+                assert_eq!(got.map(|e| e.addr), cross.then_some(y.0), "busy");
+                assert_eq!(dev.counters().stream_waits - waits, u64::from(cross));
+                dev.complete_all_events();
+                let got = vmm.borrow_fit(core, &dev, large(0), 2 * PAGE).unwrap();
+                assert_eq!(got.map(|e| e.addr), Some(y.0), "quiescent");
+                // Not past `MAPPED_FIT_FACTOR` times the request.
+                assert_eq!(
+                    vmm.borrow_fit(core, &dev, large(0), PAGE / 4).unwrap(),
+                    None
+                );
+            });
+        }
+    }
+}
