@@ -216,3 +216,89 @@ impl<E> Expandable<E> {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::allocator::expandable::testing::*;
+    use crate::config::Config;
+    use crate::device::DevicePtr;
+
+    /// An allocator with shadows in which x's two pages moved under y (x
+    /// free, in front of a live block): returns it with x and y.
+    fn moved() -> (
+        crate::simulated::SimulatedDevice,
+        Alloc,
+        DevicePtr,
+        DevicePtr,
+    ) {
+        let (dev, a) = alloc(Config {
+            idle_slack: 0.0,
+            idle_slack_hard: 10.0,
+            ..fixed_pages(PAGE, true)
+        });
+        let x = a.malloc(2 * PAGE, S0).unwrap();
+        a.malloc(MIB + 512, S0).unwrap(); // x's hole stays a hole
+        a.free(x).unwrap();
+        dev.complete_all_events();
+        let before = dev.counters();
+        let y = a.malloc(3 * PAGE, S0).unwrap(); // fits no hole: x's pages move
+        let after = dev.counters();
+        assert_eq!(
+            after.vmm_unmaps, before.vmm_unmaps,
+            "moved without an unmap"
+        );
+        (dev, a, x, y)
+    }
+
+    /// A moved page keeps its old mapping as a shadow, listed and found
+    /// where it lies; mapping another page there unmaps it first.
+    #[test]
+    fn shadows_stay_until_their_place_is_needed() {
+        let (dev, a, x, y) = moved();
+        with_state(&a, |vmm, core, _| {
+            let seg = first_range(vmm, large(0));
+            let gx = ((x.0 - core.segments.get(seg.0).addr) / PAGE) as u32;
+            let old = vmm.stale_mappings(core);
+            let at: Vec<(u64, u64, bool)> =
+                old.iter().map(|m| (m.addr, m.bytes, m.pooled)).collect();
+            assert_eq!(at, [(x.0, PAGE, false), (x.0 + PAGE, PAGE, false)]);
+            let h = vmm.shadow_at(seg, gx, 1).expect("a shadow at x");
+            let now = vmm.mapped_at[&h];
+            assert!(core.granule_addr(now.seg, now.at) >= y.0, "mapped under y");
+            vmm.retire_stale(core, &dev).unwrap();
+            assert_eq!(vmm.stale_mappings(core).len(), 2, "shadows stay");
+            let before = dev.counters();
+            vmm.clear_stale_in(core, &dev, seg, gx, gx + 2).unwrap();
+            assert_eq!(dev.counters().vmm_unmaps - before.vmm_unmaps, 2);
+            assert!(vmm.stale_mappings(core).is_empty());
+        });
+    }
+
+    /// A page wanted back at its shadow leaves its idle place with no
+    /// driver call: pooled, its mapping there a shadow in turn.
+    #[test]
+    fn an_idle_page_is_taken_back_with_no_call() {
+        let (dev, a, x, y) = moved();
+        a.free(y).unwrap();
+        dev.complete_all_events();
+        with_state(&a, |vmm, core, _| {
+            let seg = first_range(vmm, large(0));
+            let gx = ((x.0 - core.segments.get(seg.0).addr) / PAGE) as u32;
+            let h = vmm.shadow_at(seg, gx, 1).unwrap();
+            let tail = whole(core, free_block(core, seg, x.0));
+            let before = dev.counters();
+            vmm.take_back(core, &dev, h, tail).unwrap();
+            assert_eq!(dev.counters().vmm_unmaps, before.vmm_unmaps);
+            assert!(vmm.page_pool.iter().any(|p| p.handle == h));
+            assert!(!vmm.mapped_at.contains_key(&h));
+            let pooled: Vec<u64> = vmm
+                .stale_mappings(core)
+                .iter()
+                .filter(|m| m.pooled)
+                .map(|m| m.addr)
+                .collect();
+            assert_eq!(pooled, [x.0], "told once, on its first old mapping");
+            assert_eq!(vmm.stale_mappings(core).len(), 3);
+        });
+    }
+}
