@@ -118,3 +118,60 @@ impl<E> Expandable<E> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::allocator::expandable::testing::*;
+    use crate::allocator::expandable::PooledPage;
+    use crate::block::PoolKind;
+
+    /// The check passes on a consistent state and names each kind of
+    /// damage: a page pooled twice, a free block with a whole page missing
+    /// from the idle index, an old mapping under a mapping.
+    #[test]
+    fn check_pages_finds_what_is_out_of_step() {
+        let (_dev, a) = alloc(fixed_pages(PAGE, true));
+        let x = a.malloc(2 * PAGE, S0).unwrap();
+        a.malloc(PAGE, S0).unwrap();
+        a.free(x).unwrap();
+        with_state(&a, |vmm, core, _| {
+            vmm.check_pages(core).unwrap();
+            let entry = *core.idle_index.iter().next().expect("x is idle");
+            core.idle_index.remove(&entry);
+            let e = vmm.check_pages(core).unwrap_err();
+            assert!(e.contains("not in the idle index"), "{e}");
+            core.idle_index.insert(entry);
+            let page = PooledPage {
+                handle: 99,
+                kind: PoolKind::Large,
+                size: PAGE,
+            };
+            vmm.page_pool.extend([page, page]);
+            let e = vmm.check_pages(core).unwrap_err();
+            assert!(e.contains("listed twice"), "{e}");
+            vmm.page_pool.clear();
+            vmm.check_pages(core).unwrap();
+            // A shadow at x, where x's page is still mapped.
+            let seg = first_range(vmm, large(0));
+            let (at, h, _) = core
+                .segments
+                .get(seg.0)
+                .pages()
+                .unwrap()
+                .covering(0)
+                .unwrap();
+            let st = crate::allocator::expandable::stale::Stale {
+                seg,
+                at,
+                len: 1,
+                handle: h,
+                slot: 0,
+                since: 0,
+            };
+            vmm.stale
+                .insert(crate::allocator::expandable::Place { seg, at }, st);
+            let e = vmm.check_pages(core).unwrap_err();
+            assert!(e.contains("over a mapping"), "{e}");
+        });
+    }
+}

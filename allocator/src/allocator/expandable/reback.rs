@@ -268,3 +268,29 @@ impl<E> Expandable<E> {
         Ok(true)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::allocator::expandable::testing::*;
+    use crate::config::Config;
+
+    /// The last rungs give back the free part of a big page partly under a
+    /// live block, and nothing while a stream is captured into a CUDA graph.
+    #[test]
+    fn the_last_rungs_wait_for_no_capture() {
+        let config = Config {
+            expandable_share: false,
+            ..fixed_pages(8 * MIB, true)
+        };
+        let (dev, a) = alloc(config);
+        a.malloc(PAGE, S0).unwrap(); // one 8 MiB page, a granule of it live
+        with_state(&a, |vmm, core, _| {
+            dev.set_capturing(S0, true);
+            assert_eq!(vmm.last_rungs(core, &dev).unwrap(), 0);
+            dev.set_capturing(S0, false);
+            assert_eq!(vmm.last_rungs(core, &dev).unwrap(), 6 * MIB);
+            assert_eq!(core.reserved(), PAGE);
+            assert_eq!(core.stats.num_pages_rebacked, 1);
+        });
+    }
+}
