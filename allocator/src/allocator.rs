@@ -208,10 +208,16 @@ impl<E> Core<E> {
         self.granularity.expect("expandable mode has a granularity")
     }
 
+    /// The record of segment `seg`.
+    #[inline]
+    fn segment(&self, seg: SegmentId) -> &Segment {
+        self.segments.get(seg.0)
+    }
+
     /// The address of granule `at` of expandable segment `seg`.
     #[inline]
     fn granule_addr(&self, seg: SegmentId, at: u32) -> u64 {
-        self.segments.get(seg.0).addr + u64::from(at) * self.granule()
+        self.segment(seg).addr + u64::from(at) * self.granule()
     }
 
     /// The page map of expandable segment `seg`.
@@ -226,7 +232,7 @@ impl<E> Core<E> {
     /// The stream slot of segment `seg`'s pool.
     #[inline]
     fn slot_of(&self, seg: SegmentId) -> usize {
-        self.segments.get(seg.0).pool.stream_slot()
+        self.segment(seg).pool.stream_slot()
     }
 
     #[inline]

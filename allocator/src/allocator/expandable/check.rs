@@ -29,7 +29,7 @@ impl<E> Expandable<E> {
             }
         }
         for &seg in self.ranges.iter().flatten() {
-            let s = core.segments.get(seg.0);
+            let s = core.segment(seg);
             let pages = s.pages().ok_or("a range without a page map")?;
             let max = (s.page_size() / g) as u32;
             let sizes: Vec<u32> =
@@ -67,7 +67,7 @@ impl<E> Expandable<E> {
         self.stale.check()?;
         let mut prev: Option<&Stale> = None;
         for st in self.stale.values() {
-            let s = core.segments.get(st.seg.0);
+            let s = core.segment(st.seg);
             let pages = s.pages().ok_or("an old mapping outside a range")?;
             if !handles.contains(&st.handle)
                 || pages.mapped_granules(st.at, st.at + st.len) != 0
@@ -83,7 +83,7 @@ impl<E> Expandable<E> {
         if core.config.expandable_shadows {
             let mapped = handles.len() - self.page_pool.len();
             let agree = self.mapped_at.iter().all(|(&h, &Place { seg, at })| {
-                let pages = core.segments.get(seg.0).pages();
+                let pages = core.segment(seg).pages();
                 pages.and_then(|p| p.covering(at)).map(|(a, hh, _)| (a, hh)) == Some((at, h))
             });
             if self.mapped_at.len() != mapped || !agree {
@@ -100,7 +100,7 @@ impl<E> Expandable<E> {
             .flatten()
             .map(|seg| {
                 let mut n = 0;
-                let mut cur = Some(core.segments.get(seg.0).head);
+                let mut cur = Some(core.segment(*seg).head);
                 while let Some(id) = cur {
                     let b = core.blocks.get(id.0);
                     n += usize::from(core.idle_index.contains(&(b.freed_at, id.0)));

@@ -172,7 +172,7 @@ impl<E> Expandable<E> {
         }
         let g = core.granule();
         let b = core.blocks.get(fit.id.0);
-        let s = core.segments.get(b.segment.0);
+        let s = core.segment(b.segment);
         // Whole big pages may be mapped at the block's edges: look that far.
         let big = self.big_granules(core, s, rounded);
         let first = ((fit.addr - s.addr) / g) as u32 / big * big;

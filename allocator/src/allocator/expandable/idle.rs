@@ -60,7 +60,7 @@ impl<E> Expandable<E> {
         out: &mut Vec<IdlePage>,
     ) -> u64 {
         let g = core.granule();
-        let s = core.segments.get(seg.0);
+        let s = core.segment(seg);
         let lo = (start - s.addr).div_ceil(g) as u32;
         let hi = ((end - s.addr) / g) as u32;
         if hi <= lo {
@@ -117,7 +117,7 @@ impl<E> Expandable<E> {
             since,
         } = tail;
         let mut best: Option<(u64, usize)> = None;
-        let s = core.segments.get(seg.0);
+        let s = core.segment(seg);
         if holds_whole_page(s, g, start, end) {
             let slot = s.pool.stream_slot();
             if !self.quiescent(dev, slot, since)? {
@@ -273,7 +273,7 @@ impl<E> Expandable<E> {
         // Blocks left with no whole page leave the index.
         for (since, id) in emptied {
             let t = self.idle_block(core, since, id);
-            if !holds_whole_page(core.segments.get(t.seg.0), g, t.start, t.end) {
+            if !holds_whole_page(core.segment(t.seg), g, t.start, t.end) {
                 core.idle_index.remove(&(since, id));
             }
         }
@@ -365,7 +365,7 @@ impl<E> Expandable<E> {
         for i in 0..self.ranges.len() {
             let mut kept = Vec::with_capacity(self.ranges[i].len());
             for seg in std::mem::take(&mut self.ranges[i]) {
-                let s = core.segments.get(seg.0);
+                let s = core.segment(seg);
                 let head = core.blocks.get(s.head.0);
                 if head.state != BlockState::Free
                     || head.next.is_some()
@@ -418,7 +418,7 @@ mod tests {
             let got = vmm.take_idle_pages(core, &dev, None, PAGE, true, None, &[]);
             assert_eq!(got.unwrap(), PAGE);
             assert_eq!(vmm.pooled_bytes(), PAGE);
-            let s = core.segments.get(seg.0);
+            let s = core.segment(seg);
             assert!(
                 holds_whole_page(s, PAGE, x.0, x.0 + 2 * PAGE),
                 "x keeps one"

@@ -17,7 +17,7 @@ use crate::error::AllocError;
 #[inline]
 fn range_mapped<E>(core: &Core<E>, seg: SegmentId, start: u64, end: u64) -> bool {
     let g = core.granule();
-    let s = core.segments.get(seg.0);
+    let s = core.segment(seg);
     let first = ((start - s.addr) / g) as u32;
     let last = (end - s.addr).div_ceil(g) as u32;
     s.pages().expect("expandable").is_mapped(first, last)
@@ -161,7 +161,7 @@ impl<E> Expandable<E> {
             end: block_end,
             since,
         } = tail;
-        let s = core.segments.get(seg.0);
+        let s = core.segment(seg);
         let base = s.addr;
         let last = (end - base).div_ceil(g) as u32;
         let pages = s.pages().expect("expandable");
@@ -202,7 +202,7 @@ impl<E> Expandable<E> {
         style: Style,
     ) -> Vec<Planned> {
         let g = core.granule();
-        let s = core.segments.get(seg.0);
+        let s = core.segment(seg);
         let pages = s.pages().expect("expandable");
         let big = match style {
             Style::Granules => 1,
@@ -258,7 +258,7 @@ impl<E> Expandable<E> {
         tail: Tail,
     ) -> Result<(), AllocError> {
         let g = core.granule();
-        let s = core.segments.get(seg.0);
+        let s = core.segment(seg);
         let (base, kind) = (s.addr, s.pool.kind());
         let mut need: Vec<Need> = Vec::with_capacity(2);
         for p in plan {
@@ -350,7 +350,7 @@ mod tests {
         (first, last): (u64, u64),
         style: Style,
     ) -> Vec<(u32, u32)> {
-        let base = core.segments.get(seg.0).addr;
+        let base = core.segment(seg).addr;
         vmm.plan(core, seg, base + first * PAGE, base + last * PAGE, style)
             .iter()
             .map(|p| (p.at, p.len))
@@ -387,7 +387,7 @@ mod tests {
     #[test]
     fn map_range_maps_what_is_unmapped_under_the_block() {
         one_big_page(|vmm, core, dev, seg| {
-            let base = core.segments.get(seg.0).addr;
+            let base = core.segment(seg).addr;
             let rest = free_block(core, seg, base + PAGE);
             assert!(carve_mapped(core, rest, 3 * PAGE));
             assert!(!carve_mapped(core, rest, 4 * PAGE));
@@ -401,7 +401,7 @@ mod tests {
             assert_eq!(after.vmm_creates - before.vmm_creates, 2);
             assert_eq!(core.reserved(), 24 * MIB);
             assert!(carve_mapped(core, rest, 10 * PAGE));
-            let pages = core.segments.get(seg.0).pages().unwrap();
+            let pages = core.segment(seg).pages().unwrap();
             assert_eq!(
                 pages.covering(9),
                 Some((8, pages.covering(8).unwrap().1, 4))
@@ -431,7 +431,7 @@ mod tests {
             // The big page made room for the granule under the cap.
             assert_eq!(after.vmm_releases - before.vmm_releases, 1);
             assert_eq!(core.reserved(), PAGE);
-            let pages = core.segments.get(seg.0).pages().unwrap();
+            let pages = core.segment(seg).pages().unwrap();
             assert_eq!(pages.covering(0).map(|p| p.2), Some(1), "a granule page");
             assert_eq!(pages.covering(1), None, "the rest given up");
         });

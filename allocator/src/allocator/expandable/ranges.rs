@@ -238,7 +238,7 @@ impl<E> Expandable<E> {
         }
         let largest = self.ranges[pool.index()]
             .iter()
-            .map(|s| core.segments.get(s.0).size)
+            .map(|s| core.segment(*s).size)
             .max()
             .unwrap_or(0);
         let ranges = core.stats.segment.all().current;
@@ -246,7 +246,7 @@ impl<E> Expandable<E> {
         let ptr = dev.vmm_reserve(size)?;
         core.stats.num_vmm_reserve += 1;
         let seg = core.add_segment(ptr, size, stream, pool, Some(page_size));
-        let head = core.segments.get(seg.0).head;
+        let head = core.segment(seg).head;
         core.bins_mut(pool).insert(size, ptr.0, head);
         self.ranges[pool.index()].push(seg);
         Ok(seg)
@@ -368,7 +368,7 @@ mod tests {
         a.malloc(2 * MIB, S0).unwrap(); // keeps the range
         let big = |a: &Alloc| {
             with_state(a, |vmm, core, _| {
-                let s = core.segments.get(first_range(vmm, large(0)).0);
+                let s = core.segment(first_range(vmm, large(0)));
                 assert_eq!(s.page_size(), 8 * MIB * REGROW_PAGE_FACTOR);
                 vmm.big_granules(core, s, 8 * MIB)
             })

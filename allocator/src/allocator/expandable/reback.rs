@@ -121,7 +121,7 @@ impl<E> Expandable<E> {
         let g = core.granule();
         let mut plans = Vec::new();
         for &seg in self.ranges.iter().flatten() {
-            let s = core.segments.get(seg.0);
+            let s = core.segment(seg);
             let Some(pages) = s.pages() else { continue };
             // Granule spans of the blocks in use, in address order.
             let mut used: Vec<(u32, u32)> = Vec::new();
@@ -173,7 +173,7 @@ impl<E> Expandable<E> {
         p: &Reback,
     ) -> Result<bool, AllocError> {
         let g = core.granule();
-        let s = core.segments.get(p.seg.0);
+        let s = core.segment(p.seg);
         let (base, kind) = (s.addr, s.pool.kind());
         let k = p.live.len();
         // The new pages are held beside the old one for a moment: within the cap.

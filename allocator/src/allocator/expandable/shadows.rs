@@ -99,7 +99,7 @@ impl<E> Expandable<E> {
     ) -> impl Iterator<Item = &Stale> + '_ {
         // A mapping is at most a big page long: one starting that far back may reach in.
         let g = core.granule();
-        let back = (core.segments.get(seg.0).page_size() / g) as u32;
+        let back = (core.segment(seg).page_size() / g) as u32;
         let from = Place {
             seg,
             at: first.saturating_sub(back.saturating_sub(1)),
@@ -148,7 +148,7 @@ impl<E> Expandable<E> {
             return Ok(()); // pooled already
         };
         let g = core.granule();
-        let s = core.segments.get(seg.0);
+        let s = core.segment(seg);
         let Some((_, _, n)) = s.pages().expect("expandable").covering(at) else {
             return Ok(());
         };
@@ -187,7 +187,7 @@ impl<E> Expandable<E> {
         core.stats.num_pages_reused_early += u64::from(!quiet);
         self.pool_page(handle, kind, u64::from(n) * g);
         let b = core.blocks.get(id.0);
-        if !holds_whole_page(core.segments.get(seg.0), g, b.addr, b.addr + b.size) {
+        if !holds_whole_page(core.segment(seg), g, b.addr, b.addr + b.size) {
             core.idle_index.remove(&(since, id.0));
         }
         Ok(())
@@ -257,7 +257,7 @@ mod tests {
         let (dev, a, x, y) = moved();
         with_state(&a, |vmm, core, _| {
             let seg = first_range(vmm, large(0));
-            let gx = ((x.0 - core.segments.get(seg.0).addr) / PAGE) as u32;
+            let gx = ((x.0 - core.segment(seg).addr) / PAGE) as u32;
             let old = vmm.stale_mappings(core);
             let at: Vec<(u64, u64, bool)> =
                 old.iter().map(|m| (m.addr, m.bytes, m.pooled)).collect();
@@ -283,7 +283,7 @@ mod tests {
         dev.complete_all_events();
         with_state(&a, |vmm, core, _| {
             let seg = first_range(vmm, large(0));
-            let gx = ((x.0 - core.segments.get(seg.0).addr) / PAGE) as u32;
+            let gx = ((x.0 - core.segment(seg).addr) / PAGE) as u32;
             let h = vmm.shadow_at(seg, gx, 1).unwrap();
             let tail = whole(core, free_block(core, seg, x.0));
             let before = dev.counters();

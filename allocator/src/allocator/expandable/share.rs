@@ -127,7 +127,7 @@ impl<E> Expandable<E> {
             .map(|(&handle, members)| {
                 let home = members[0];
                 Plan {
-                    kind: core.segments.get(home.seg.0).pool.kind(),
+                    kind: core.segment(home.seg).pool.kind(),
                     home,
                     page: handle,
                     free: core.free_spans(home.seg, home.at),
@@ -137,7 +137,7 @@ impl<E> Expandable<E> {
             .collect();
         plans.sort_by_key(|p| p.home);
         for (i, c) in cands.iter().enumerate() {
-            let kind = core.segments.get(c.seg.0).pool.kind();
+            let kind = core.segment(c.seg).pool.kind();
             match plans
                 .iter_mut()
                 .find(|p| p.kind == kind && within(&c.live, &p.free))
@@ -177,7 +177,7 @@ impl<E> Expandable<E> {
         let g = core.granule();
         let mut out = Vec::new();
         for &seg in self.ranges.iter().flatten() {
-            let s = core.segments.get(seg.0);
+            let s = core.segment(seg);
             let Some(pages) = s.pages() else { continue };
             // Only a block's first and last granules can be partly under it.
             let mut spans: BTreeMap<u32, Spans> = BTreeMap::new();
@@ -267,7 +267,7 @@ impl<E> Expandable<E> {
             }
             core.stats.num_unmap += 1;
             core.stats.num_map += 1;
-            let kind = core.segments.get(c.seg.0).pool.kind();
+            let kind = core.segment(c.seg).pool.kind();
             let pages = core.page_map_mut(c.seg);
             pages.remove(c.at);
             pages.insert(c.at, 1, page);
@@ -312,7 +312,7 @@ impl<E> Expandable<E> {
         let handles: Vec<u64> = self.shared.keys().copied().collect();
         for h in handles {
             let members = self.shared[&h].clone();
-            let kind = core.segments.get(members[0].seg.0).pool.kind();
+            let kind = core.segment(members[0].seg).pool.kind();
             for member in members {
                 let Place { seg, at } = member;
                 if core.granule_in_use(seg, at) {
@@ -359,7 +359,7 @@ impl<E> Expandable<E> {
         at: u32,
     ) -> Result<(), AllocError> {
         let g = core.granule();
-        let base = core.segments.get(seg.0).addr;
+        let base = core.segment(seg).addr;
         dev.vmm_unmap(DevicePtr(base + u64::from(at) * g), g)?;
         core.stats.num_unmap += 1;
         core.page_map_mut(seg).remove(at);
@@ -394,7 +394,7 @@ impl<E> Expandable<E> {
             }
         }
         for &seg in self.ranges.iter().flatten() {
-            let s = core.segments.get(seg.0);
+            let s = core.segment(seg);
             let Some(pages) = s.pages() else { continue };
             let n = (s.size / g) as u32;
             for x in (0..n).filter(|&x| pages.is_alias(x)) {
@@ -448,7 +448,7 @@ impl<E> Core<E> {
     /// Whether a block in use lies (partly) in granule `at` of `seg`.
     fn granule_in_use(&self, seg: SegmentId, at: u32) -> bool {
         let g = self.granule();
-        let s = self.segments.get(seg.0);
+        let s = self.segment(seg);
         let (lo, hi) = (s.addr + u64::from(at) * g, s.addr + u64::from(at + 1) * g);
         self.blocks_between(seg, lo, hi)
             .iter()
@@ -470,7 +470,7 @@ impl<E> Core<E> {
     /// The blocks of `seg` that overlap `lo..hi`, in address order.
     fn blocks_between(&self, seg: SegmentId, lo: u64, hi: u64) -> Vec<BlockId> {
         let mut out = Vec::new();
-        let mut cur = Some(self.segments.get(seg.0).head);
+        let mut cur = Some(self.segment(seg).head);
         while let Some(id) = cur {
             let b = self.blocks.get(id.0);
             if b.addr >= hi {
@@ -510,7 +510,7 @@ impl<E> Core<E> {
     /// Frees the aliased blocks of granule `at` of `seg` (merged with free neighbours, filed).
     fn free_aliased(&mut self, seg: SegmentId, at: u32) {
         let g = self.granule();
-        let s = self.segments.get(seg.0);
+        let s = self.segment(seg);
         let (lo, hi) = (s.addr + u64::from(at) * g, s.addr + u64::from(at + 1) * g);
         let aliased: Vec<BlockId> = self
             .blocks_between(seg, lo, hi)

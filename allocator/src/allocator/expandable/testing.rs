@@ -61,7 +61,7 @@ pub(super) fn first_range<E>(vmm: &Expandable<E>, pool: PoolId) -> SegmentId {
 
 /// The block of `seg` at `addr` as the bins list it (it is free).
 pub(super) fn free_block<E>(core: &Core<E>, seg: SegmentId, addr: u64) -> Entry {
-    let mut cur = Some(core.segments.get(seg.0).head);
+    let mut cur = Some(core.segment(seg).head);
     while let Some(id) = cur {
         let b = core.blocks.get(id.0);
         if b.addr == addr {
