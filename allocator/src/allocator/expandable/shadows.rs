@@ -220,33 +220,14 @@ impl<E> Expandable<E> {
 #[cfg(test)]
 mod tests {
     use crate::allocator::expandable::testing::*;
-    use crate::config::Config;
     use crate::device::DevicePtr;
+    use crate::simulated::SimulatedDevice;
 
     /// An allocator with shadows in which x's two pages moved under y (x
     /// free, in front of a live block): returns it with x and y.
-    fn moved() -> (
-        crate::simulated::SimulatedDevice,
-        Alloc,
-        DevicePtr,
-        DevicePtr,
-    ) {
-        let (dev, a) = alloc(Config {
-            idle_slack: 0.0,
-            idle_slack_hard: 10.0,
-            ..fixed_pages(PAGE, true)
-        });
-        let x = a.malloc(2 * PAGE, S0).unwrap();
-        a.malloc(MIB + 512, S0).unwrap(); // x's hole stays a hole
-        a.free(x).unwrap();
-        dev.complete_all_events();
-        let before = dev.counters();
-        let y = a.malloc(3 * PAGE, S0).unwrap(); // fits no hole: x's pages move
-        let after = dev.counters();
-        assert_eq!(
-            after.vmm_unmaps, before.vmm_unmaps,
-            "moved without an unmap"
-        );
+    fn moved() -> (SimulatedDevice, Alloc, DevicePtr, DevicePtr) {
+        let dev = SimulatedDevice::new(1 << 40);
+        let (a, x, y, _) = crate::allocator::tests::moved_with_shadows(&dev, false);
         (dev, a, x, y)
     }
 
