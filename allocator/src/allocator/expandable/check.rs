@@ -131,9 +131,7 @@ mod tests {
     #[test]
     fn check_pages_finds_what_is_out_of_step() {
         let (_dev, a) = alloc(fixed_pages(PAGE, true));
-        let x = a.malloc(2 * PAGE, S0).unwrap();
-        a.malloc(PAGE, S0).unwrap();
-        a.free(x).unwrap();
+        holes(&a, &[2 * PAGE]);
         with_state(&a, |vmm, core, _| {
             vmm.check_pages(core).unwrap();
             let entry = *core.idle_index.iter().next().expect("x is idle");

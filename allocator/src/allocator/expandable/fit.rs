@@ -202,12 +202,9 @@ mod tests {
     #[test]
     fn a_near_fit_over_mapped_pages_wins() {
         let (dev, a) = alloc(fixed_pages(PAGE, false));
-        let x = a.malloc(2 * PAGE, S0).unwrap();
-        a.malloc(PAGE, S0).unwrap();
-        let y = a.malloc(3 * PAGE, S0).unwrap();
-        a.malloc(PAGE, S0).unwrap();
-        a.free(x).unwrap();
-        a.free(y).unwrap();
+        let [x, y] = holes(&a, &[2 * PAGE, 3 * PAGE])[..] else {
+            unreachable!()
+        };
         with_state(&a, |vmm, core, _| {
             // x's pages go to the pool: x is the best fit for 4 MiB, unmapped.
             vmm.take_idle_pages(core, &dev, None, 2 * PAGE, true, None, &[])

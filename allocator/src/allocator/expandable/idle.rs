@@ -405,12 +405,9 @@ mod tests {
     #[test]
     fn idle_pages_go_to_the_pool_longest_idle_first() {
         let (dev, a) = alloc(fixed_pages(PAGE, false));
-        let x = a.malloc(2 * PAGE, S0).unwrap();
-        a.malloc(PAGE, S0).unwrap();
-        let y = a.malloc(2 * PAGE, S0).unwrap();
-        a.malloc(PAGE, S0).unwrap();
-        a.free(x).unwrap();
-        a.free(y).unwrap(); // idle after x
+        let [x, y] = holes(&a, &[2 * PAGE, 2 * PAGE])[..] else {
+            unreachable!()
+        }; // y idle after x
         with_state(&a, |vmm, core, _| {
             let seg = first_range(vmm, large(0));
             assert_eq!(core.idle_index.len(), 2);
@@ -446,9 +443,7 @@ mod tests {
     #[test]
     fn only_quiescent_pages_are_taken() {
         let (dev, a) = alloc(fixed_pages(PAGE, false));
-        let x = a.malloc(2 * PAGE, S0).unwrap();
-        a.malloc(PAGE, S0).unwrap();
-        a.free(x).unwrap(); // records a marker, pending
+        holes(&a, &[2 * PAGE]); // the free records a marker, pending
         with_state(&a, |vmm, core, _| {
             let take = |vmm: &mut Expandable<Event>, core: &mut Core<Event>| {
                 vmm.take_idle_pages(core, &dev, None, u64::MAX, false, None, &[])

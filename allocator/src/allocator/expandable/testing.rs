@@ -7,7 +7,7 @@ use crate::allocator::{CachingAllocator, Core, State};
 use crate::bins::Entry;
 use crate::block::{BlockState, PoolId, PoolKind, SegmentId};
 use crate::config::Config;
-use crate::device::{Device, StreamId};
+use crate::device::{Device, DevicePtr, StreamId};
 use crate::simulated::SimulatedDevice;
 
 pub(super) const MIB: u64 = 1 << 20;
@@ -36,6 +36,23 @@ pub(super) fn fixed_pages(page: u64, shadows: bool) -> Config {
 pub(super) fn alloc(config: Config) -> (SimulatedDevice, Alloc) {
     let dev = SimulatedDevice::new(1 << 40);
     (dev.clone(), CachingAllocator::new(dev, config))
+}
+
+/// Blocks of `sizes` on stream 0, each followed by a live block of a page
+/// (so that none merges with the next), freed in order: their addresses.
+pub(super) fn holes(a: &Alloc, sizes: &[u64]) -> Vec<DevicePtr> {
+    let holes: Vec<DevicePtr> = sizes
+        .iter()
+        .map(|&size| {
+            let p = a.malloc(size, S0).unwrap();
+            a.malloc(PAGE, S0).unwrap();
+            p
+        })
+        .collect();
+    for &p in &holes {
+        a.free(p).unwrap();
+    }
+    holes
 }
 
 /// Runs `f` on the allocator's expandable state, its core and its device,
