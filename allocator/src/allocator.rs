@@ -205,6 +205,39 @@ impl<E> Core<E> {
         self.stats.reserved_bytes.all().current
     }
 
+    /// The page granularity of expandable segments (they are in use).
+    #[inline]
+    fn granule(&self) -> u64 {
+        self.granularity.expect("expandable mode has a granularity")
+    }
+
+    /// The record of segment `seg`.
+    #[inline]
+    fn segment(&self, seg: SegmentId) -> &Segment {
+        self.segments.get(seg.0)
+    }
+
+    /// The address of granule `at` of expandable segment `seg`.
+    #[inline]
+    fn granule_addr(&self, seg: SegmentId, at: u32) -> u64 {
+        self.segment(seg).addr + u64::from(at) * self.granule()
+    }
+
+    /// The page map of expandable segment `seg`.
+    #[inline]
+    fn page_map_mut(&mut self, seg: SegmentId) -> &mut PageMap {
+        self.segments
+            .get_mut(seg.0)
+            .pages_mut()
+            .expect("expandable")
+    }
+
+    /// The stream slot of segment `seg`'s pool.
+    #[inline]
+    fn slot_of(&self, seg: SegmentId) -> usize {
+        self.segment(seg).pool.stream_slot()
+    }
+
     #[inline]
     fn bins_mut(&mut self, pool: PoolId) -> &mut Bins {
         &mut self.bins[pool.index()]

@@ -9,8 +9,9 @@
 //! one: the first block sits in the class record itself, so that the common
 //! insert, lookup and removal touch one 32-byte record and nothing else. The
 //! rest of a class is a sorted vector (binary search, short moves) until it
-//! grows past [`SPILL`] entries, then an ordered tree, so that a pathological
-//! pile of same-sized free blocks stays O(log n).
+//! grows past `SPILL` entries, then an ordered tree, so that a pathological
+//! pile of same-sized free blocks stays O(log n): one class is a [`Class`]
+//! (`bins/class.rs`).
 //!
 //! A pool's bins cost what the pool holds (Note [Bins sized by use]): the
 //! classes that hold blocks, in a short sorted list while there are few,
@@ -18,7 +19,12 @@
 
 use crate::block::BlockId;
 use crate::rounding::MIN_BLOCK;
-use std::collections::BTreeSet;
+
+mod class;
+
+use class::Class;
+#[cfg(test)]
+use class::SPILL;
 
 /// Second-level classes per power of two: 64 rather than 32 leaves fewer
 /// classes holding more than one block, which is where the random mix's
@@ -30,8 +36,16 @@ const SL_COUNT: usize = 1 << SL_BITS;
 /// First-level classes: granule counts up to 2^48 (far above any device).
 const FL_COUNT: usize = 48;
 
-/// A free block as the bins store it.
-pub(crate) type Entry = (u64, u64, BlockId);
+/// A free block as the bins store it. The derived order, by size, then
+/// address, then block, is the bins' order: best fit first.
+#[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub(crate) struct Entry {
+    /// The block's size in bytes.
+    pub size: u64,
+    /// The block's address.
+    pub addr: u64,
+    pub id: BlockId,
+}
 
 /// Where [`Bins::find`] found a block: where its class lies, the class,
 /// its index there (a hint), and the entry.
@@ -56,184 +70,6 @@ impl Found {
         }
     }
 }
-
-/// An entry's place in its class: (size, address) as one number, so that
-/// comparing two costs one wide compare instead of a chain of branches.
-/// (Addresses are unique, so the block id never decides the order.)
-#[inline(always)]
-fn key(e: &Entry) -> u128 {
-    (u128::from(e.0) << 64) | u128::from(e.1)
-}
-
-/// Entries up to which a class is scanned rather than binary searched.
-const SCAN: usize = 16;
-
-/// Entries above which a class moves from a sorted vector to a tree.
-const SPILL: usize = 32;
-
-/// A class's blocks after its first, ordered by (size, address): a sorted
-/// vector while short, an ordered tree past [`SPILL`] entries.
-#[derive(Debug)]
-enum More {
-    Few(Vec<Entry>),
-    Many(BTreeSet<Entry>),
-}
-
-impl Default for More {
-    fn default() -> Self {
-        More::Few(Vec::new())
-    }
-}
-
-impl More {
-    #[inline]
-    fn insert(&mut self, e: Entry) -> bool {
-        match self {
-            More::Few(v) => {
-                if v.len() <= SCAN {
-                    // Classes are usually short: insertion sort from the end
-                    // (sizes inside a class are close, so a new block often
-                    // sorts last), moving entries up as the scan passes them.
-                    v.push(e);
-                    let mut i = v.len() - 1;
-                    let k = key(&e);
-                    while i > 0 && key(&v[i - 1]) > k {
-                        v[i] = v[i - 1];
-                        i -= 1;
-                    }
-                    v[i] = e;
-                    // The bins never hold a block twice (checked in tests).
-                    debug_assert!(i == 0 || v[i - 1] != e, "block inserted twice");
-                } else {
-                    match v.binary_search(&e) {
-                        Ok(_) => return false,
-                        Err(i) => v.insert(i, e),
-                    }
-                }
-                if v.len() > SPILL {
-                    self.spill();
-                }
-                true
-            }
-            More::Many(t) => t.insert(e),
-        }
-    }
-
-    /// A sorted vector grew too long: it becomes a tree.
-    #[cold]
-    #[inline(never)]
-    fn spill(&mut self) {
-        if let More::Few(v) = self {
-            *self = More::Many(v.drain(..).collect());
-        }
-    }
-
-    /// A tree shrank: it becomes a sorted vector again.
-    #[cold]
-    #[inline(never)]
-    fn unspill(&mut self) {
-        if let More::Many(t) = self {
-            if t.len() < SPILL / 2 {
-                *self = More::Few(std::mem::take(t).into_iter().collect());
-            }
-        }
-    }
-
-    #[inline]
-    fn remove(&mut self, e: &Entry) -> bool {
-        match self {
-            More::Few(v) => match if v.len() <= SCAN {
-                v.iter().rposition(|x| x.1 == e.1 && x == e)
-            } else {
-                v.binary_search(e).ok()
-            } {
-                Some(i) => {
-                    remove_at(v, i);
-                    true
-                }
-                None => false,
-            },
-            More::Many(t) => {
-                let removed = t.remove(e);
-                self.unspill();
-                removed
-            }
-        }
-    }
-
-    /// Removes and returns the smallest entry (there is one).
-    #[inline]
-    fn pop_first(&mut self) -> Entry {
-        match self {
-            More::Few(v) => {
-                let e = v[0];
-                remove_at(v, 0);
-                e
-            }
-            More::Many(t) => {
-                let e = t
-                    .pop_first()
-                    .expect("a class's further entries are not empty");
-                self.unspill();
-                e
-            }
-        }
-    }
-
-    /// The first entry of at least `size` bytes, with its index (0 in a tree).
-    #[inline]
-    fn first_at_least(&self, size: u64) -> Option<(usize, Entry)> {
-        match self {
-            More::Few(v) => {
-                let i = if v.len() <= SCAN {
-                    v.iter().position(|e| e.0 >= size).unwrap_or(v.len())
-                } else {
-                    v.partition_point(|e| e.0 < size)
-                };
-                v.get(i).map(|e| (i, *e))
-            }
-            More::Many(t) => t.range((size, 0, BlockId(0))..).next().map(|e| (0, *e)),
-        }
-    }
-
-    fn last(&self) -> Option<Entry> {
-        match self {
-            More::Few(v) => v.last().copied(),
-            More::Many(t) => t.last().copied(),
-        }
-    }
-
-    fn iter(&self) -> Box<dyn DoubleEndedIterator<Item = &Entry> + '_> {
-        match self {
-            More::Few(v) => Box::new(v.iter()),
-            More::Many(t) => Box::new(t.iter()),
-        }
-    }
-}
-
-/// The blocks of one size class, ordered by (size, address). The first
-/// (smallest) is kept in the class record itself: most classes hold no
-/// block or one, and then an insert, a lookup or a removal touches only
-/// this 32-byte record, never a second heap line (cachegrind: D1 misses on
-/// the random mix with 256 slots fell from 4.8 to 3.3 per op). The rest are
-/// in `more`, which is kept once allocated so that a class that fills and
-/// empties again does not go back to the system allocator.
-#[derive(Debug)]
-struct Class {
-    size: u64,
-    addr: u64,
-    id: BlockId,
-    /// Number of entries, the first included.
-    len: u32,
-    more: Option<Box<More>>,
-}
-
-// The record the doc above promises: half a cache line. The table's rows
-// align it to 32 bytes ([`Row`]), so two classes share a line and none
-// straddles two; the compact form's few records need no more than the
-// system allocator's alignment (an over-aligned vector costs an aligned
-// allocation and a copy at each growth).
-const _: () = assert!(std::mem::size_of::<Class>() == 32);
 
 /// A row of the table: the classes of one first-level class, aligned to a
 /// cache line (so each class to 32 bytes).
@@ -288,197 +124,6 @@ impl Rows {
     fn iter(&self) -> std::iter::Flatten<std::slice::Iter<'_, Row>> {
         self.0.iter().flatten()
     }
-}
-
-impl Default for Class {
-    fn default() -> Self {
-        Class {
-            size: 0,
-            addr: 0,
-            id: BlockId(u32::MAX),
-            len: 0,
-            more: None,
-        }
-    }
-}
-
-impl Class {
-    #[inline(always)]
-    fn first_entry(&self) -> Entry {
-        (self.size, self.addr, self.id)
-    }
-
-    #[inline(always)]
-    fn set_first(&mut self, e: Entry) {
-        (self.size, self.addr, self.id) = e;
-    }
-
-    /// The rest of the class, allocated on the first insert that needs it.
-    #[inline(always)]
-    fn more_for_insert(&mut self) -> &mut More {
-        self.more.get_or_insert_with(Box::default)
-    }
-
-    /// Files `e`: inline for an empty class (the common case: classes are
-    /// narrow), a call otherwise.
-    #[inline(always)]
-    fn insert(&mut self, e: Entry) -> bool {
-        if self.len == 0 {
-            self.set_first(e);
-            self.len = 1;
-            return true;
-        }
-        self.insert_more(e)
-    }
-
-    #[inline(never)]
-    fn insert_more(&mut self, e: Entry) -> bool {
-        let first = self.first_entry();
-        let inserted = if key(&e) < key(&first) {
-            self.set_first(e);
-            self.more_for_insert().insert(first)
-        } else {
-            e != first && self.more_for_insert().insert(e)
-        };
-        self.len += u32::from(inserted);
-        inserted
-    }
-
-    /// Removes `e` if filed: inline for a class of one entry, a call otherwise.
-    #[inline(always)]
-    fn remove(&mut self, e: &Entry) -> bool {
-        if self.len == 1 {
-            let first = e.1 == self.addr && *e == self.first_entry();
-            self.len -= u32::from(first);
-            return first;
-        }
-        self.remove_more(e)
-    }
-
-    #[inline(never)]
-    fn remove_more(&mut self, e: &Entry) -> bool {
-        if self.len == 0 {
-            return false;
-        }
-        if e.1 == self.addr && *e == self.first_entry() {
-            self.pop_first();
-            return true;
-        }
-        let removed = match self.more.as_deref_mut() {
-            Some(m) if self.len > 1 => m.remove(e),
-            _ => false,
-        };
-        self.len -= u32::from(removed);
-        removed
-    }
-
-    /// Removes the first entry (there is one).
-    #[inline]
-    fn pop_first(&mut self) {
-        if let (true, Some(m)) = (self.len > 1, self.more.as_deref_mut()) {
-            let next = m.pop_first();
-            self.set_first(next);
-        }
-        self.len -= 1;
-    }
-
-    #[inline]
-    fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Whether `e` is in the class (a search of the class only).
-    fn contains(&self, e: &Entry) -> bool {
-        if self.len == 0 {
-            return false;
-        }
-        *e == self.first_entry()
-            || match self.more.as_deref() {
-                Some(More::Few(v)) if self.len > 1 => v.contains(e),
-                Some(More::Many(t)) if self.len > 1 => t.contains(e),
-                _ => false,
-            }
-    }
-
-    /// The first entry of at least `size` bytes, with its index (0: the
-    /// first entry; `i + 1`: index `i` of a short `more`; 1 in a tree).
-    #[inline]
-    fn first_at_least(&self, size: u64) -> Option<(usize, Entry)> {
-        if self.len == 0 {
-            return None;
-        }
-        if self.size >= size {
-            return Some((0, self.first_entry()));
-        }
-        match &self.more {
-            Some(m) if self.len > 1 => m.first_at_least(size).map(|(i, e)| (i + 1, e)),
-            _ => None,
-        }
-    }
-
-    #[inline]
-    fn first(&self) -> Option<Entry> {
-        (self.len > 0).then(|| self.first_entry())
-    }
-
-    /// Removes `e`, found at `index` by [`Class::first_at_least`] with the
-    /// class unchanged since: inline for a class of one entry.
-    #[inline(always)]
-    fn take(&mut self, index: usize, e: &Entry) {
-        if self.len == 1 {
-            debug_assert!(index == 0 && *e == self.first_entry());
-            self.len = 0;
-            return;
-        }
-        self.take_more(index, e);
-    }
-
-    #[inline(never)]
-    fn take_more(&mut self, index: usize, e: &Entry) {
-        if index == 0 && self.len > 0 && *e == self.first_entry() {
-            self.pop_first();
-            return;
-        }
-        if let Some(More::Few(v)) = self.more.as_deref_mut() {
-            if index > 0 && v.get(index - 1) == Some(e) {
-                remove_at(v, index - 1);
-                self.len -= 1;
-                return;
-            }
-        }
-        let removed = self.remove(e);
-        debug_assert!(removed, "a found entry is in its class");
-    }
-
-    fn last(&self) -> Option<Entry> {
-        match &self.more {
-            Some(m) if self.len > 1 => m.last(),
-            _ => self.first(),
-        }
-    }
-
-    /// The entries in order.
-    fn iter(&self) -> impl DoubleEndedIterator<Item = Entry> + '_ {
-        let more = match &self.more {
-            Some(m) if self.len > 1 => Some(m.iter().copied()),
-            _ => None,
-        };
-        self.first().into_iter().chain(more.into_iter().flatten())
-    }
-}
-
-/// Removes `v[i]`, keeping the order: short vectors shift by hand, which
-/// is cheaper than a call to `memmove` for a few entries.
-#[inline]
-fn remove_at(v: &mut Vec<Entry>, i: usize) {
-    if v.len() - i > SCAN {
-        v.remove(i);
-        return;
-    }
-    for j in i + 1..v.len() {
-        v[j - 1] = v[j];
-    }
-    v.pop();
 }
 
 // Note [Bins sized by use]
@@ -970,7 +615,7 @@ impl Bins {
     #[inline]
     pub fn insert(&mut self, size: u64, addr: u64, id: BlockId) {
         let (fl, sl) = class_of(size);
-        let e = (size, addr, id);
+        let e = Entry { size, addr, id };
         match &mut self.form {
             Form::Table(t) => t.insert(fl, sl, e),
             Form::Few(f) => {
@@ -1015,7 +660,7 @@ impl Bins {
     /// not a walk over every entry).
     pub fn contains(&self, size: u64, addr: u64, id: BlockId) -> bool {
         let (fl, sl) = class_of(size);
-        let e = (size, addr, id);
+        let e = Entry { size, addr, id };
         match &self.form {
             Form::Few(f) => f
                 .kept(flat(fl, sl))
@@ -1028,7 +673,7 @@ impl Bins {
     #[inline]
     pub fn remove(&mut self, size: u64, addr: u64, id: BlockId) -> bool {
         let (fl, sl) = class_of(size);
-        let e = (size, addr, id);
+        let e = Entry { size, addr, id };
         let removed = match &mut self.form {
             Form::Table(t) => t.remove(fl, sl, &e),
             Form::Few(f) => f.remove(flat(fl, sl), &e),
@@ -1067,7 +712,7 @@ impl Bins {
             Form::Few(few) => few.take(f),
         }
         self.len -= 1;
-        self.bytes -= f.entry.0;
+        self.bytes -= f.entry.size;
     }
 
     /// The largest free block (highest address among equals).
@@ -1090,7 +735,7 @@ impl Bins {
         // near fits it served).
         std::iter::successors(self.first_at(flat(fl, sl)), move |&p| self.next_at(p))
             .flat_map(move |p| self.class_at(p).iter())
-            .filter(move |e| e.0 >= size)
+            .filter(move |e| e.size >= size)
     }
 
     /// The free blocks of `lo` to `hi` bytes, ascending by (size, address):
@@ -1105,8 +750,8 @@ impl Bins {
         std::iter::successors(self.first_at(flat(fl, sl)), move |&p| self.next_at(p))
             .take_while(move |&p| self.class_index_at(p) <= last)
             .flat_map(move |p| self.class_at(p).iter())
-            .filter(move |e| e.0 >= lo)
-            .take_while(move |e| e.0 <= hi)
+            .filter(move |e| e.size >= lo)
+            .take_while(move |e| e.size <= hi)
     }
 
     /// The flat class index of place `p` ([`Bins::first_at`]).

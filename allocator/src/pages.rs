@@ -16,6 +16,27 @@
 
 use crate::sorted_map::SortedMap;
 
+/// The intervals of `at..end` outside `spans` (ordered by their starts;
+/// they may overlap), in order.
+#[inline]
+pub(crate) fn gaps_in<T: Ord + Copy>(
+    mut at: T,
+    end: T,
+    spans: impl IntoIterator<Item = (T, T)>,
+) -> Vec<(T, T)> {
+    let mut out = Vec::new();
+    for (s, e) in spans {
+        if at < s {
+            out.push((at, s));
+        }
+        at = at.max(e);
+    }
+    if at < end {
+        out.push((at, end));
+    }
+    out
+}
+
 /// Mapped pages of one expandable segment, in granules.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct PageMap {
@@ -110,21 +131,12 @@ impl PageMap {
 
     /// The unmapped intervals of granules within `first..last`, in order.
     pub fn gaps(&self, first: u32, last: u32) -> Vec<(u32, u32)> {
-        let mut out = Vec::new();
         let mut at = first;
         if let Some((_, &e)) = self.runs.range(..=first).next_back() {
             at = at.max(e);
         }
-        for (&s, &e) in self.runs.range(first..last) {
-            if at < s {
-                out.push((at, s));
-            }
-            at = at.max(e);
-        }
-        if at < last {
-            out.push((at, last));
-        }
-        out
+        let runs = self.runs.range(first..last).map(|(&s, &e)| (s, e));
+        gaps_in(at, last, runs)
     }
 
     /// Whether every granule of `first..last` is mapped: runs are kept

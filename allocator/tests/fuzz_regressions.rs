@@ -17,7 +17,7 @@ const S1: StreamId = StreamId(1);
 /// Found by the `ops` target (expandable preset, 2 GiB device; shrunk from
 /// 1000 ops to these). Fixed in f7943d0.
 ///
-/// Root cause (`allocator/src/allocator/expandable.rs`, `malloc_expandable`):
+/// Root cause (`allocator/src/allocator/malloc.rs`, `malloc_expandable`):
 /// the block picked for a request is taken out of the bins and marked
 /// allocated while its pages are gathered. Gathering may run a recycling
 /// round (`recycle`: synchronize, `process_events`), which frees blocks
@@ -113,7 +113,7 @@ fn expandable_split_remainder_merges_neighbour_freed_meanwhile() {
 /// in the CI smoke), then reduced by hand to plain `expandable`. Fixed in
 /// 8ee330a.
 ///
-/// Root cause (`allocator/src/allocator/expandable.rs`, `reserve_range`):
+/// Root cause (`allocator/src/allocator/expandable/ranges.rs`, `reserve_range`):
 /// each (stream, pool) reserves a virtual range as large as the device
 /// (at most 1 TiB). When `vmm_reserve` fails for lack of address space —
 /// the simulated device's address space holds 127 ranges of 1 TiB; a real

@@ -108,7 +108,7 @@ impl<D: Device> CachingAllocator<D> {
         st.vmm
             .stale_mappings(&st.core)
             .into_iter()
-            .map(|(a, n, pooled)| (DevicePtr(a), n, pooled))
+            .map(|m| (DevicePtr(m.addr), m.bytes, m.pooled))
             .collect()
     }
 
@@ -120,7 +120,7 @@ impl<D: Device> CachingAllocator<D> {
         st.vmm
             .alias_mappings(&st.core)
             .into_iter()
-            .map(|(a, n)| (DevicePtr(a), n))
+            .map(|m| (DevicePtr(m.addr), m.bytes))
             .collect()
     }
 

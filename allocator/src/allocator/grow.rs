@@ -163,12 +163,12 @@ impl<E> State<E> {
             let other = PoolId::new(slot as u32, pool.kind());
             let bins = &self.core.bins[other.index()];
             for e in bins.iter_from(rounded).take(BORROW_LOOKS) {
-                if best.is_some_and(|(b, _)| b.0 <= e.0)
-                    || (rounded < max_split && e.0 >= max_split)
+                if best.is_some_and(|(b, _)| b.size <= e.size)
+                    || (rounded < max_split && e.size >= max_split)
                 {
                     break;
                 }
-                if self.core.blocks.get(e.2 .0).is_split()
+                if self.core.blocks.get(e.id.0).is_split()
                     && !dev.stream_capturing(self.core.stream_list[slot])
                 {
                     best = Some((e, slot));
@@ -176,7 +176,7 @@ impl<E> State<E> {
                 }
             }
         }
-        let Some(((size, addr, id), slot)) = best else {
+        let Some((Entry { size, addr, id }, slot)) = best else {
             return Ok(None);
         };
         // That stream's work queued so far: done already, or waited for on the device.
@@ -311,11 +311,11 @@ impl<E> State<E> {
         let key = rounded.max(max_split);
         let bins = &self.core.bins[pool.index()];
         let candidates: Vec<BlockId> = match bins.best_fit(key) {
-            Some((_, _, id)) => vec![id],
+            Some(Entry { id, .. }) => vec![id],
             None => {
                 let mut total = 0;
                 let mut v = Vec::new();
-                for (size, _, id) in bins.iter().rev() {
+                for Entry { size, id, .. } in bins.iter().rev() {
                     if total >= key || size < max_split {
                         break;
                     }
@@ -362,7 +362,7 @@ impl<E> State<E> {
         let mut candidates: Vec<BlockId> = Vec::new();
         for (i, bins) in self.core.bins.iter().enumerate() {
             if let PoolKind::Large | PoolKind::Huge = PoolId(i as u32).kind() {
-                candidates.extend(bins.iter().map(|e| e.2).filter(|id| {
+                candidates.extend(bins.iter().map(|e| e.id).filter(|id| {
                     let b = self.core.blocks.get(id.0);
                     !b.is_split() && !self.core.segments.get(b.segment.0).is_expandable()
                 }));
@@ -396,7 +396,7 @@ impl<E> State<E> {
         &mut self,
         dev: &D,
         req: Request,
-    ) -> Result<(u64, u64, BlockId), AllocError> {
+    ) -> Result<Entry, AllocError> {
         let Request {
             pool,
             stream,
@@ -428,7 +428,11 @@ impl<E> State<E> {
             Err(e) => return Err(e),
         };
         let s = self.core.segments.get(seg.0);
-        Ok((s.size, s.addr, s.head))
+        Ok(Entry {
+            size: s.size,
+            addr: s.addr,
+            id: s.head,
+        })
     }
 }
 
@@ -438,10 +442,10 @@ impl<E> Core<E> {
     #[cold]
     fn take_mapped_fit(&mut self, pool: PoolId, rounded: u64, looks: usize) -> Option<BlockId> {
         let max_split = self.config.max_split_size;
-        let (size, addr, id) = self.bins[pool.index()]
+        let Entry { size, addr, id } = self.bins[pool.index()]
             .iter_from(rounded)
             .take(looks)
-            .find(|e| rounded >= max_split || e.0 < max_split)?;
+            .find(|e| rounded >= max_split || e.size < max_split)?;
         self.bins_mut(pool).remove(size, addr, id);
         Some(id)
     }

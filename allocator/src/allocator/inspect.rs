@@ -1,6 +1,7 @@
 //! What the allocator reports about itself: fragmentation and snapshots.
 
 use super::*;
+use crate::bins::Entry;
 
 impl<E> State<E> {
     /// Free bytes in free blocks and the largest free block, over all pools.
@@ -12,7 +13,7 @@ impl<E> State<E> {
         for (i, bins) in self.core.bins.iter().enumerate() {
             match self.vmm.has_ranges(i) {
                 true => {
-                    for (size, addr, id) in bins.iter() {
+                    for Entry { size, addr, id } in bins.iter() {
                         let s = self.core.segments.get(self.core.blocks.get(id.0).segment.0);
                         let mapped = self.core.mapped_bytes_in(s, addr, addr + size);
                         free += mapped;
@@ -21,7 +22,7 @@ impl<E> State<E> {
                 }
                 false => {
                     free += bins.bytes();
-                    largest = largest.max(bins.largest().map_or(0, |e| e.0));
+                    largest = largest.max(bins.largest().map_or(0, |e| e.size));
                 }
             }
         }

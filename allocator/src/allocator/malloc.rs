@@ -108,46 +108,24 @@ impl<E> State<E> {
                 self.wait_all_events(dev)?;
             }
             if attempt == 2 {
-                // Last rung: the free part of pages partly under live blocks,
-                // then pages shared by granules whose live bytes do not meet.
-                // Each makes room for the other (a swap needs room for its
-                // new pages first; the pages it frees become granules that
-                // may share): in turn while either gives something back.
-                let mut freed = 0;
-                loop {
-                    let mut round = 0;
-                    if self.core.config.expandable_reback {
-                        round += self.vmm.reback(&mut self.core, dev)?;
-                    }
-                    if self.core.config.expandable_share {
-                        round += self.vmm.share(&mut self.core, dev)?;
-                    }
-                    freed += round;
-                    if round == 0 || !self.core.config.expandable_reback {
-                        break;
-                    }
-                }
-                if freed == 0 {
+                // Last rungs: the free part of pages partly under live
+                // blocks, then pages shared by granules whose live bytes do
+                // not meet.
+                if self.vmm.last_rungs(&mut self.core, dev)? == 0 {
                     break;
                 }
             }
-            let ((bsize, addr, id), borrowed) = self.expandable_fit(dev, req)?;
+            let (fit, borrowed) = self.expandable_fit(dev, req)?;
+            let id = fit.id;
             // While its pages are gathered the block is out of the bins (so not
             // idle) and marked in use (so a block freed meanwhile does not merge it).
             let pool = self.core.blocks.get(id.0).pool;
-            self.core.bins_mut(pool).remove(bsize, addr, id);
+            self.core.bins_mut(pool).remove(fit.size, fit.addr, id);
             let b = self.core.blocks.get_mut(id.0);
             b.state = BlockState::Allocated;
-            let (since, seg) = (b.freed_at, b.segment);
+            let since = b.freed_at;
             self.core.idle_index.remove(&(since, id.0));
-            let mapped = self.vmm.map_range(
-                &mut self.core,
-                dev,
-                seg,
-                addr,
-                addr + rounded,
-                (addr + bsize, since),
-            );
+            let mapped = self.vmm.map_range(&mut self.core, dev, fit, rounded);
             if mapped.is_ok() {
                 if borrowed {
                     // Used on the requesting stream: its free waits for that
@@ -191,7 +169,7 @@ impl<E> State<E> {
             Some(fit) => {
                 let bins = &self.core.bins[pool.index()];
                 let (e, mapped) = self.vmm.near_fit(&self.core, dev, bins, fit, rounded)?;
-                Some((e, e.1, mapped))
+                Some((e, e.addr, mapped))
             }
             None => None,
         };
@@ -202,9 +180,14 @@ impl<E> State<E> {
             }
         }
         match own {
-            Some((e, at, _)) if at == e.1 => Ok((e, false)),
-            Some(((size, start, id), at, _)) => {
-                Ok(((start + size - at, at, self.core.split_free(id, at)), false))
+            Some((e, at, _)) if at == e.addr => Ok((e, false)),
+            Some((Entry { size, addr, id }, at, _)) => {
+                let back = Entry {
+                    size: addr + size - at,
+                    addr: at,
+                    id: self.core.split_free(id, at),
+                };
+                Ok((back, false))
             }
             None => Ok((self.new_range(dev, req)?, false)),
         }
@@ -218,7 +201,7 @@ impl<E> Core<E> {
     /// free block ([`Expandable::place`]).
     #[cold]
     pub(super) fn split_free(&mut self, id: BlockId, at: u64) -> BlockId {
-        let g = self.granularity.expect("expandable mode has a granularity");
+        let g = self.granule();
         let b = self.blocks.get(id.0);
         let (addr, size, seg, pool, since) = (b.addr, b.size, b.segment, b.pool, b.freed_at);
         debug_assert!(b.state == BlockState::Free && addr < at && at < addr + size);
@@ -270,7 +253,9 @@ impl<E> Core<E> {
         let max_split = self.config.max_split_size;
         let slack = self.config.max_non_split_rounding;
         let found = self.bins[pool.index()].find(size)?;
-        let (bsize, _, id) = found.entry;
+        let Entry {
+            size: bsize, id, ..
+        } = found.entry;
         if size < max_split && bsize >= max_split {
             return None;
         }

@@ -18,6 +18,7 @@
 //! by the out-of-memory ladder.
 
 use super::Core;
+use crate::bins::Entry;
 use crate::block::{
     Block, BlockId, BlockState, Listed, PoolId, PoolKind, SegmentId, SegmentKind, SlabSeg,
 };
@@ -145,7 +146,7 @@ impl SlabPools {
         let seg_size = core.config.small_segment;
         let bins = &mut core.bins[pool.index()];
         let found = bins.find(seg_size)?;
-        let (size, _, id) = found.entry;
+        let Entry { size, id, .. } = found.entry;
         let b = core.blocks.get(id.0);
         if size != seg_size || b.is_split() {
             return None;

@@ -3,6 +3,11 @@
 use super::*;
 use proptest::prelude::*;
 
+/// An entry as the bins list it.
+fn entry(size: u64, addr: u64, id: BlockId) -> Entry {
+    Entry { size, addr, id }
+}
+
 #[test]
 fn iter_from_lists_the_fits_in_best_fit_order() {
     let mut b = Bins::default();
@@ -16,7 +21,7 @@ fn iter_from_lists_the_fits_in_best_fit_order() {
     }
     for want in [1u64, 4096, 4097, 3 << 20, (3 << 20) + 512, 65 << 20] {
         let got: Vec<Entry> = b.iter_from(want).collect();
-        let all: Vec<Entry> = b.iter().filter(|e| e.0 >= want).collect();
+        let all: Vec<Entry> = b.iter().filter(|e| e.size >= want).collect();
         assert_eq!(got, all, "from {want}");
         assert_eq!(got.first().copied(), b.best_fit(want));
     }
@@ -58,14 +63,14 @@ fn best_fit_prefers_smallest_then_lowest_address() {
     b.insert(2048, 200, BlockId(2));
     b.insert(2048, 100, BlockId(3));
     b.insert(1 << 30, 50, BlockId(4));
-    assert_eq!(b.best_fit(1536), Some((2048, 100, BlockId(3))));
-    assert_eq!(b.best_fit(2560), Some((4096, 300, BlockId(1))));
-    assert_eq!(b.best_fit(8192), Some((1 << 30, 50, BlockId(4))));
+    assert_eq!(b.best_fit(1536), Some(entry(2048, 100, BlockId(3))));
+    assert_eq!(b.best_fit(2560), Some(entry(4096, 300, BlockId(1))));
+    assert_eq!(b.best_fit(8192), Some(entry(1 << 30, 50, BlockId(4))));
     assert_eq!(b.best_fit((1 << 30) + 512), None);
-    assert_eq!(b.largest(), Some((1 << 30, 50, BlockId(4))));
+    assert_eq!(b.largest(), Some(entry(1 << 30, 50, BlockId(4))));
     assert!(b.remove(2048, 100, BlockId(3)));
     assert!(!b.remove(2048, 100, BlockId(3)));
-    assert_eq!(b.best_fit(512), Some((2048, 200, BlockId(2))));
+    assert_eq!(b.best_fit(512), Some(entry(2048, 200, BlockId(2))));
     assert_eq!(b.len(), 3);
     assert_eq!(b.bytes(), 4096 + 2048 + (1 << 30));
 }
@@ -78,16 +83,16 @@ fn a_crowded_class_spills_to_a_tree_and_back() {
         b.insert(4096, u64::from(i) * 8192, BlockId(i));
     }
     assert_eq!(b.len(), n as usize);
-    assert_eq!(b.best_fit(4096), Some((4096, 0, BlockId(0))));
+    assert_eq!(b.best_fit(4096), Some(entry(4096, 0, BlockId(0))));
     for i in 0..n - 10 {
         assert!(b.remove(4096, u64::from(i) * 8192, BlockId(i)));
-        assert_eq!(b.best_fit(4096).map(|e| e.2), Some(BlockId(i + 1)));
+        assert_eq!(b.best_fit(4096).map(|e| e.id), Some(BlockId(i + 1)));
     }
     assert!(!b.remove(4096, 0, BlockId(0)));
     assert_eq!(b.iter().count(), 10);
     assert_eq!(
         b.largest(),
-        Some((4096, u64::from(n - 1) * 8192, BlockId(n - 1)))
+        Some(entry(4096, u64::from(n - 1) * 8192, BlockId(n - 1)))
     );
 }
 
@@ -108,7 +113,7 @@ fn a_pool_of_few_blocks_holds_a_record_per_class() {
     assert!(b.host_bytes() <= 256, "{} bytes", b.host_bytes());
     // A class that empties holds no block (its record stays for the next).
     assert!(b.remove(3 << 20, 0x3000_0000, BlockId(2)));
-    assert_eq!(b.largest(), Some((1 << 20, 0x8000_0000, BlockId(8))));
+    assert_eq!(b.largest(), Some(entry(1 << 20, 0x8000_0000, BlockId(8))));
     assert_eq!(b.best_fit(2 << 20), None);
     assert_eq!(b.iter_from(4097).count(), 2);
 }
@@ -134,17 +139,17 @@ fn a_new_class_takes_an_emptied_slot() {
         b.insert(units * 512, k << 24, BlockId(k as u32));
         assert!(b.is_compact(), "{units} granules");
     }
-    let sizes: Vec<u64> = b.iter().map(|e| e.0 / 512).collect();
+    let sizes: Vec<u64> = b.iter().map(|e| e.size / 512).collect();
     assert_eq!(sizes, [63, 64, 66, 70, 72, 73, 74, 99]);
-    assert_eq!(b.best_fit(67 * 512).map(|e| e.0 / 512), Some(70));
-    assert_eq!(b.best_fit(74 * 512).map(|e| e.0 / 512), Some(74));
-    assert_eq!(b.largest().map(|e| e.0 / 512), Some(99));
+    assert_eq!(b.best_fit(67 * 512).map(|e| e.size / 512), Some(70));
+    assert_eq!(b.best_fit(74 * 512).map(|e| e.size / 512), Some(74));
+    assert_eq!(b.largest().map(|e| e.size / 512), Some(99));
     assert_eq!(b.iter_from(73 * 512).count(), 3);
     assert_eq!(b.class_records(), FEW);
     // Every slot's class holds a block: a ninth class makes the table.
     b.insert(200 * 512, 13 << 24, BlockId(13));
     assert!(!b.is_compact());
-    let sizes: Vec<u64> = b.iter().map(|e| e.0 / 512).collect();
+    let sizes: Vec<u64> = b.iter().map(|e| e.size / 512).collect();
     assert_eq!(sizes, [63, 64, 66, 70, 72, 73, 74, 99, 200]);
 }
 
@@ -167,13 +172,13 @@ fn the_table_holds_rows_only_where_blocks_are() {
         b.host_bytes()
     );
     // The move kept every block in order.
-    let sizes: Vec<u64> = b.iter().map(|e| e.0).collect();
+    let sizes: Vec<u64> = b.iter().map(|e| e.size).collect();
     let mut sorted = sizes.clone();
     sorted.sort_unstable();
     assert_eq!(sizes, sorted);
     assert_eq!(sizes.len(), n as usize);
-    assert_eq!(b.best_fit(1), Some((64 * 512, 0, BlockId(0))));
-    assert_eq!(b.largest().map(|e| e.0), Some(512 * 512));
+    assert_eq!(b.best_fit(1), Some(entry(64 * 512, 0, BlockId(0))));
+    assert_eq!(b.largest().map(|e| e.size), Some(512 * 512));
 }
 
 proptest! {
@@ -186,16 +191,16 @@ proptest! {
         let mut b = Bins::default();
         let mut all: Vec<Entry> = Vec::new();
         for (i, (units, addr)) in blocks.into_iter().enumerate() {
-            let e = (units * 512, addr * 512 + i as u64, BlockId(i as u32));
-            b.insert(e.0, e.1, e.2);
+            let e = entry(units * 512, addr * 512 + i as u64, BlockId(i as u32));
+            b.insert(e.size, e.addr, e.id);
             all.push(e);
         }
         for q in queries {
             let size = q * 512;
-            let expected = all.iter().filter(|e| e.0 >= size).min().copied();
+            let expected = all.iter().filter(|e| e.size >= size).min().copied();
             prop_assert_eq!(b.best_fit(size), expected);
             // The next fits in order too (the near fits walk them).
-            let mut fits: Vec<Entry> = all.iter().filter(|e| e.0 >= size).copied().collect();
+            let mut fits: Vec<Entry> = all.iter().filter(|e| e.size >= size).copied().collect();
             fits.sort_unstable();
             prop_assert_eq!(b.iter_from(size).collect::<Vec<_>>(), fits);
         }
@@ -219,24 +224,24 @@ proptest! {
                 // Inserts are three ops in five, so that classes fill
                 // past the spill threshold, not only the scan threshold.
                 0..=2 => {
-                    let e = (size, addr * 4096 + size_pick, BlockId(i as u32));
-                    if !model.iter().any(|m: &Entry| m.1 == e.1) {
-                        b.insert(e.0, e.1, e.2);
+                    let e = entry(size, addr * 4096 + size_pick, BlockId(i as u32));
+                    if !model.iter().any(|m: &Entry| m.addr == e.addr) {
+                        b.insert(e.size, e.addr, e.id);
                         model.insert(e);
                     }
                 }
                 3 => {
                     // Remove the entry nearest below a random point, if any.
-                    let victim = model.iter().find(|m| m.1 >= addr * 4096).copied();
+                    let victim = model.iter().find(|m| m.addr >= addr * 4096).copied();
                     if let Some(v) = victim {
-                        prop_assert!(b.remove(v.0, v.1, v.2));
+                        prop_assert!(b.remove(v.size, v.addr, v.id));
                         model.remove(&v);
                     }
                     prop_assert!(!b.remove(size, u64::MAX, BlockId(0)));
                 }
                 _ => {
                     let want = [1u64, 2, 3, 4, 5, 1024, 1025, 1026, 1030, 1032, 1033][q] * 512;
-                    let expected = model.iter().filter(|e| e.0 >= want).min().copied();
+                    let expected = model.iter().filter(|e| e.size >= want).min().copied();
                     let found = b.find(want);
                     prop_assert_eq!(found.map(|f| f.entry), expected);
                     if let Some(f) = found {
@@ -246,7 +251,7 @@ proptest! {
                 }
             }
             prop_assert_eq!(b.len(), model.len());
-            prop_assert_eq!(b.bytes(), model.iter().map(|e| e.0).sum::<u64>());
+            prop_assert_eq!(b.bytes(), model.iter().map(|e| e.size).sum::<u64>());
         }
         let listed: Vec<Entry> = b.iter().collect();
         let expected: Vec<Entry> = model.iter().copied().collect();
@@ -272,18 +277,18 @@ proptest! {
         for (i, (op, k, addr, q)) in ops.into_iter().enumerate() {
             match op {
                 0..=2 => {
-                    let e = (size(k), addr * (1 << 24) + k, BlockId(i as u32));
-                    if !model.iter().any(|m: &Entry| m.1 == e.1) {
-                        few.insert(e.0, e.1, e.2);
-                        table.insert(e.0, e.1, e.2);
+                    let e = entry(size(k), addr * (1 << 24) + k, BlockId(i as u32));
+                    if !model.iter().any(|m: &Entry| m.addr == e.addr) {
+                        few.insert(e.size, e.addr, e.id);
+                        table.insert(e.size, e.addr, e.id);
                         model.insert(e);
                     }
                 }
                 3 => {
-                    let victim = model.iter().find(|m| m.1 >= addr * (1 << 24)).copied();
+                    let victim = model.iter().find(|m| m.addr >= addr * (1 << 24)).copied();
                     if let Some(v) = victim {
-                        prop_assert!(few.remove(v.0, v.1, v.2));
-                        prop_assert!(table.remove(v.0, v.1, v.2));
+                        prop_assert!(few.remove(v.size, v.addr, v.id));
+                        prop_assert!(table.remove(v.size, v.addr, v.id));
                         model.remove(&v);
                     }
                     prop_assert!(!few.remove(size(k), 1, BlockId(0)));
@@ -291,12 +296,12 @@ proptest! {
                 }
                 _ => {
                     let want = size(q.min(23)) + (q / 24) * 512;
-                    let expected = model.iter().filter(|e| e.0 >= want).min().copied();
-                    let fits: Vec<Entry> = model.iter().filter(|e| e.0 >= want).copied().collect();
+                    let expected = model.iter().filter(|e| e.size >= want).min().copied();
+                    let fits: Vec<Entry> = model.iter().filter(|e| e.size >= want).copied().collect();
                     prop_assert_eq!(few.iter_from(want).collect::<Vec<_>>(), fits.clone());
                     prop_assert_eq!(table.iter_from(want).collect::<Vec<_>>(), fits.clone());
                     let hi = want * (1 + q % 5);
-                    let within: Vec<Entry> = fits.into_iter().filter(|e| e.0 <= hi).collect();
+                    let within: Vec<Entry> = fits.into_iter().filter(|e| e.size <= hi).collect();
                     prop_assert_eq!(few.iter_between(want, hi).collect::<Vec<_>>(), within.clone());
                     prop_assert_eq!(table.iter_between(want, hi).collect::<Vec<_>>(), within);
                     let (f, t) = (few.find(want), table.find(want));
@@ -311,14 +316,14 @@ proptest! {
             }
             for b in [&few, &table] {
                 prop_assert_eq!(b.len(), model.len());
-                prop_assert_eq!(b.bytes(), model.iter().map(|e| e.0).sum::<u64>());
+                prop_assert_eq!(b.bytes(), model.iter().map(|e| e.size).sum::<u64>());
                 prop_assert_eq!(b.largest(), model.iter().max().copied());
                 let listed: Vec<Entry> = b.iter().collect();
                 prop_assert_eq!(listed, model.iter().copied().collect::<Vec<_>>());
             }
             for e in &model {
-                prop_assert!(few.contains(e.0, e.1, e.2));
-                prop_assert!(table.contains(e.0, e.1, e.2));
+                prop_assert!(few.contains(e.size, e.addr, e.id));
+                prop_assert!(table.contains(e.size, e.addr, e.id));
             }
         }
     }

@@ -11,7 +11,11 @@
 //! device. No tensor moves (its address stays), and nothing happens in a run
 //! that fits.
 
-use super::*;
+use super::{Expandable, Place};
+use crate::allocator::Core;
+use crate::block::{BlockState, PoolKind, SegmentId};
+use crate::device::{Device, DeviceError, DevicePtr};
+use crate::error::AllocError;
 
 /// A page to give back: its segment, first granule, handle, length in
 /// granules, and the granules under live blocks (in order).
@@ -24,20 +28,47 @@ struct Reback {
 }
 
 impl<E> Expandable<E> {
-    /// Gives back the free part of every page larger than a granule that
-    /// lies partly under live blocks, after synchronizing the device (no
-    /// queued work may touch a page while it is swapped); not while a stream
-    /// is captured into a CUDA graph. Stops at the first page the device
-    /// has no room to copy. Returns the bytes given back.
+    /// The last rungs before an expandable allocation fails, each as its key
+    /// says and not while a stream is captured into a CUDA graph: the free
+    /// part of pages partly under live blocks given back ([`Self::reback`]),
+    /// then pages shared by granules whose live bytes do not meet
+    /// ([`Self::share`]). Each makes room for the other (a swap needs room
+    /// for its new pages first; the pages it frees become granules that may
+    /// share): in turn while either gives something back. Returns the bytes
+    /// given back.
     #[cold]
-    pub(in crate::allocator) fn reback<D: Device<Event = E>>(
+    pub(in crate::allocator) fn last_rungs<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
     ) -> Result<u64, AllocError> {
-        if core.any_stream_capturing(dev) {
-            return Ok(0);
+        let mut freed = 0;
+        loop {
+            let mut round = 0;
+            if core.config.expandable_reback && !core.any_stream_capturing(dev) {
+                round += self.reback(core, dev)?;
+            }
+            if core.config.expandable_share && !core.any_stream_capturing(dev) {
+                round += self.share(core, dev)?;
+            }
+            freed += round;
+            if round == 0 || !core.config.expandable_reback {
+                return Ok(freed);
+            }
         }
+    }
+
+    /// Gives back the free part of every page larger than a granule that
+    /// lies partly under live blocks, after synchronizing the device (no
+    /// queued work may touch a page while it is swapped; the caller checks
+    /// that no stream is captured). Stops at the first page the device has
+    /// no room to copy. Returns the bytes given back.
+    #[cold]
+    fn reback<D: Device<Event = E>>(
+        &mut self,
+        core: &mut Core<E>,
+        dev: &D,
+    ) -> Result<u64, AllocError> {
         let mut plans = self.reback_plans(core);
         if plans.is_empty() {
             return Ok(0);
@@ -46,7 +77,7 @@ impl<E> Expandable<E> {
         // pooled pages are of the big size: room for granules first.
         self.settle(core, dev)?;
         self.release_pooled(core, dev, u64::MAX)?;
-        let g = core.granularity.expect("expandable mode has a granularity");
+        let g = core.granule();
         // Fewest granules to copy first: each swap needs room for its new
         // pages before the old page goes, and leaves more room for the next.
         plans.sort_by_key(|p| p.live.len());
@@ -78,7 +109,7 @@ impl<E> Expandable<E> {
                 bytes
             }
             Err(_) => {
-                self.page_pool.push((handle, kind, bytes));
+                self.pool_page(handle, kind, bytes);
                 0
             }
         }
@@ -87,10 +118,10 @@ impl<E> Expandable<E> {
     /// The pages larger than a granule with granules both under live blocks
     /// (any block not free) and not, in every range.
     fn reback_plans(&self, core: &Core<E>) -> Vec<Reback> {
-        let g = core.granularity.expect("expandable mode has a granularity");
+        let g = core.granule();
         let mut plans = Vec::new();
         for &seg in self.ranges.iter().flatten() {
-            let s = core.segments.get(seg.0);
+            let s = core.segment(seg);
             let Some(pages) = s.pages() else { continue };
             // Granule spans of the blocks in use, in address order.
             let mut used: Vec<(u32, u32)> = Vec::new();
@@ -141,12 +172,12 @@ impl<E> Expandable<E> {
         dev: &D,
         p: &Reback,
     ) -> Result<bool, AllocError> {
-        let g = core.granularity.expect("expandable mode has a granularity");
-        let s = core.segments.get(p.seg.0);
+        let g = core.granule();
+        let s = core.segment(p.seg);
         let (base, kind) = (s.addr, s.pool.kind());
         let k = p.live.len();
         // The new pages are held beside the old one for a moment: within the cap.
-        let (_, _, cap) = self.limits(core);
+        let cap = self.limits(core).cap;
         if core.reserved() + k as u64 * g > cap {
             return Ok(false);
         }
@@ -207,11 +238,7 @@ impl<E> Expandable<E> {
         core.stats.num_page_create += k as u64;
         core.stats.num_map += 2 * k as u64;
         core.stats.num_unmap += 1;
-        let pages = core
-            .segments
-            .get_mut(p.seg.0)
-            .pages_mut()
-            .expect("expandable");
+        let pages = core.page_map_mut(p.seg);
         pages.remove(p.at);
         for (&x, &page) in p.live.iter().zip(&new) {
             pages.insert(x, 1, page);
@@ -219,7 +246,7 @@ impl<E> Expandable<E> {
         if core.config.expandable_shadows {
             self.mapped_at.remove(&p.handle);
             for (&x, &page) in p.live.iter().zip(&new) {
-                self.mapped_at.insert(page, (p.seg, x));
+                self.mapped_at.insert(page, Place { seg: p.seg, at: x });
             }
         }
         // The new pages are counted as the old one's live part; the old
@@ -239,5 +266,31 @@ impl<E> Expandable<E> {
         let freed_range = dev.vmm_free_range(scratch, k as u64 * g);
         done.and(freed_range)?;
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::allocator::expandable::testing::*;
+    use crate::config::Config;
+
+    /// The last rungs give back the free part of a big page partly under a
+    /// live block, and nothing while a stream is captured into a CUDA graph.
+    #[test]
+    fn the_last_rungs_wait_for_no_capture() {
+        let config = Config {
+            expandable_share: false,
+            ..fixed_pages(8 * MIB, true)
+        };
+        let (dev, a) = alloc(config);
+        a.malloc(PAGE, S0).unwrap(); // one 8 MiB page, a granule of it live
+        with_state(&a, |vmm, core, _| {
+            dev.set_capturing(S0, true);
+            assert_eq!(vmm.last_rungs(core, &dev).unwrap(), 0);
+            dev.set_capturing(S0, false);
+            assert_eq!(vmm.last_rungs(core, &dev).unwrap(), 6 * MIB);
+            assert_eq!(core.reserved(), PAGE);
+            assert_eq!(core.stats.num_pages_rebacked, 1);
+        });
     }
 }

@@ -15,7 +15,13 @@
 //! device is synchronized): its mapping is unmapped and its aliased bytes
 //! are free again; the last member keeps the page as its own.
 
-use super::*;
+use super::{Expandable, Place};
+use crate::allocator::Core;
+use crate::block::{BlockId, BlockState, PoolKind, SegmentId};
+use crate::device::{Device, DeviceError, DevicePtr};
+use crate::error::AllocError;
+use crate::pages::gaps_in;
+use std::collections::BTreeMap;
 
 /// Byte spans within a granule, as offsets from its start.
 type Spans = Vec<(u64, u64)>;
@@ -29,18 +35,27 @@ struct Candidate {
     live: Spans,
 }
 
+/// A mapping of a shared page at a member other than the one that counts
+/// it (`Expandable::alias_mappings`): it holds no memory of its own.
+#[derive(Copy, Clone, Debug)]
+pub(in crate::allocator) struct AliasMapping {
+    pub(in crate::allocator) addr: u64,
+    pub(in crate::allocator) bytes: u64,
+}
+
 impl Candidate {
     fn bytes(&self) -> u64 {
         self.live.iter().map(|&(lo, hi)| hi - lo).sum()
     }
 }
 
-/// A page to share planned: its pool kind, its home (segment, granule,
-/// page), the home's offsets still free for joiners, and the joiners
-/// (indices of candidates).
+/// A page to share planned: its pool kind, its home (the granule that
+/// counts it), the page, the home's offsets still free for joiners, and the
+/// joiners (indices of candidates).
 struct Plan {
     kind: PoolKind,
-    home: (SegmentId, u32, u64),
+    home: Place,
+    page: u64,
     free: Spans,
     joiners: Vec<usize>,
 }
@@ -68,18 +83,7 @@ fn subtract(free: &[(u64, u64)], taken: &[(u64, u64)]) -> Spans {
 fn complement(live: &[(u64, u64)], g: u64) -> Spans {
     let mut sorted = live.to_vec();
     sorted.sort_unstable();
-    let mut out = Vec::new();
-    let mut at = 0;
-    for (lo, hi) in sorted {
-        if at < lo {
-            out.push((at, lo));
-        }
-        at = at.max(hi);
-    }
-    if at < g {
-        out.push((at, g));
-    }
-    out
+    gaps_in(0, g, sorted)
 }
 
 /// Whether a block in this state holds bytes someone uses.
@@ -93,17 +97,15 @@ fn in_use(state: BlockState) -> bool {
 impl<E> Expandable<E> {
     /// Shares pages between granules partly under live blocks whose live
     /// bytes lie at disjoint offsets (first fit, fullest granules first),
-    /// after synchronizing the device; not while a stream is captured into
-    /// a CUDA graph. Returns the bytes given back.
+    /// after synchronizing the device (the caller, [`Self::last_rungs`],
+    /// checks that no stream is captured into a CUDA graph). Returns the
+    /// bytes given back.
     #[cold]
-    pub(in crate::allocator) fn share<D: Device<Event = E>>(
+    pub(super) fn share<D: Device<Event = E>>(
         &mut self,
         core: &mut Core<E>,
         dev: &D,
     ) -> Result<u64, AllocError> {
-        if core.any_stream_capturing(dev) {
-            return Ok(0);
-        }
         // Leaving unmaps, and copies read live blocks: the device must be
         // idle first (one synchronize, only where there is something to do).
         let mut settled = false;
@@ -123,18 +125,19 @@ impl<E> Expandable<E> {
             .shared
             .iter()
             .map(|(&handle, members)| {
-                let (seg, at) = members[0];
+                let home = members[0];
                 Plan {
-                    kind: core.segments.get(seg.0).pool.kind(),
-                    home: (seg, at, handle),
-                    free: core.free_spans(seg, at),
+                    kind: core.segment(home.seg).pool.kind(),
+                    home,
+                    page: handle,
+                    free: core.free_spans(home.seg, home.at),
                     joiners: Vec::new(),
                 }
             })
             .collect();
-        plans.sort_by_key(|p| (p.home.0 .0, p.home.1));
+        plans.sort_by_key(|p| p.home);
         for (i, c) in cands.iter().enumerate() {
-            let kind = core.segments.get(c.seg.0).pool.kind();
+            let kind = core.segment(c.seg).pool.kind();
             match plans
                 .iter_mut()
                 .find(|p| p.kind == kind && within(&c.live, &p.free))
@@ -145,8 +148,12 @@ impl<E> Expandable<E> {
                 }
                 None => plans.push(Plan {
                     kind,
-                    home: (c.seg, c.at, c.handle),
-                    free: complement(&c.live, core.granularity.expect("expandable")),
+                    home: Place {
+                        seg: c.seg,
+                        at: c.at,
+                    },
+                    page: c.handle,
+                    free: complement(&c.live, core.granule()),
                     joiners: Vec::new(),
                 }),
             }
@@ -159,7 +166,7 @@ impl<E> Expandable<E> {
         }
         for p in plans.iter().filter(|p| !p.joiners.is_empty()) {
             let joiners: Vec<&Candidate> = p.joiners.iter().map(|&i| &cands[i]).collect();
-            freed += self.share_page(core, dev, p.home, &joiners)?;
+            freed += self.share_page(core, dev, p.home, p.page, &joiners)?;
         }
         Ok(freed)
     }
@@ -167,10 +174,10 @@ impl<E> Expandable<E> {
     /// The granules mapped by a one-granule page of their own (not shared),
     /// partly under blocks in use, with the spans of those blocks.
     fn share_candidates(&self, core: &Core<E>) -> Vec<Candidate> {
-        let g = core.granularity.expect("expandable mode has a granularity");
+        let g = core.granule();
         let mut out = Vec::new();
         for &seg in self.ranges.iter().flatten() {
-            let s = core.segments.get(seg.0);
+            let s = core.segment(seg);
             let Some(pages) = s.pages() else { continue };
             // Only a block's first and last granules can be partly under it.
             let mut spans: BTreeMap<u32, Spans> = BTreeMap::new();
@@ -219,7 +226,7 @@ impl<E> Expandable<E> {
         out
     }
 
-    /// Maps the page of granule `home` (segment, granule, page) at the
+    /// Maps `page`, the page of granule `home`, at the
     /// joiners' addresses (their live bytes copied into it first) and gives
     /// their pages back; a joiner the device refuses keeps its page.
     /// Returns the bytes given back.
@@ -227,15 +234,13 @@ impl<E> Expandable<E> {
         &mut self,
         core: &mut Core<E>,
         dev: &D,
-        home: (SegmentId, u32, u64),
+        home: Place,
+        page: u64,
         joiners: &[&Candidate],
     ) -> Result<u64, AllocError> {
-        let g = core.granularity.expect("expandable mode has a granularity");
-        let addr = |core: &Core<E>, seg: SegmentId, at: u32| {
-            core.segments.get(seg.0).addr + u64::from(at) * g
-        };
-        let (home_seg, home_granule, page) = home;
-        let home_at = addr(core, home_seg, home_granule);
+        let g = core.granule();
+        let addr = |core: &Core<E>, seg: SegmentId, at: u32| core.granule_addr(seg, at);
+        let home_at = addr(core, home.seg, home.at);
         let mut freed = 0;
         for &c in joiners {
             let at = addr(core, c.seg, c.at);
@@ -262,12 +267,8 @@ impl<E> Expandable<E> {
             }
             core.stats.num_unmap += 1;
             core.stats.num_map += 1;
-            let kind = core.segments.get(c.seg.0).pool.kind();
-            let pages = core
-                .segments
-                .get_mut(c.seg.0)
-                .pages_mut()
-                .expect("expandable");
+            let kind = core.segment(c.seg).pool.kind();
+            let pages = core.page_map_mut(c.seg);
             pages.remove(c.at);
             pages.insert(c.at, 1, page);
             pages.set_alias(c.at, true);
@@ -278,7 +279,7 @@ impl<E> Expandable<E> {
             // The bytes the page holds for others are aliased: in the home,
             // the joiner's live spans; in the joiner, all but its own.
             for &(lo, hi) in &c.live {
-                core.alias_free_bytes(home_seg, home_at + lo, home_at + hi);
+                core.alias_free_bytes(home.seg, home_at + lo, home_at + hi);
             }
             for (lo, hi) in complement(&c.live, g) {
                 core.alias_free_bytes(c.seg, at + lo, at + hi);
@@ -286,8 +287,11 @@ impl<E> Expandable<E> {
             core.stats.num_pages_shared += 1;
             self.shared
                 .entry(page)
-                .or_insert_with(|| vec![(home_seg, home_granule)])
-                .push((c.seg, c.at));
+                .or_insert_with(|| vec![home])
+                .push(Place {
+                    seg: c.seg,
+                    at: c.at,
+                });
         }
         Ok(freed)
     }
@@ -303,30 +307,27 @@ impl<E> Expandable<E> {
         core: &mut Core<E>,
         dev: &D,
     ) -> Result<u64, AllocError> {
-        let g = core.granularity.expect("expandable mode has a granularity");
+        let g = core.granule();
         let mut released = 0;
         let handles: Vec<u64> = self.shared.keys().copied().collect();
         for h in handles {
             let members = self.shared[&h].clone();
-            let kind = core.segments.get(members[0].0 .0).pool.kind();
-            for (seg, at) in members {
+            let kind = core.segment(members[0].seg).pool.kind();
+            for member in members {
+                let Place { seg, at } = member;
                 if core.granule_in_use(seg, at) {
                     continue;
                 }
                 // A failure leaves the member mapped and listed, as it was.
                 self.unmap_member(core, dev, seg, at)?;
                 let list = self.shared.get_mut(&h).expect("listed");
-                let was_home = list[0] == (seg, at);
-                list.retain(|&m| m != (seg, at));
-                if let (true, Some(&(s, a))) = (was_home, list.first()) {
+                let was_home = list[0] == member;
+                list.retain(|&m| m != member);
+                if let (true, Some(&next)) = (was_home, list.first()) {
                     // The next member counts the page (members are of one pool kind).
-                    core.segments
-                        .get_mut(s.0)
-                        .pages_mut()
-                        .expect("expandable")
-                        .set_alias(a, false);
+                    core.page_map_mut(next.seg).set_alias(next.at, false);
                     if core.config.expandable_shadows {
-                        self.mapped_at.insert(h, (s, a));
+                        self.mapped_at.insert(h, next);
                     }
                 }
             }
@@ -338,7 +339,7 @@ impl<E> Expandable<E> {
                     }
                     released += self.release_or_pool(core, dev, h, kind, g);
                 }
-                &[(seg, at)] => {
+                &[Place { seg, at }] => {
                     // The last member keeps the page as its own.
                     self.shared.remove(&h);
                     core.free_aliased(seg, at);
@@ -357,15 +358,11 @@ impl<E> Expandable<E> {
         seg: SegmentId,
         at: u32,
     ) -> Result<(), AllocError> {
-        let g = core.granularity.expect("expandable mode has a granularity");
-        let base = core.segments.get(seg.0).addr;
+        let g = core.granule();
+        let base = core.segment(seg).addr;
         dev.vmm_unmap(DevicePtr(base + u64::from(at) * g), g)?;
         core.stats.num_unmap += 1;
-        core.segments
-            .get_mut(seg.0)
-            .pages_mut()
-            .expect("expandable")
-            .remove(at);
+        core.page_map_mut(seg).remove(at);
         core.free_aliased(seg, at);
         Ok(())
     }
@@ -383,7 +380,8 @@ impl<E> Expandable<E> {
             if list.len() < 2 {
                 return Err(format!("shared page {h} has {} members", list.len()));
             }
-            for (k, &(seg, at)) in list.iter().enumerate() {
+            for (k, &member) in list.iter().enumerate() {
+                let Place { seg, at } = member;
                 let pages = core
                     .segments
                     .get(seg.0)
@@ -392,17 +390,17 @@ impl<E> Expandable<E> {
                 if pages.covering(at) != Some((at, h, 1)) || pages.is_alias(at) != (k > 0) {
                     return Err(format!("shared page {h}: member {k} at granule {at} maps another page or is marked wrongly"));
                 }
-                members.insert((seg.0, at));
+                members.insert(member);
             }
         }
         for &seg in self.ranges.iter().flatten() {
-            let s = core.segments.get(seg.0);
+            let s = core.segment(seg);
             let Some(pages) = s.pages() else { continue };
             // (The aliased granules, not every granule of the range: a
             // range spans the device's memory and this runs after every
             // operation under the model.)
             for x in pages.aliased() {
-                if !members.contains(&(seg.0, x)) {
+                if !members.contains(&Place { seg, at: x }) {
                     return Err(format!(
                         "aliased granule {x} of {:#x} is no shared page's member",
                         s.addr
@@ -414,7 +412,11 @@ impl<E> Expandable<E> {
                 let b = core.blocks.get(id.0);
                 if b.state == BlockState::Aliased {
                     let (first, last) = ((b.addr - s.addr) / g, (b.addr + b.size - 1 - s.addr) / g);
-                    if first != last || !members.contains(&(seg.0, first as u32)) {
+                    let place = Place {
+                        seg,
+                        at: first as u32,
+                    };
+                    if first != last || !members.contains(&place) {
                         return Err(format!(
                             "aliased block at {:#x} outside a shared granule",
                             b.addr
@@ -427,16 +429,19 @@ impl<E> Expandable<E> {
         Ok(())
     }
 
-    /// The mappings of shared pages at their members other than the home,
-    /// as (address, bytes): mapped, but counted where the page is at home.
-    pub(in crate::allocator) fn alias_mappings(&self, core: &Core<E>) -> Vec<(u64, u64)> {
+    /// The mappings of shared pages at their members other than the home:
+    /// mapped, but counted where the page is at home.
+    pub(in crate::allocator) fn alias_mappings(&self, core: &Core<E>) -> Vec<AliasMapping> {
         let Some(g) = core.granularity else {
             return Vec::new();
         };
         self.shared
             .values()
             .flat_map(|list| list[1..].iter())
-            .map(|&(seg, at)| (core.segments.get(seg.0).addr + u64::from(at) * g, g))
+            .map(|&Place { seg, at }| AliasMapping {
+                addr: core.granule_addr(seg, at),
+                bytes: g,
+            })
             .collect()
     }
 }
@@ -444,8 +449,8 @@ impl<E> Expandable<E> {
 impl<E> Core<E> {
     /// Whether a block in use lies (partly) in granule `at` of `seg`.
     fn granule_in_use(&self, seg: SegmentId, at: u32) -> bool {
-        let g = self.granularity.expect("expandable mode has a granularity");
-        let s = self.segments.get(seg.0);
+        let g = self.granule();
+        let s = self.segment(seg);
         let (lo, hi) = (s.addr + u64::from(at) * g, s.addr + u64::from(at + 1) * g);
         self.blocks_between(seg, lo, hi)
             .iter()
@@ -454,8 +459,8 @@ impl<E> Core<E> {
 
     /// The spans of granule `at` of `seg` that free blocks cover, as offsets.
     fn free_spans(&self, seg: SegmentId, at: u32) -> Spans {
-        let g = self.granularity.expect("expandable mode has a granularity");
-        let lo = self.segments.get(seg.0).addr + u64::from(at) * g;
+        let g = self.granule();
+        let lo = self.granule_addr(seg, at);
         self.blocks_between(seg, lo, lo + g)
             .into_iter()
             .map(|id| self.blocks.get(id.0))
@@ -467,7 +472,7 @@ impl<E> Core<E> {
     /// The blocks of `seg` that overlap `lo..hi`, in address order.
     fn blocks_between(&self, seg: SegmentId, lo: u64, hi: u64) -> Vec<BlockId> {
         let mut out = Vec::new();
-        let mut cur = Some(self.segments.get(seg.0).head);
+        let mut cur = Some(self.segment(seg).head);
         while let Some(id) = cur {
             let b = self.blocks.get(id.0);
             if b.addr >= hi {
@@ -506,8 +511,8 @@ impl<E> Core<E> {
 
     /// Frees the aliased blocks of granule `at` of `seg` (merged with free neighbours, filed).
     fn free_aliased(&mut self, seg: SegmentId, at: u32) {
-        let g = self.granularity.expect("expandable mode has a granularity");
-        let s = self.segments.get(seg.0);
+        let g = self.granule();
+        let s = self.segment(seg);
         let (lo, hi) = (s.addr + u64::from(at) * g, s.addr + u64::from(at + 1) * g);
         let aliased: Vec<BlockId> = self
             .blocks_between(seg, lo, hi)

@@ -20,15 +20,32 @@
 // corpus's replays never hold more than 11 per page (multistream_infer),
 // so the limit changes none of their figures.
 
-use super::Stale;
+use super::Place;
+use crate::block::SegmentId;
 use crate::fasthash::FastMap;
 use std::collections::{BTreeMap, VecDeque};
 
+/// The old mapping of a page mapped again elsewhere: reused early by a block
+/// of the same stream before the stream's queued work was done with it
+/// (stream order makes that safe; unmapped once a marker of the stream
+/// recorded after `since` completed), or, with `expandable_shadows`, moved
+/// away (a *shadow*: kept until its address needs another page, and the
+/// page's way back there if it is idle when a block there needs it). The
+/// allocator treats the granules as unmapped.
+#[derive(Copy, Clone, Debug)]
+pub(super) struct Stale {
+    pub(super) seg: SegmentId,
+    /// First granule and length in granules.
+    pub(super) at: u32,
+    pub(super) len: u32,
+    pub(super) handle: u64,
+    pub(super) slot: usize,
+    /// When the free block holding the page became free.
+    pub(super) since: u64,
+}
+
 /// Old mappings one page keeps at most (Note [Shadows per page]).
 pub(super) const MAX_SHADOWS_PER_PAGE: usize = 32;
-
-/// A place: (segment, first granule).
-type Place = (u32, u32);
 
 /// The old mappings, by place, with each page's places in the order made.
 #[derive(Default)]
@@ -170,6 +187,13 @@ mod tests {
     use super::*;
     use crate::block::SegmentId;
 
+    fn place(seg: u32, at: u32) -> Place {
+        Place {
+            seg: SegmentId(seg),
+            at,
+        }
+    }
+
     fn shadow(seg: u32, at: u32, handle: u64) -> Stale {
         Stale {
             seg: SegmentId(seg),
@@ -189,22 +213,22 @@ mod tests {
         for i in 0..MAX_SHADOWS_PER_PAGE as u32 {
             assert!(m.has_room(7));
             // Page 7 moves through ranges 1000, 999, ...; other pages by.
-            m.insert((1000 - i, 0), shadow(1000 - i, 0, 7));
-            m.insert((i, 3), shadow(i, 3, u64::from(100 + i)));
+            m.insert(place(1000 - i, 0), shadow(1000 - i, 0, 7));
+            m.insert(place(i, 3), shadow(i, 3, u64::from(100 + i)));
         }
         m.check().unwrap();
         assert!(!m.has_room(7) && m.has_room(100));
         assert!(m.over_limit().is_empty(), "at the limit, not past it");
         // Reused early: an old mapping past the limit, the oldest told.
-        m.insert((900, 0), shadow(900, 0, 7));
-        assert_eq!(m.over_limit(), vec![(1000, 0)]);
+        m.insert(place(900, 0), shadow(900, 0, 7));
+        assert_eq!(m.over_limit(), vec![place(1000, 0)]);
         assert!(m.over_limit().is_empty(), "told once");
-        assert_eq!(m.remove(&(900, 0)).map(|st| st.handle), Some(7));
-        assert_eq!(m.of_page(7)[0], (1000, 0), "oldest first");
-        assert_eq!(m.remove(&(995, 0)).map(|st| st.handle), Some(7));
+        assert_eq!(m.remove(&place(900, 0)).map(|st| st.handle), Some(7));
+        assert_eq!(m.of_page(7)[0], place(1000, 0), "oldest first");
+        assert_eq!(m.remove(&place(995, 0)).map(|st| st.handle), Some(7));
         assert!(m.has_room(7));
         // A new mapping at a place replaces the old one in both indexes.
-        m.insert((0, 3), shadow(0, 3, 7));
+        m.insert(place(0, 3), shadow(0, 3, 7));
         assert!(m.of_page(100).is_empty() && !m.has_room(7));
         m.check().unwrap();
         for p in m.places() {

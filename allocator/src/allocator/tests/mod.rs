@@ -77,7 +77,7 @@ fn hole_with(
 /// An expandable allocator with shadows (2 MiB pages, soft limit at the
 /// peak, no hard limit) in which x's two pages were moved under y: returns
 /// it with x's address, y and the live block between them.
-fn moved_with_shadows(
+pub(in crate::allocator) fn moved_with_shadows(
     dev: &SimulatedDevice,
     early: bool,
 ) -> (
