@@ -151,6 +151,9 @@ pub(super) struct Core<E> {
     /// Expandable segments: free blocks in the bins that hold a whole mapped
     /// page, as (idle since, block), longest idle first.
     pub(super) idle_index: std::collections::BTreeSet<(u64, u32)>,
+    /// Blocks shared with other processes, whose pages stay where they are
+    /// (Note [Shared blocks are pinned] in `ipc.rs`).
+    pub(super) pins: ipc::Pins,
 }
 
 /// An allocator's state under its lock: the shared records and the
@@ -241,10 +244,13 @@ mod free;
 mod grow;
 mod inspect;
 mod invariants;
+mod ipc;
 mod layout;
 mod malloc;
 mod slabs;
 mod thread_cache;
+
+pub use ipc::BlockBacking;
 
 #[cfg(test)]
 mod stream_cost;

@@ -57,7 +57,7 @@ pub mod stats;
 mod thread_slot;
 pub mod trace;
 
-pub use allocator::{CachingAllocator, Released, TraceSink, Usage};
+pub use allocator::{BlockBacking, CachingAllocator, Released, TraceSink, Usage};
 pub use block::{BlockState, PoolKind};
 pub use config::{parse_size, Config, ConfigError, EdgePages, MemoryCap};
 pub use device::{Device, DeviceError, DevicePtr, MemInfo, StreamId};
