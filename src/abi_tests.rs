@@ -1,5 +1,5 @@
 //! One definition of the C ABI, checked: `include/cachealloc.h` is what
-//! cbindgen makes of `src/capi.rs` and `src/capi_torch.rs` today, the
+//! cbindgen makes of `src/capi.rs`, `src/capi_torch.rs` and `src/capi_torch/*.rs` today, the
 //! Python package's generated table (`_abi.py`: the header's constants and
 //! the name of every statistics slot) is what the header and
 //! [`stat_names`](crate::capi_torch::stat_names) give, and every entry of
@@ -22,13 +22,32 @@ const HEADER: &str = "include/cachealloc.h";
 const PY_TABLE: &str = "python/cachealloc_torch/_abi.py";
 const PY_INIT: &str = "python/cachealloc_torch/__init__.py";
 
-/// The header cbindgen writes from the two ABI modules with `cbindgen.toml`.
+/// The source files of the two ABI modules: `src/capi.rs`,
+/// `src/capi_torch.rs` and the files of its submodules (`src/capi_torch/*.rs`,
+/// one per feature), in name order.
+fn abi_sources() -> Vec<PathBuf> {
+    let mut sub: Vec<PathBuf> = std::fs::read_dir(root().join("src/capi_torch"))
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "rs"))
+                .collect()
+        })
+        .unwrap_or_default();
+    sub.sort();
+    let mut out = vec![root().join("src/capi.rs"), root().join("src/capi_torch.rs")];
+    out.extend(sub);
+    out
+}
+
+/// The header cbindgen writes from the ABI modules with `cbindgen.toml`.
 fn generate_header() -> String {
     let config = cbindgen::Config::from_file(root().join("cbindgen.toml")).expect("cbindgen.toml");
-    let bindings = cbindgen::Builder::new()
-        .with_config(config)
-        .with_src(root().join("src/capi.rs"))
-        .with_src(root().join("src/capi_torch.rs"))
+    let bindings = abi_sources()
+        .into_iter()
+        .fold(cbindgen::Builder::new().with_config(config), |b, src| {
+            b.with_src(src)
+        })
         .generate()
         .expect("cbindgen reads the ABI modules");
     let mut out = Vec::new();
