@@ -49,7 +49,9 @@ FAILED = []
 
 
 def check(name, cond, detail=""):
-    print(f"{'ok  ' if cond else 'FAIL'} {name}" + (f": {detail}" if detail else ""), flush=True)
+    """One line per check; `detail` is shown when it failed."""
+    print(f"{'ok  ' if cond else 'FAIL'} {name}" + (f": {detail}" if detail and not cond else ""),
+          flush=True)
     if not cond:
         FAILED.append(name)
     return cond
@@ -278,10 +280,11 @@ def side(role, alloc, transport, label, so, peer):
 
 
 def child_main(role, alloc, transport, label, so, to_child, to_parent):
-    """The spawned side."""
+    """The spawned side (its exit status: 1 when one of its checks failed;
+    a normal exit, so that the queue's last message is flushed first)."""
     side(role, alloc, transport, label, so, Peer(to_parent, to_child))
     sys.stdout.flush()
-    os._exit(1 if FAILED else 0)
+    sys.exit(1 if FAILED else 0)
 
 
 def run_scenario(scenario, so, conf):
