@@ -341,7 +341,10 @@ def main():
     for conf in [c for c in a.conf.split(",") if c]:
         for scenario in SCENARIOS:
             env = dict(os.environ)
-            for k in ("CACHEALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+            # (CACHEALLOC_TORCH=1 would put the start-up hook's cachealloc
+            # under the sides meant to run PyTorch's own allocator.)
+            for k in ("CACHEALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
+                      "CACHEALLOC_TORCH"):
                 env.pop(k, None)
             env["CACHEALLOC_CONF"] = conf
             if conf != "segments":

@@ -186,7 +186,10 @@ impl CudaDevice {
     /// are chosen by `Config::expandable_page`. On H100/H200 both are 2 MiB
     /// (`benches/gpu_vmm.rs` prints them).
     pub fn vmm_support(&self) -> Result<u64, String> {
-        self.vmm_info().map(|v| v.granularity)
+        self.vmm_info()
+            .as_ref()
+            .map(|v| v.granularity)
+            .map_err(Clone::clone)
     }
 
     /// Whether pages of expandable segments are created shareable (as POSIX
@@ -198,46 +201,45 @@ impl CudaDevice {
     /// plain pages, as before, and only sharing their blocks is refused.
     /// `CACHEALLOC_VMM_IPC=0` turns shareable pages off.
     pub fn pages_shareable(&self) -> Result<(), String> {
-        self.vmm_info()?.shareable
+        match self.vmm_info() {
+            Ok(v) => v.shareable.clone(),
+            Err(why) => Err(why.clone()),
+        }
     }
 
-    fn vmm_info(&self) -> Result<Vmm, String> {
-        self.vmm
-            .get_or_init(|| {
-                let _ctx = self.enter().map_err(|e| e.to_string())?;
-                match driver::vmm_supported(self.ordinal) {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        return Err(
-                            "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0".into(),
-                        )
-                    }
-                    Err(e) => return Err(e.to_string()),
+    fn vmm_info(&self) -> &Result<Vmm, String> {
+        self.vmm.get_or_init(|| {
+            let _ctx = self.enter().map_err(|e| e.to_string())?;
+            match driver::vmm_supported(self.ordinal) {
+                Ok(true) => {}
+                Ok(false) => {
+                    return Err(
+                        "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0".into(),
+                    )
                 }
-                let g = match driver::allocation_granularity(self.ordinal, false) {
-                    Ok(g) if g > 0 && g.is_power_of_two() => g,
-                    Ok(g) => return Err(format!("unusable allocation granularity {g}")),
-                    Err(e) => return Err(e.to_string()),
-                };
-                // One trial map: of a shareable page where the device exports
-                // them, else (or if that fails) of a plain one.
-                let shareable = shareable_pages(self.ordinal).and_then(|()| {
-                    probe_map(self.ordinal, g, true).map_err(|e| {
-                        format!(
-                            "a trial page created shareable could not be exported or mapped: {e}"
-                        )
-                    })
-                });
-                if shareable.is_err() {
-                    probe_map(self.ordinal, g, false)
-                        .map_err(|e| format!("a trial map failed: {e}"))?;
-                }
-                Ok(Vmm {
-                    granularity: g,
-                    shareable,
+                Err(e) => return Err(e.to_string()),
+            }
+            let g = match driver::allocation_granularity(self.ordinal, false) {
+                Ok(g) if g > 0 && g.is_power_of_two() => g,
+                Ok(g) => return Err(format!("unusable allocation granularity {g}")),
+                Err(e) => return Err(e.to_string()),
+            };
+            // One trial map: of a shareable page where the device exports
+            // them, else (or if that fails) of a plain one.
+            let shareable = shareable_pages(self.ordinal).and_then(|()| {
+                probe_map(self.ordinal, g, true).map_err(|e| {
+                    format!("a trial page created shareable could not be exported or mapped: {e}")
                 })
+            });
+            if shareable.is_err() {
+                probe_map(self.ordinal, g, false)
+                    .map_err(|e| format!("a trial map failed: {e}"))?;
+            }
+            Ok(Vmm {
+                granularity: g,
+                shareable,
             })
-            .clone()
+        })
     }
 
     /// A POSIX file descriptor of page `page` (of this device's expandable
@@ -409,7 +411,7 @@ impl Device for CudaDevice {
     }
 
     fn vmm_create_page(&self, bytes: u64) -> Result<u64, DeviceError> {
-        let shareable = self.pages_shareable().is_ok();
+        let shareable = matches!(self.vmm_info(), Ok(v) if v.shareable.is_ok());
         let _ctx = self.enter()?;
         driver::mem_create_with(bytes, self.ordinal, shareable)
     }
