@@ -6,7 +6,11 @@
 //!   and for pages unmapped and mapped again (the allocator's page pool);
 //! - `cuMemUnmap` per page, of pages the GPU has written;
 //!
-//! each for pages of 2, 4, 8 and 20 MiB; then `cuCtxSynchronize` on an idle
+//! each for pages of 2, 4, 8 and 20 MiB; then what shareable pages (CUDA
+//! IPC: created with a POSIX file descriptor handle type, as the allocator
+//! creates them where the device allows it) cost against plain ones, create,
+//! map, unmap and release in alternating rounds, and the export of one as a
+//! file descriptor; then `cuCtxSynchronize` on an idle
 //! device, `cuEventRecord`, and `cuEventQuery` and `cuEventSynchronize` of a
 //! completed event, and a cachealloc alloc + free pair on the cache-hit path
 //! with the `default` (plain segments) and the `expandable` configuration.
@@ -89,6 +93,38 @@ fn page_round(dev: &CudaDevice, s: &Stream, page: u64, n: u64) -> [f64; 6] {
         unmap_again,
         release,
     ]
+}
+
+/// Per-page costs (µs) of `n` pages of `page` bytes created plain or
+/// `shareable` straight through the driver: (create, map, unmap, release).
+fn shareable_round(dev: &CudaDevice, page: u64, n: u64, shareable: bool) -> [f64; 4] {
+    let ord = dev.ordinal();
+    let range = dev.vmm_reserve(n * page).unwrap();
+    let at = |i: u64| DevicePtr(range.0 + i * page);
+    let t0 = Instant::now();
+    let handles: Vec<u64> = (0..n)
+        .map(|_| driver::mem_create_with(page, ord, shareable).unwrap())
+        .collect();
+    let create = us_per(t0, n);
+    let t0 = Instant::now();
+    for (i, &h) in handles.iter().enumerate() {
+        driver::mem_map(at(i as u64), h, page, ord).unwrap();
+    }
+    let map = us_per(t0, n);
+    let t0 = Instant::now();
+    for i in 0..n {
+        // SAFETY: mapped just above; no work was queued on it.
+        unsafe { driver::mem_unmap(at(i), page) }.unwrap();
+    }
+    let unmap = us_per(t0, n);
+    let t0 = Instant::now();
+    for h in handles {
+        // SAFETY: created above, unmapped, released once.
+        unsafe { driver::mem_release(h) }.unwrap();
+    }
+    let release = us_per(t0, n);
+    dev.vmm_free_range(range, n * page).unwrap();
+    [create, map, unmap, release]
 }
 
 fn pair_ns(alloc: &CachingAllocator<CudaDevice>, size: u64, iters: u64) -> f64 {
@@ -181,6 +217,50 @@ fn main() {
         }
     }
 
+    // Shareable pages against plain ones (alternating rounds, best of 3),
+    // and exporting one as a file descriptor.
+    const SHARE_OPS: [&str; 4] = ["create", "map", "unmap", "release"];
+    match dev.pages_shareable() {
+        Err(why) => println!("pages are not shareable on this device ({why}): no comparison"),
+        Ok(()) => {
+            for mib in [2u64, 8] {
+                let page = mib * MIB;
+                let n = (if quick { 128 } else { 512 } * MIB / page).max(16);
+                let mut best = [[f64::INFINITY; 4]; 2];
+                for _ in 0..3 {
+                    for (k, shareable) in [false, true].into_iter().enumerate() {
+                        let got = shareable_round(&dev, page, n, shareable);
+                        for (b, v) in best[k].iter_mut().zip(got) {
+                            *b = b.min(v);
+                        }
+                    }
+                }
+                for (i, op) in SHARE_OPS.iter().enumerate() {
+                    r.rec(format!("plain page {op}, {mib} MiB (us)"), best[0][i]);
+                    r.rec(format!("shareable page {op}, {mib} MiB (us)"), best[1][i]);
+                }
+            }
+            let n = if quick { 64 } else { 256 };
+            let pages: Vec<u64> = (0..n).map(|_| dev.vmm_create_page(g).unwrap()).collect();
+            let t0 = Instant::now();
+            for &p in &pages {
+                black_box(dev.export_page_fd(p).unwrap());
+            }
+            r.rec(
+                "export a page as a file descriptor (us)".into(),
+                us_per(t0, n),
+            );
+            for p in pages {
+                dev.vmm_release_page(p).unwrap();
+            }
+            assert_eq!(
+                dev.exported_pages(),
+                0,
+                "released pages close their descriptors"
+            );
+        }
+    }
+
     // cuCtxSynchronize with nothing queued.
     let n = if quick { 2000 } else { 20000 };
     dev.synchronize().unwrap();
@@ -266,6 +346,25 @@ fn main() {
         println!();
     }
     println!();
+    if r.get("shareable page create, 2 MiB (us)").is_some() {
+        println!("| shareable page (CUDA IPC) vs plain, µs per page | 2 MiB plain | 2 MiB shareable | 8 MiB plain | 8 MiB shareable |");
+        println!("|---|---:|---:|---:|---:|");
+        for op in SHARE_OPS {
+            print!("| {op} |");
+            for mib in [2, 8] {
+                for kind in ["plain", "shareable"] {
+                    let v = r.get(&format!("{kind} page {op}, {mib} MiB (us)")).unwrap();
+                    print!(" {v:.1} |");
+                }
+            }
+            println!();
+        }
+        println!(
+            "export of a page as a file descriptor: {:.1} µs",
+            r.get("export a page as a file descriptor (us)").unwrap()
+        );
+        println!();
+    }
     println!(
         "cuCtxSynchronize on an idle device: {:.2} µs",
         r.get("cuCtxSynchronize, idle device (us)").unwrap()

@@ -10,7 +10,7 @@
 #ifndef CACHEALLOC_H
 #define CACHEALLOC_H
 
-/* Generated from src/capi.rs and src/capi_torch.rs by cbindgen (cbindgen.toml):
+/* Generated from src/capi.rs, src/capi_torch.rs and the files of src/capi_torch/ by cbindgen (cbindgen.toml):
  * do not edit. `CACHEALLOC_UPDATE_ABI=1 cargo test --lib abi_` rewrites it. */
 
 #include <stddef.h>
@@ -156,6 +156,35 @@
 
 // Block state: freed by the caller, waiting for other streams' events.
 #define CACHEALLOC_BLOCK_STATE_PENDING_FREE 2
+
+// IPC statistic: handles of other processes open on the device now.
+#define CACHEALLOC_IPC_STATS_OPEN 0
+
+// IPC statistic: users of those handles (tensors' storages here).
+#define CACHEALLOC_IPC_STATS_USERS 1
+
+// IPC statistic: handles opened so far (all devices).
+#define CACHEALLOC_IPC_STATS_OPENED 2
+
+// IPC statistic: handles closed so far (all devices).
+#define CACHEALLOC_IPC_STATS_CLOSED 3
+
+// IPC statistic: blocks of the device's allocator shared and not freed (pinned).
+#define CACHEALLOC_IPC_STATS_PINNED_BLOCKS 4
+
+// IPC statistic: their bytes.
+#define CACHEALLOC_IPC_STATS_PINNED_BYTES 5
+
+// IPC statistic: pages of the device exported as file descriptors, kept open.
+#define CACHEALLOC_IPC_STATS_EXPORTED_PAGES 6
+
+// IPC statistic: 1 when the device's pages of expandable segments are
+// created shareable, 0 when not (their blocks cannot be shared), -1 when the
+// device has no allocator yet or no virtual memory API.
+#define CACHEALLOC_IPC_STATS_PAGES_SHAREABLE 7
+
+// Length of the IPC statistics vector.
+#define CACHEALLOC_IPC_STATS_LEN 8
 
 // A segment source's allocation function: a segment of `size` bytes on
 // `device` for `stream` (a `cudaStream_t`), or NULL when it has none (out
@@ -391,6 +420,50 @@ int64_t cachealloc_torch_apply_settings(const void *h,
 // # Safety
 // `buf` points at `cap` writable bytes (or is NULL with `cap` 0).
 size_t cachealloc_torch_last_error(char *buf, size_t cap);
+
+// Shares the block at `ptr` of allocator `h` (PyTorch's
+// `shareIpcHandle`): writes its handle (Note [IPC handles]) to `out`
+// when it fits in `cap` bytes, and the block's offset from what the
+// handle names to `*offset`; returns the handle's length (larger than
+// `cap`: nothing written, call again with room). -2 when `h` did not
+// hand `ptr` out (no error set: the caller asks each allocator in
+// turn); -1 on any other error (the last error says why: a freed block,
+// a pointer inside a block, pages that are not shareable, ...). A block
+// of an expandable segment stays pinned until freed (Note [Shared
+// blocks are pinned]).
+//
+// # Safety
+// `h` is NULL or a live allocator handle (`cachealloc_torch_device`, or
+// `cachealloc_torch_pool_new` not yet dropped); `out` points at `cap`
+// writable bytes (or is NULL with `cap` 0); `offset` is NULL or writable.
+int64_t cachealloc_torch_ipc_share(const void *h,
+                                   void *ptr,
+                                   uint8_t *out,
+                                   size_t cap,
+                                   int64_t *offset);
+
+// Opens a handle another process shared (PyTorch's `getIpcDevPtr`) on
+// `device`: the address here of what it names (add the offset the
+// sender gave), or NULL with the last error set (a malformed handle, a
+// sender that exited, a kernel that forbids taking its descriptors,
+// ...). A handle already open here gives the same address, counted:
+// every open is matched by one `cachealloc_torch_ipc_close`.
+//
+// # Safety
+// `handle` points at `len` readable bytes.
+void *cachealloc_torch_ipc_open(int device, const uint8_t *handle, size_t len);
+
+// One user of the handle opened at `ptr` on `device` is done; the last
+// one unmaps it. 0, or -1 with the last error set (no handle open
+// there, or the driver refused to unmap).
+int cachealloc_torch_ipc_close(int device, void *ptr);
+
+// Writes the `CACHEALLOC_IPC_STATS_LEN` IPC statistics of `device`
+// (`CACHEALLOC_IPC_STATS_*`) into `out` (`n` ≥ that): 0, or -1.
+//
+// # Safety
+// `out` points at `n` writable `int64_t`.
+int cachealloc_torch_ipc_stats(int device, int64_t *out, size_t n);
 
 // A new private pool allocator on `device` whose plain segments come
 // from `alloc` and go back through `free`, called with `ctx` (PyTorch's

@@ -23,25 +23,34 @@ const HEADER: &str = "include/cachealloc.h";
 const PY_TABLE: &str = "python/cachealloc_torch/_abi.py";
 const PY_INIT: &str = "python/cachealloc_torch/__init__.py";
 
-/// The header cbindgen writes from the two ABI modules with `cbindgen.toml`:
-/// `src/capi.rs`, `src/capi_torch.rs` and the files of `src/capi_torch/`
-/// (one per feature, in name order; cbindgen does not follow `mod` lines).
+/// The source files of the two ABI modules: `src/capi.rs`,
+/// `src/capi_torch.rs` and the files of its submodules (`src/capi_torch/*.rs`,
+/// one per feature), in name order.
+fn abi_sources() -> Vec<PathBuf> {
+    let mut sub: Vec<PathBuf> = std::fs::read_dir(root().join("src/capi_torch"))
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "rs"))
+                .collect()
+        })
+        .unwrap_or_default();
+    sub.sort();
+    let mut out = vec![root().join("src/capi.rs"), root().join("src/capi_torch.rs")];
+    out.extend(sub);
+    out
+}
+
+/// The header cbindgen writes from the ABI modules with `cbindgen.toml`.
 fn generate_header() -> String {
     let config = cbindgen::Config::from_file(root().join("cbindgen.toml")).expect("cbindgen.toml");
-    let mut builder = cbindgen::Builder::new()
-        .with_config(config)
-        .with_src(root().join("src/capi.rs"))
-        .with_src(root().join("src/capi_torch.rs"));
-    // The PyTorch ABI's functions of one feature each (`src/capi_torch/*.rs`).
-    let mut parts: Vec<PathBuf> = std::fs::read_dir(root().join("src/capi_torch"))
-        .map(|d| d.filter_map(|e| Some(e.ok()?.path())).collect())
-        .unwrap_or_default();
-    parts.retain(|p| p.extension().is_some_and(|x| x == "rs"));
-    parts.sort();
-    for p in parts {
-        builder = builder.with_src(p);
-    }
-    let bindings = builder.generate().expect("cbindgen reads the ABI modules");
+    let bindings = abi_sources()
+        .into_iter()
+        .fold(cbindgen::Builder::new().with_config(config), |b, src| {
+            b.with_src(src)
+        })
+        .generate()
+        .expect("cbindgen reads the ABI modules");
     let mut out = Vec::new();
     bindings.write(&mut out);
     String::from_utf8(out).expect("the header is UTF-8")

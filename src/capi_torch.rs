@@ -484,6 +484,8 @@ pub fn apply_settings<D: Device>(
     })
 }
 
+pub mod ipc;
+
 #[cfg(feature = "cuda")]
 pub use exports::*;
 

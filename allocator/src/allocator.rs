@@ -154,6 +154,9 @@ pub(super) struct Core<E> {
     /// Where segments come from, the cap shared with other allocators, and
     /// a private pool's terms (`supply.rs`).
     pub(super) supply: supply::Supply,
+    /// Blocks shared with other processes, whose pages stay where they are
+    /// (Note [Shared blocks are pinned] in `ipc.rs`).
+    pub(super) pins: ipc::Pins,
 }
 
 /// An allocator's state under its lock: the shared records and the
@@ -278,11 +281,14 @@ mod free;
 mod grow;
 mod inspect;
 mod invariants;
+mod ipc;
 mod layout;
 mod malloc;
 mod slabs;
 mod supply;
 mod thread_cache;
+
+pub use ipc::BlockBacking;
 
 #[cfg(test)]
 mod stream_cost;

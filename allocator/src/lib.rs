@@ -63,7 +63,7 @@ mod trace;
 // `replay`, `sample` (feature `testing`) and `keys` (the configuration key
 // table), whose items are used by their module's path. `docs/ARCHITECTURE.md` ("Public surface") has the item count and
 // the command that measures it.
-pub use allocator::{CachingAllocator, Released, TraceSink, Usage};
+pub use allocator::{BlockBacking, CachingAllocator, Released, TraceSink, Usage};
 pub use block::{BlockState, PoolKind};
 pub use config::{
     keys, parse_size, with_pytorch_conf, Config, ConfigBuilder, ConfigError, MemoryCap,

@@ -44,7 +44,7 @@ __all__ = [
     "memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved",
     "reset_peak_memory_stats", "fragmentation", "fragmentation_stats", "snapshot",
     "record_trace", "stop_trace", "empty_cache", "cachealloc_stats", "info", "notices", "last_error",
-    "error_count", "CacheallocError", "mode", "PLUGGABLE_LIMITS", "cache_info",
+    "error_count", "CacheallocError", "mode", "PLUGGABLE_LIMITS", "cache_info", "ipc_stats",
 ]
 
 _PKG = os.path.dirname(os.path.abspath(__file__))
@@ -123,6 +123,8 @@ _SIGNATURES = {
     "cachealloc_torch_device": (ctypes.c_void_p, [ctypes.c_int]),
     "cachealloc_torch_stats": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64),
                                               ctypes.c_size_t]),
+    "cachealloc_torch_ipc_stats": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_int64),
+                                                  ctypes.c_size_t]),
 }
 
 
@@ -355,6 +357,30 @@ def cache_info(device=None):
         raise CacheallocError("cache_info() needs the C++ mode; this process runs the "
                               "pluggable allocator: " + PLUGGABLE_LIMITS)
     return int(_ext.cache_info(_device(device)))
+
+
+def ipc_stats(device=None):
+    """CUDA IPC (torch.multiprocessing sharing CUDA tensors) on the device:
+    ``open`` handles of other processes mapped here and their ``users``
+    (storages), ``opened`` and ``closed`` so far (all devices); of this
+    process's own blocks shared with others, those not freed yet
+    (``pinned_blocks``, ``pinned_bytes``: blocks of expandable segments,
+    whose pages stay where they are until freed), the pages exported as
+    file descriptors (``exported_pages``), and whether pages of expandable
+    segments are created shareable (``pages_shareable``: 1, 0, or -1 before
+    the device is used or without expandable segments). See docs/PYTORCH.md."""
+    from . import _abi
+    lib = _need()
+    out = (ctypes.c_int64 * _abi.IPC_STATS_LEN)()
+    if lib.cachealloc_torch_ipc_stats(_device(device), out, _abi.IPC_STATS_LEN) != 0:
+        _fail("cachealloc_torch_ipc_stats")
+    names = {"open": _abi.IPC_STATS_OPEN, "users": _abi.IPC_STATS_USERS,
+             "opened": _abi.IPC_STATS_OPENED, "closed": _abi.IPC_STATS_CLOSED,
+             "pinned_blocks": _abi.IPC_STATS_PINNED_BLOCKS,
+             "pinned_bytes": _abi.IPC_STATS_PINNED_BYTES,
+             "exported_pages": _abi.IPC_STATS_EXPORTED_PAGES,
+             "pages_shareable": _abi.IPC_STATS_PAGES_SHAREABLE}
+    return {k: int(out[i]) for k, i in names.items()}
 
 
 def last_error():

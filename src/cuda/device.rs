@@ -4,6 +4,7 @@ use super::driver::{self, check, stream_handle, CtxGuard};
 use super::{ffi, CudaError};
 use cachealloc_core::{Device, DeviceError, DevicePtr, MemInfo, StreamId};
 use parking_lot::Mutex;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::raw::c_char;
 use std::ptr;
 use std::sync::OnceLock;
@@ -19,10 +20,12 @@ const CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: i32 = 906;
 /// Segments come from `cuMemAlloc_v2` / `cuMemFree_v2`. Expandable segments
 /// use the virtual memory API: `cuMemAddressReserve`/`cuMemAddressFree` for
 /// the ranges, `cuMemCreate`/`cuMemRelease` for physical pages (pinned device
-/// memory, no shareable handle), `cuMemMap` + `cuMemSetAccess` (read/write for
+/// memory, shareable as a POSIX file descriptor where the device allows it:
+/// [`CudaDevice::pages_shareable`]), `cuMemMap` + `cuMemSetAccess` (read/write for
 /// this device) and `cuMemUnmap`. Memory of expandable segments cannot be
 /// shared with `cudaIpcGetMemHandle`/`cuIpcGetMemHandle` (the driver refuses
-/// VMM allocations there). Events are created
+/// VMM allocations there): its pages are exported instead
+/// ([`CudaDevice::export_page_fd`]). Events are created
 /// with `CU_EVENT_DISABLE_TIMING` and pooled (a freed block guarded by other
 /// streams costs a `cuEventRecord`, not a `cuEventCreate`). Every method may
 /// be called from any thread: it makes the primary context current on the
@@ -34,8 +37,28 @@ pub struct CudaDevice {
     ctx: ffi::CuContext,
     name: String,
     events: Mutex<Vec<CudaEvent>>,
-    /// The VMM page granularity, or why the VMM API is unusable; asked once.
-    vmm: OnceLock<Result<u64, String>>,
+    /// The VMM page granularity and whether pages are shareable, or why
+    /// the VMM API is unusable; asked once.
+    vmm: OnceLock<Result<Vmm, String>>,
+    /// Pages exported as POSIX file descriptors (page → descriptor), kept
+    /// open until the page is released: another process takes its copy of
+    /// a descriptor when it opens a block on the page, which may be any
+    /// time before the block is freed.
+    exported: Mutex<std::collections::HashMap<u64, OwnedFd>>,
+}
+
+/// The environment variable that, set to `0`, creates pages of expandable
+/// segments without a shareable handle (no CUDA IPC of their blocks; as
+/// before this was possible, in case a driver makes shareable pages slower).
+pub const VMM_IPC_ENV: &str = "CACHEALLOC_VMM_IPC";
+
+/// What the virtual memory API offers on a device.
+#[derive(Clone, Debug)]
+struct Vmm {
+    granularity: u64,
+    /// `Ok` when pages are created shareable as POSIX file descriptors;
+    /// else why not (blocks of expandable segments cannot be shared then).
+    shareable: Result<(), String>,
 }
 
 // SAFETY: the driver API is thread-safe; the context handle is only passed to
@@ -103,6 +126,7 @@ impl CudaDevice {
             name,
             events: Mutex::new(Vec::new()),
             vmm: OnceLock::new(),
+            exported: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -162,27 +186,83 @@ impl CudaDevice {
     /// are chosen by `Config::expandable_page`. On H100/H200 both are 2 MiB
     /// (`benches/gpu_vmm.rs` prints them).
     pub fn vmm_support(&self) -> Result<u64, String> {
-        self.vmm
-            .get_or_init(|| {
-                let _ctx = self.enter().map_err(|e| e.to_string())?;
-                match driver::vmm_supported(self.ordinal) {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        return Err(
-                            "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0".into(),
-                        )
-                    }
-                    Err(e) => return Err(e.to_string()),
+        self.vmm_info()
+            .as_ref()
+            .map(|v| v.granularity)
+            .map_err(Clone::clone)
+    }
+
+    /// Whether pages of expandable segments are created shareable (as POSIX
+    /// file descriptors, `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`), so that
+    /// their blocks can be shared with other processes (CUDA IPC); if not,
+    /// why. Probed once with the virtual memory API ([`Self::vmm_support`]):
+    /// the device attribute, then a trial page created shareable, exported,
+    /// mapped and given back. A device or driver that refuses any step gets
+    /// plain pages, as before, and only sharing their blocks is refused.
+    /// `CACHEALLOC_VMM_IPC=0` turns shareable pages off.
+    pub fn pages_shareable(&self) -> Result<(), String> {
+        match self.vmm_info() {
+            Ok(v) => v.shareable.clone(),
+            Err(why) => Err(why.clone()),
+        }
+    }
+
+    fn vmm_info(&self) -> &Result<Vmm, String> {
+        self.vmm.get_or_init(|| {
+            let _ctx = self.enter().map_err(|e| e.to_string())?;
+            match driver::vmm_supported(self.ordinal) {
+                Ok(true) => {}
+                Ok(false) => {
+                    return Err(
+                        "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0".into(),
+                    )
                 }
-                let g = match driver::allocation_granularity(self.ordinal, false) {
-                    Ok(g) if g > 0 && g.is_power_of_two() => g,
-                    Ok(g) => return Err(format!("unusable allocation granularity {g}")),
-                    Err(e) => return Err(e.to_string()),
-                };
-                probe_map(self.ordinal, g).map_err(|e| format!("a trial map failed: {e}"))?;
-                Ok(g)
+                Err(e) => return Err(e.to_string()),
+            }
+            let g = match driver::allocation_granularity(self.ordinal, false) {
+                Ok(g) if g > 0 && g.is_power_of_two() => g,
+                Ok(g) => return Err(format!("unusable allocation granularity {g}")),
+                Err(e) => return Err(e.to_string()),
+            };
+            // One trial map: of a shareable page where the device exports
+            // them, else (or if that fails) of a plain one.
+            let shareable = shareable_pages(self.ordinal).and_then(|()| {
+                probe_map(self.ordinal, g, true).map_err(|e| {
+                    format!("a trial page created shareable could not be exported or mapped: {e}")
+                })
+            });
+            if shareable.is_err() {
+                probe_map(self.ordinal, g, false)
+                    .map_err(|e| format!("a trial map failed: {e}"))?;
+            }
+            Ok(Vmm {
+                granularity: g,
+                shareable,
             })
-            .clone()
+        })
+    }
+
+    /// A POSIX file descriptor of page `page` (of this device's expandable
+    /// segments) for another process to import: exported once, kept open
+    /// until the page is released (so every block on the page shares one).
+    /// An error where pages are not shareable ([`Self::pages_shareable`]).
+    pub fn export_page_fd(&self, page: u64) -> Result<i32, String> {
+        self.pages_shareable()
+            .map_err(|why| format!("pages of device {} are not shareable: {why}", self.ordinal))?;
+        let mut exported = self.exported.lock();
+        if let Some(fd) = exported.get(&page) {
+            return Ok(fd.as_raw_fd());
+        }
+        let _ctx = self.enter().map_err(|e| e.to_string())?;
+        let fd = super::ipc::export_fd(page).map_err(|e| e.to_string())?;
+        let raw = fd.as_raw_fd();
+        exported.insert(page, fd);
+        Ok(raw)
+    }
+
+    /// Pages exported as file descriptors and not released yet (for tests).
+    pub fn exported_pages(&self) -> usize {
+        self.exported.lock().len()
     }
 
     /// Events created so far and idle in the pool (for tests).
@@ -331,15 +411,21 @@ impl Device for CudaDevice {
     }
 
     fn vmm_create_page(&self, bytes: u64) -> Result<u64, DeviceError> {
+        let shareable = matches!(self.vmm_info(), Ok(v) if v.shareable.is_ok());
         let _ctx = self.enter()?;
-        driver::mem_create(bytes, self.ordinal)
+        driver::mem_create_with(bytes, self.ordinal, shareable)
     }
 
     fn vmm_release_page(&self, page: u64) -> Result<(), DeviceError> {
         let _ctx = self.enter()?;
         // SAFETY: the allocator releases only pages this device created, once,
         // and only unmapped ones.
-        unsafe { driver::mem_release(page) }
+        unsafe { driver::mem_release(page) }?;
+        // Its descriptor, if exported, goes with it (closed on drop).
+        if let Some(fd) = self.exported.lock().remove(&page) {
+            drop(fd);
+        }
+        Ok(())
     }
 
     fn vmm_map(&self, ptr: DevicePtr, page: u64, bytes: u64) -> Result<(), DeviceError> {
@@ -368,17 +454,40 @@ impl Device for CudaDevice {
     }
 }
 
-/// Reserves one granule of address space, creates a page, maps it, makes
-/// it accessible and gives everything back: a device or driver that reports
-/// the virtual memory API but refuses to use it (some virtualised GPUs) is
-/// found here, before `default` would rely on it.
-fn probe_map(ordinal: i32, g: u64) -> Result<(), DeviceError> {
+/// Whether pages may be created shareable: not with `CACHEALLOC_VMM_IPC=0`,
+/// nor on a device without POSIX file descriptor handles.
+fn shareable_pages(ordinal: i32) -> Result<(), String> {
+    if std::env::var_os(VMM_IPC_ENV).is_some_and(|v| v == "0") {
+        return Err(format!("{VMM_IPC_ENV}=0"));
+    }
+    match super::ipc::posix_fd_supported(ordinal) {
+        Ok(true) => Ok(()),
+        Ok(false) => {
+            Err("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0".into())
+        }
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Reserves one granule of address space, creates a page (`shareable`: with
+/// a POSIX file descriptor handle, which is exported and closed), maps it,
+/// makes it accessible and gives everything back: a device or driver that
+/// reports the virtual memory API but refuses to use it (some virtualised
+/// GPUs) is found here, before `default` would rely on it.
+fn probe_map(ordinal: i32, g: u64, shareable: bool) -> Result<(), DeviceError> {
     let range = driver::mem_address_reserve(g, g)?;
-    let mapped = driver::mem_create(g, ordinal).and_then(|page| {
-        let mapped = driver::mem_map(range, page, g, ordinal).and_then(|()| {
-            // SAFETY: the page was mapped just above and no work was queued on it.
-            unsafe { driver::mem_unmap(range, g) }
-        });
+    let mapped = driver::mem_create_with(g, ordinal, shareable).and_then(|page| {
+        let exported = if shareable {
+            super::ipc::export_fd(page).map(drop)
+        } else {
+            Ok(())
+        };
+        let mapped = exported
+            .and_then(|()| driver::mem_map(range, page, g, ordinal))
+            .and_then(|()| {
+                // SAFETY: the page was mapped just above and no work was queued on it.
+                unsafe { driver::mem_unmap(range, g) }
+            });
         // SAFETY: the page was created above, is unmapped, and is released once.
         let released = unsafe { driver::mem_release(page) };
         mapped.and(released)

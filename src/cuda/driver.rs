@@ -294,6 +294,27 @@ pub fn set_default_pool_release_threshold(ordinal: i32, bytes: u64) -> Result<()
     )
 }
 
+/// Attribute `attribute` (`CU_DEVICE_ATTRIBUTE_*`) of device `ordinal`.
+pub(crate) fn device_attribute(
+    ordinal: i32,
+    attribute: std::os::raw::c_int,
+) -> Result<i32, DeviceError> {
+    let mut dev: ffi::CuDevice = 0;
+    check(
+        // SAFETY: writes one CUdevice into a valid local.
+        unsafe { ffi::cuDeviceGet(&mut dev, ordinal) },
+        "cuDeviceGet",
+    )?;
+    let mut v = 0;
+    check(
+        // SAFETY: writes one int into `v`, a valid local; an attribute the
+        // driver does not know is CUDA_ERROR_INVALID_VALUE.
+        unsafe { ffi::cuDeviceGetAttribute(&mut v, attribute, dev) },
+        "cuDeviceGetAttribute",
+    )?;
+    Ok(v)
+}
+
 /// Whether device `ordinal` supports the virtual memory management API
 /// (`CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`).
 pub fn vmm_supported(ordinal: i32) -> Result<bool, DeviceError> {
@@ -319,12 +340,13 @@ pub fn vmm_supported(ordinal: i32) -> Result<bool, DeviceError> {
     Ok(v != 0)
 }
 
-/// The allocation properties of pinned device memory on device `ordinal`,
-/// no shareable handle, no compression.
-fn device_alloc_prop(ordinal: i32) -> ffi::CuMemAllocationProp {
+/// The allocation properties of pinned device memory on device `ordinal`
+/// with the shareable handle types `handle_types` (`CU_MEM_HANDLE_TYPE_*`
+/// bits), no compression.
+fn device_alloc_prop(ordinal: i32, handle_types: std::os::raw::c_int) -> ffi::CuMemAllocationProp {
     ffi::CuMemAllocationProp {
         type_: ffi::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requested_handle_types: ffi::CU_MEM_HANDLE_TYPE_NONE,
+        requested_handle_types: handle_types,
         location: ffi::CuMemLocation {
             type_: ffi::CU_MEM_LOCATION_TYPE_DEVICE,
             id: ordinal,
@@ -339,7 +361,7 @@ fn device_alloc_prop(ordinal: i32) -> ffi::CuMemAllocationProp {
 /// false (what sizes and mapping addresses must be multiples of), else the
 /// driver's recommendation for performance. 2 MiB for both on H100/H200.
 pub fn allocation_granularity(ordinal: i32, recommended: bool) -> Result<u64, DeviceError> {
-    let prop = device_alloc_prop(ordinal);
+    let prop = device_alloc_prop(ordinal, ffi::CU_MEM_HANDLE_TYPE_NONE);
     let option = if recommended {
         ffi::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
     } else {
@@ -395,10 +417,24 @@ pub unsafe fn mem_address_free(ptr: DevicePtr, bytes: u64) -> Result<(), DeviceE
 }
 
 /// Creates a physical allocation of `bytes` (a multiple of the granularity)
-/// on device `ordinal` (`cuMemCreate`, pinned device memory); returns its
-/// handle. `CUDA_ERROR_OUT_OF_MEMORY` is [`DeviceError::OutOfMemory`].
+/// on device `ordinal` (`cuMemCreate`, pinned device memory, no shareable
+/// handle); returns its handle. `CUDA_ERROR_OUT_OF_MEMORY` is
+/// [`DeviceError::OutOfMemory`].
 pub fn mem_create(bytes: u64, ordinal: i32) -> Result<u64, DeviceError> {
-    let prop = device_alloc_prop(ordinal);
+    mem_create_with(bytes, ordinal, false)
+}
+
+/// [`mem_create`], with `shareable` a page another process can import:
+/// created with a POSIX file descriptor as its shareable handle type
+/// (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`; exported by
+/// [`super::ipc::export_fd`]).
+pub fn mem_create_with(bytes: u64, ordinal: i32, shareable: bool) -> Result<u64, DeviceError> {
+    let types = if shareable {
+        ffi::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    } else {
+        ffi::CU_MEM_HANDLE_TYPE_NONE
+    };
+    let prop = device_alloc_prop(ordinal, types);
     let mut h: ffi::CuMemHandle = 0;
     check(
         // SAFETY: `prop` is fully initialised with cuda.h's layout; the driver

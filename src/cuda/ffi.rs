@@ -46,6 +46,14 @@ pub const CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: c_int = 102;
 pub const CU_MEM_ALLOCATION_TYPE_PINNED: c_int = 1;
 /// `CU_MEM_HANDLE_TYPE_NONE`: no shareable (IPC) handle requested.
 pub const CU_MEM_HANDLE_TYPE_NONE: c_int = 0;
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: a page exportable as a file descriptor (an `int`).
+pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_int = 1;
+/// `CU_MEM_HANDLE_TYPE_FABRIC`: a page exportable as a fabric handle (`CUmemFabricHandle`, 64 bytes).
+pub const CU_MEM_HANDLE_TYPE_FABRIC: c_int = 8;
+/// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`.
+pub const CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: c_int = 103;
+/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`: the only flag `cuIpcOpenMemHandle` takes.
+pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
 /// `CU_MEM_LOCATION_TYPE_DEVICE`: `CUmemLocation::id` is a device ordinal.
 pub const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 1;
 /// `CU_MEM_ACCESS_FLAGS_PROT_READWRITE`.
@@ -207,6 +215,28 @@ extern "C" {
     ) -> i32;
     pub fn cuMemUnmap(ptr: CuDevicePtr, size: usize) -> i32;
     pub fn cuIpcGetMemHandle(handle: *mut CuIpcMemHandle, dptr: CuDevicePtr) -> i32;
+    /// `cuIpcOpenMemHandle` (cuda.h defines the name to its `_v2`).
+    pub fn cuIpcOpenMemHandle_v2(
+        dptr: *mut CuDevicePtr,
+        handle: CuIpcMemHandle,
+        flags: c_uint,
+    ) -> i32;
+    pub fn cuIpcCloseMemHandle(dptr: CuDevicePtr) -> i32;
+    /// `shareable`: an `int*` for a POSIX file descriptor, a
+    /// `CUmemFabricHandle*` for a fabric handle.
+    pub fn cuMemExportToShareableHandle(
+        shareable: *mut c_void,
+        handle: CuMemHandle,
+        handle_type: c_int,
+        flags: u64,
+    ) -> i32;
+    /// `os_handle`: the file descriptor itself (cast to a pointer) for a
+    /// POSIX file descriptor, a `CUmemFabricHandle*` for a fabric handle.
+    pub fn cuMemImportFromShareableHandle(
+        handle: *mut CuMemHandle,
+        os_handle: *mut c_void,
+        handle_type: c_int,
+    ) -> i32;
 
     pub fn cuStreamCreate(stream: *mut CuStream, flags: c_uint) -> i32;
     pub fn cuStreamDestroy_v2(stream: CuStream) -> i32;

@@ -32,6 +32,7 @@ pub mod cudarc;
 mod device;
 pub mod driver;
 mod ffi;
+pub mod ipc;
 
 pub use buffer::CachedBuffer;
 pub use device::{CudaDevice, CudaEvent};

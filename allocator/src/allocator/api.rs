@@ -77,6 +77,7 @@ impl<D: Device> CachingAllocator<D> {
                     granularity,
                     idle_index: Default::default(),
                     supply: Default::default(),
+                    pins: Default::default(),
                     config,
                 },
                 vmm: expandable::Expandable::<D::Event>::new(range_size),
@@ -440,6 +441,7 @@ impl<D: Device> CachingAllocator<D> {
         let st = &mut *self.state.lock();
         st.caches.sync_thread_caches(&mut st.core);
         st.check_invariants()?;
+        st.core.check_pins()?;
         for (&addr, &seg) in &st.core.segment_by_addr {
             let kind = st.core.segments.get(seg.0).pool.kind() as usize;
             if st.core.segment_is_free(seg)

@@ -54,6 +54,9 @@ impl<E> State<E> {
         } else {
             Vec::new()
         };
+        if !self.core.pins.is_empty() {
+            self.core.pins.release(id); // Note [Shared blocks are pinned]
+        }
         self.caches.shadow_free(size);
         let kind = pool.kind();
         self.core.count_allocated(kind, size, false);

@@ -167,6 +167,11 @@ void* CacheallocAllocator::alloc_on(c10::DeviceIndex dev, size_t size, cudaStrea
     // Out of memory: pools kept after a capture give their memory back first.
     ptr = cachealloc_torch_alloc(h, size, stream, &kind);
   }
+  if (C10_UNLIKELY(ptr == nullptr) && kind == 1 && captures_.load() == 0 &&
+      run_free_memory_callbacks()) {
+    // Then tensors other processes were sent and have released since.
+    ptr = cachealloc_torch_alloc(h, size, stream, &kind);
+  }
   if (C10_UNLIKELY(ptr == nullptr)) {
     if (kind == 1) {
       if (void* lent = oom_loan(dev, size, stream)) {

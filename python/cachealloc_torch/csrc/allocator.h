@@ -9,7 +9,7 @@
 //   stats.cpp      statistics (PyTorch's DeviceStats from the core's vectors)
 //   snapshot.cpp   snapshots and the allocation history
 //   pools.cpp      private pools (CUDA graphs, MemPool) and their checkpoints
-//   ipc.cpp        CUDA IPC (refused) and peer access
+//   ipc.cpp        CUDA IPC (torch.multiprocessing) and peer access
 //   settings.cpp   PyTorch's allocator settings at run time
 //                  (torch.cuda.memory._set_allocator_settings)
 //
@@ -174,6 +174,11 @@ struct Route {
 
 void raw_delete_fn(void* ptr);
 
+// Runs PyTorch's free-memory callbacks (CudaIPCCollect among them: blocks of
+// tensors shared with other processes and released by them since are freed);
+// whether any freed memory (ipc.cpp).
+bool run_free_memory_callbacks();
+
 // PyTorch's limit: a request of 1 EB or more is refused before any work.
 constexpr size_t kOneExaByte = 1152921504606846976ULL;
 
@@ -328,7 +333,7 @@ class CacheallocAllocator final
   CCA::CheckpointDelta setCheckpointPoolState(
       c10::DeviceIndex dev, std::shared_ptr<CCA::AllocatorState> as) override;
 
-  // ---- CUDA IPC, refused; peer access (ipc.cpp) ---------------------------
+  // ---- CUDA IPC; peer access (ipc.cpp) -------------------------------------
   std::shared_ptr<void> getIpcDevPtr(std::string) override;
   CCA::ShareableHandle shareIpcHandle(void*) override;
   void enablePeerAccess(c10::DeviceIndex dev,

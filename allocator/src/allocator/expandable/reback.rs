@@ -139,7 +139,8 @@ impl<E> Expandable<E> {
                 cur = b.next;
             }
             for (at, handle, len) in pages.within(0, (s.size / g) as u32) {
-                if len < 2 {
+                // A page under a shared block stays (Note [Shared blocks are pinned]).
+                if len < 2 || core.pinned_in(seg, at, at + len) {
                     continue;
                 }
                 let live: Vec<u32> = used

@@ -208,7 +208,9 @@ impl<E> Expandable<E> {
             }
             for (x, live) in spans {
                 let bytes: u64 = live.iter().map(|&(lo, hi)| hi - lo).sum();
-                if bytes >= g || pages.is_alias(x) {
+                // A granule under a shared block keeps its page (Note
+                // [Shared blocks are pinned]).
+                if bytes >= g || pages.is_alias(x) || core.pinned_in(seg, x, x + 1) {
                     continue;
                 }
                 match pages.covering(x) {
