@@ -421,12 +421,10 @@ impl<E> Core<E> {
                 // (The thread caches were synced by the caller: a parked
                 // block is one a thread cache holds freed.)
                 return match (b.state, ptr.0 == b.addr) {
-                    (BlockState::Allocated, false) => {
-                        AllocError::InteriorPointer {
-                            ptr,
-                            block: DevicePtr(b.addr),
-                        }
-                    }
+                    (BlockState::Allocated, false) => AllocError::InteriorPointer {
+                        ptr,
+                        block: DevicePtr(b.addr),
+                    },
                     (_, true) => AllocError::DoubleFree(ptr),
                     _ => AllocError::UnknownPointer(ptr),
                 };

@@ -57,7 +57,10 @@ fn an_interior_pointer_into_a_parked_block_is_unknown() {
     let (_dev, a) = new("segments,thread_cache:8", 1 << 30);
     let p = a.malloc(4096, S0).unwrap();
     a.free(p).unwrap();
-    assert!(states(&a).contains(&BlockState::Parked), "the block is parked");
+    assert!(
+        states(&a).contains(&BlockState::Parked),
+        "the block is parked"
+    );
     let inside = DevicePtr(p.0 + 512);
     assert_eq!(
         a.free(inside).unwrap_err(),
