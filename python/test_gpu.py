@@ -25,19 +25,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-FAILED = []
-
-
-def check(name, cond, detail=""):
-    print(f"{'ok  ' if cond else 'FAIL'} {name}" + (f": {detail}" if detail else ""), flush=True)
-    if not cond:
-        FAILED.append(name)
-    return cond
-
-
-def skip(reason):
-    print(f"skipping: {reason}", flush=True)
-    sys.exit(0)
+from gpu_check import FAILED, check, skip  # noqa: E402
 
 
 # A child process on the C++ allocator: prints one line `RESULT <json>`.

@@ -26,7 +26,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-FAILED = []
+from gpu_check import FAILED, check, skip  # noqa: E402
 
 # The MemPool allocator: PyTorch's test allocator (the flags 123 and 321),
 # plus counters and the list of live segments, so that a check can tell
@@ -109,18 +109,6 @@ def build_allocator():
         os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
     return load_inline(name=ALLOCATOR_NAME, cpp_sources=ALLOCATOR_SOURCE,
                        is_python_module=False, with_cuda=True, verbose=False)
-
-
-def check(name, cond, detail=""):
-    print(f"{'ok  ' if cond else 'FAIL'} {name}" + (f": {detail}" if detail else ""), flush=True)
-    if not cond:
-        FAILED.append(name)
-    return cond
-
-
-def skip(reason):
-    print(f"skipping: {reason}", flush=True)
-    sys.exit(0)
 
 
 # A child: cachealloc enabled (unless native), the allocator loaded; the
@@ -295,7 +283,7 @@ if c is not None:
     c_ptr = c.data_ptr()
     res.append(["the use_on_oom pool serves a request that ran out, from its cached block",
                 c_ptr == b_ptr, f"{c_ptr:#x} vs {b_ptr:#x}"])
-    res.append(["the other pool lends nothing",
+    res.append(["the other pool serves nothing",
                 ooms(lambda: torch.randn(30 * NELEM_1MB, device="cuda")), ""])
     del c
     with torch.cuda.use_mem_pool(pool_use):
@@ -342,7 +330,7 @@ except torch.OutOfMemoryError as e:
 del new_pool
 gc.collect()
 torch.cuda.empty_cache()
-# A use_on_oom pool deleted while a tensor of it lives lends nothing: x
+# A use_on_oom pool deleted while a tensor of it lives serves nothing: x
 # takes 30 of its cached 40 MiB block, and 10 MiB of it stay free.
 gone = torch.cuda.MemPool(new_allocator().allocator(), use_on_oom=True)
 with torch.cuda.use_mem_pool(gone):
@@ -356,10 +344,10 @@ del gone
 gc.collect()
 try:
     y = torch.empty(8 * MB, dtype=torch.uint8, device="cuda")
-    res.append(["a deleted use_on_oom pool lends nothing", False, "served"])
+    res.append(["a deleted use_on_oom pool serves nothing", False, "served"])
     del y
 except torch.OutOfMemoryError:
-    res.append(["a deleted use_on_oom pool lends nothing", True, ""])
+    res.append(["a deleted use_on_oom pool serves nothing", True, ""])
 del x
 gc.collect()
 torch.cuda.empty_cache()

@@ -45,20 +45,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-FAILED = []
+from gpu_check import FAILED, check, skip  # noqa: E402
 SO = None
-
-
-def check(name, cond, detail=""):
-    print(f"{'ok  ' if cond else 'FAIL'} {name}" + (f": {detail}" if detail else ""), flush=True)
-    if not cond:
-        FAILED.append(name)
-    return cond
-
-
-def skip(reason):
-    print(f"skipping: {reason}", flush=True)
-    sys.exit(0)
 
 
 # A child process: prints one line `RESULT <json>`. NATIVE=1 leaves

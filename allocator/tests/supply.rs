@@ -3,7 +3,7 @@
 //! `MemPool(allocator=...)`) served, cached, split, returned and refused as
 //! the device's would be; blocks handed out whole (`no_split`); allocations
 //! served only from cached blocks (`malloc_cached`, a `use_on_oom` pool's
-//! loan); and a memory cap shared by a group of allocators (Note [Shared
+//! fallback); and a memory cap shared by a group of allocators (Note [Shared
 //! cap]), as PyTorch's memory fraction counts a device's private pools.
 
 use cachealloc_core::{
@@ -320,7 +320,7 @@ fn malloc_cached_serves_only_from_cached_blocks() {
     a.free(q).unwrap();
     a.free(r).unwrap();
     a.check_invariants().unwrap();
-    // Expandable segments lend nothing this way.
+    // Expandable segments serve nothing this way.
     let e = CachingAllocator::new(SimulatedDevice::new(1 << 30), Config::default());
     assert!(e.is_expandable());
     let p = e.malloc(4 * MIB, S0).unwrap();
@@ -344,13 +344,13 @@ fn a_shared_cap_counts_every_member_and_the_lending_pool_serves_from_its_cache()
     let pool_config = Config::parse("pytorch,oom_flush:false").unwrap();
     let keep = CachingAllocator::new(device.clone(), pool_config.clone());
     let src = Recording::new(1 << 30);
-    let lend =
+    let donor =
         CachingAllocator::with_segment_source(device.clone(), pool_config, Box::new(src.clone()));
     keep.join_cap_group(&group, false);
-    lend.join_cap_group(&group, false);
+    donor.join_cap_group(&group, false);
     keep.join_cap_group(&group, false); // a second join changes nothing
     let a = keep.malloc(40 * MIB, S0).unwrap();
-    let b = lend.malloc(40 * MIB, S0).unwrap();
+    let b = donor.malloc(40 * MIB, S0).unwrap();
     assert_eq!(group.reserved(), 80 * MIB);
     assert_eq!(main.effective_cap(), Some(0));
     assert!(matches!(
@@ -358,23 +358,23 @@ fn a_shared_cap_counts_every_member_and_the_lending_pool_serves_from_its_cache()
         Err(AllocError::OutOfMemory(_))
     ));
     keep.free(a).unwrap();
-    lend.free(b).unwrap();
+    donor.free(b).unwrap();
     // Still out of memory for the device's allocator: the pools keep their
     // cached blocks; the lending pool's cache serves it.
     assert!(matches!(
         main.malloc(30 * MIB, S0),
         Err(AllocError::OutOfMemory(_))
     ));
-    let c = lend.malloc_cached(30 * MIB, S0).unwrap().expect("lent");
+    let c = donor.malloc_cached(30 * MIB, S0).unwrap().expect("served");
     assert_eq!(c, b);
-    assert!(lend.malloc_cached(30 * MIB, S0).unwrap().is_none());
+    assert!(donor.malloc_cached(30 * MIB, S0).unwrap().is_none());
     // Neither pool may grow past the shared cap.
     assert!(matches!(
         keep.malloc(50 * MIB, S0),
         Err(AllocError::OutOfMemory(_))
     ));
     assert!(matches!(
-        lend.malloc(20 * MIB, S0),
+        donor.malloc(20 * MIB, S0),
         Err(AllocError::OutOfMemory(_))
     ));
     assert_eq!(src.allocs().len(), 1);
@@ -385,19 +385,19 @@ fn a_shared_cap_counts_every_member_and_the_lending_pool_serves_from_its_cache()
     // The leader's cap is the group's: raising it lets the pools grow.
     main.set_memory_cap(Some(MemoryCap::Bytes(200 * MIB)))
         .unwrap();
-    let e = lend.malloc(20 * MIB, S0).unwrap();
+    let e = donor.malloc(20 * MIB, S0).unwrap();
     main.set_memory_cap(None).unwrap();
     assert_eq!(group.cap(), None);
     assert_eq!(keep.effective_cap(), None);
     // A member that goes takes its bytes out of the group.
-    lend.free(c).unwrap();
-    lend.free(e).unwrap();
-    lend.empty_cache().unwrap();
+    donor.free(c).unwrap();
+    donor.free(e).unwrap();
+    donor.empty_cache().unwrap();
     let before = group.reserved();
     drop(keep);
     assert_eq!(group.reserved(), before);
-    let held = lend.stats().reserved_bytes.all().current;
-    drop(lend);
+    let held = donor.stats().reserved_bytes.all().current;
+    drop(donor);
     assert_eq!(group.reserved(), before - held);
     main.free(d).unwrap();
     main.check_invariants().unwrap();

@@ -1,6 +1,6 @@
 //! `torch.cuda.MemPool`'s options behind the C++ allocator: a pool whose
 //! segments come from the user's allocator (`MemPool(allocator=...)`), a
-//! pool that never splits its blocks (`no_split=True`), the loan of a
+//! pool that never splits its blocks (`no_split=True`), the fallback of a
 //! pool's cached blocks to an allocation that ran out of memory
 //! (`use_on_oom=True`), and the memory fraction shared by a device's
 //! allocator and its pools (Note [Shared cap] in `cachealloc_core::supply`).
@@ -450,7 +450,7 @@ mod tests {
 
     /// A pool of the device counts against the device's memory fraction,
     /// set on the device's allocator before or after the pool is made, and
-    /// lends its cached blocks only.
+    /// serves its cached blocks only.
     #[test]
     fn pools_share_the_devices_fraction_and_lend_only_cached_blocks() {
         let dev = SimulatedDevice::new(1 << 30);

@@ -3,7 +3,7 @@
 //! other allocators (a [`CapGroup`]: Note [Shared cap]), and the two
 //! behaviours a private pool may ask for: blocks never split (PyTorch's
 //! `MemPool(no_split=True)`) and an allocation served only from cached
-//! blocks (the memory of a `MemPool(use_on_oom=True)` lent to another
+//! blocks (the memory of a `MemPool(use_on_oom=True)` served to another
 //! allocation that ran out).
 
 use super::*;
@@ -184,7 +184,7 @@ impl<D: Device> CachingAllocator<D> {
 
     /// Allocates `size` bytes for `stream` from the blocks cached already,
     /// without growing, releasing or flushing anything: `None` when no
-    /// cached block fits. What a `MemPool(use_on_oom=True)` lends to an
+    /// cached block fits. What a `MemPool(use_on_oom=True)` serves to an
     /// allocation that ran out of memory elsewhere (PyTorch looks only at
     /// such a pool's free blocks). Plain segments only: `None` with
     /// expandable segments, slabs or caching off. The block is freed like

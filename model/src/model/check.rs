@@ -57,7 +57,7 @@ impl Model {
         let reserved = stats.reserved_bytes.all().current;
         if reserved != self.dev.used() {
             return Err(format!(
-                "reserved_bytes is {reserved} but the device lends {}",
+                "reserved_bytes is {reserved} but the device holds {}",
                 self.dev.used()
             ));
         }
@@ -277,7 +277,7 @@ impl Model {
         }
         if self.dev.outstanding() != 0 || self.dev.used() != 0 {
             return Err(format!(
-                "after freeing everything and empty_cache, the device still lends {} segments, pages or ranges ({} bytes)",
+                "after freeing everything and empty_cache, the device still holds {} segments, pages or ranges ({} bytes)",
                 self.dev.outstanding(),
                 self.dev.used()
             ));

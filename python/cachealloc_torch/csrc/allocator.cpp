@@ -174,8 +174,8 @@ void* CacheallocAllocator::alloc_on(c10::DeviceIndex dev, size_t size, cudaStrea
   }
   if (C10_UNLIKELY(ptr == nullptr)) {
     if (kind == 1) {
-      if (void* lent = oom_loan(dev, size, stream)) {
-        return lent;
+      if (void* served = oom_fallback(dev, size, stream)) {
+        return served;
       }
     }
     fail(dev, size, kind);
@@ -194,12 +194,12 @@ void* CacheallocAllocator::alloc_on(c10::DeviceIndex dev, size_t size, cudaStrea
 }
 
 // MemPool(use_on_oom=True): a cached block of a pool of the device that is
-// in use and lends its memory to an allocation the device's allocator had
+// in use and serves its memory to an allocation the device's allocator had
 // no memory for, or nullptr. As PyTorch's allocator: only the pool's free
 // blocks serve (the pool does not grow for it), and a deleted pool (use
-// count 0, kept for its live blocks) lends nothing. The block is the
+// count 0, kept for its live blocks) serves nothing. The block is the
 // pool's: its free goes back there.
-void* CacheallocAllocator::oom_loan(c10::DeviceIndex dev, size_t size, cudaStream_t stream) {
+void* CacheallocAllocator::oom_fallback(c10::DeviceIndex dev, size_t size, cudaStream_t stream) {
   void* ptr = nullptr;
   MempoolId_t id = kNoPool;
   {
@@ -217,7 +217,7 @@ void* CacheallocAllocator::oom_loan(c10::DeviceIndex dev, size_t size, cudaStrea
         break;
       }
       if (kind == 2) {
-        debugf("pool (%llu,%llu) cannot lend: %s", (unsigned long long)p->id.first,
+        debugf("pool (%llu,%llu) cannot serve: %s", (unsigned long long)p->id.first,
                (unsigned long long)p->id.second, last_error().c_str());
       }
     }
@@ -225,7 +225,7 @@ void* CacheallocAllocator::oom_loan(c10::DeviceIndex dev, size_t size, cudaStrea
   if (ptr == nullptr) {
     return nullptr;
   }
-  debugf("pool (%llu,%llu) lends %p size %zu on out of memory",
+  debugf("pool (%llu,%llu) serves %p size %zu on out of memory",
          (unsigned long long)id.first, (unsigned long long)id.second, ptr, size);
   if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) {
     record(CDA::TraceEntry::ALLOC, dev, ptr, size, stream, id, true);

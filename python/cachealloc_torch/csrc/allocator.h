@@ -210,7 +210,7 @@ class CacheallocAllocator final
   void* main_handle(c10::DeviceIndex dev);
   Pool* route(c10::DeviceIndex dev, cudaStream_t stream);
   void* alloc_on(c10::DeviceIndex dev, size_t size, cudaStream_t stream);
-  void* oom_loan(c10::DeviceIndex dev, size_t size, cudaStream_t stream);
+  void* oom_fallback(c10::DeviceIndex dev, size_t size, cudaStream_t stream);
   void track(Pool* p, void* ptr);
   void untrack(Pool* p, void* ptr);
   void* alloc_pool(Pool* p, c10::DeviceIndex dev, size_t size,
